@@ -1,0 +1,357 @@
+"""OLMo 3 in plain JAX: the config, the model as pure functions, and how it is sharded.
+
+The model is a pytree (nested dict) of arrays. `param_specs` gives one Spec per weight
+(shape, logical axes, init) and everything else follows from it: `init` creates the arrays
+(already sharded when given a mesh), `shardings` places them on a device mesh through the one
+table `AXIS_RULES`, and convert.py maps the same names to and from Hugging Face.
+
+OLMo 3 in one paragraph: a decoder-only transformer with the norm on each sub-block's *output*
+(h = x + norm(attn(x)); out = h + norm(mlp(h))), RMSNorm on the whole q and k projections
+before RoPE, rotate-half RoPE with theta 500k, SwiGLU, no biases, an untied lm_head, and three
+sliding-window layers for every full-attention one (the last layer is always full).
+"""
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # --- model (a checkpoint only loads into the same values of these) ---
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32               # < n_heads means grouped-query attention
+    head_dim: int = 128
+    mlp_hidden: int = 11008
+    vocab_size: int = 100_278          # the tokenizer's ids; weights are padded to `padded_vocab`
+    sliding_window: int = 4096         # keys a sliding layer sees, the current token included
+    global_every: int = 4              # layers 3, 7, 11, ... (and the last) attend to everything
+    rope_theta: float = 500_000.0
+    norm_eps: float = 1e-6
+    tokenizer: str = "dolma2"          # "dolma2" (cl100k + OLMo specials) or "bytes"
+    # --- numerics and memory ---
+    compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
+    remat: bool = False                # recompute each layer in the backward pass
+    attention: str = "auto"            # "auto", "reference", "blockwise", "cudnn", "splash"
+    # --- the training recipe (train.py) ---
+    seq_len: int = 8192
+    global_batch: int = 512            # sequences per optimizer step
+    micro_batch: int = 0               # sequences per forward/backward; 0 = the whole batch
+    steps: int = 1_413_814             # ~5.93T tokens at 512 x 8192
+    lr: float = 3e-4
+    warmup_steps: int = 2000
+    schedule: str = "cosine"           # "cosine" (to min_lr_ratio * lr) or "linear" (to 0)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    z_loss: float = 1e-5
+    spike_guard: bool = True           # skip updates whose loss and grad norm both spike
+    seed: int = 0                      # model init
+    data_seed: int = 34521             # data order (AI2's stage-1 seed)
+    repetition_filter: bool = False    # mask instances with long periodic runs (off in AI2's 7B)
+    log_every: int = 10
+    eval_every: int = 1000
+    eval_batches: int = 8
+    save_every: int = 1000
+    keep_checkpoints: int = 3
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // 128) * 128  # a multiple of 128, like OLMo-core
+
+    def is_global(self, layer: int) -> bool:
+        return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
+
+
+MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
+                "vocab_size", "sliding_window", "global_every", "rope_theta", "norm_eps", "tokenizer")
+
+
+def olmo_mlp_hidden(d_model: int) -> int:
+    """OLMo-core's SwiGLU width: 8/3 of d_model, rounded up to a multiple of 256."""
+    return -(-int(8 * d_model / 3) // 256) * 256
+
+
+PRESETS = {
+    # Laptop CPU, minutes. Byte-level vocab; window 64 < seq 256 so both layer kinds matter.
+    "tiny": Config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64,
+                   mlp_hidden=olmo_mlp_hidden(256), vocab_size=258, sliding_window=64,
+                   tokenizer="bytes", compute_dtype="float32", seq_len=256, global_batch=32,
+                   steps=600, lr=3e-3, warmup_steps=60, log_every=20, eval_every=200,
+                   eval_batches=4, save_every=200),
+    # One accelerator: OLMo's 1B shape with the 7B recipe.
+    "1b": Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128,
+                 mlp_hidden=8192, seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),
+    "7b": Config(),
+    # MaxText's head reshape: 16 heads x 256, same parameters and FLOPs (QK-norm stays 4096 wide).
+    "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
+}
+# Stage 2 ("mid-training"): start from stage 1's weights *and* Adam moments, linear decay to 0.
+STAGE2 = dict(global_batch=256, lr=2.0712e-4, warmup_steps=0, schedule="linear", steps=47_684)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+class Spec(NamedTuple):
+    shape: tuple
+    axes: tuple     # one logical axis name per dimension
+    init: str       # "normal" (truncated, std 0.02, cut at 3 std) or "ones"
+
+
+def param_specs(cfg: Config) -> dict:
+    D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
+    Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    w = lambda *shape_axes: Spec(tuple(s for s, _ in shape_axes), tuple(a for _, a in shape_axes), "normal")
+    ones = lambda *shape_axes: w(*shape_axes)._replace(init="ones")
+    layers = (L, "layers")  # per-layer weights are stacked so the layers run under one scan
+    return {
+        "embed": w((V, "vocab"), (D, "embed")),
+        "blocks": {
+            "q": w(layers, (D, "embed"), (Q, "heads")),
+            "k": w(layers, (D, "embed"), (KV, "kv_heads")),
+            "v": w(layers, (D, "embed"), (KV, "kv_heads")),
+            "o": w(layers, (Q, "heads"), (D, "embed")),
+            "q_norm": ones(layers, (Q, "heads")),
+            "k_norm": ones(layers, (KV, "kv_heads")),
+            "attn_norm": ones(layers, (D, "norm")),
+            "gate": w(layers, (D, "embed"), (F, "mlp")),
+            "up": w(layers, (D, "embed"), (F, "mlp")),
+            "down": w(layers, (F, "mlp"), (D, "embed")),
+            "mlp_norm": ones(layers, (D, "norm")),
+        },
+        "final_norm": ones((D, "norm")),
+        "lm_head": w((D, "embed"), (V, "vocab")),
+    }
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, Spec)
+
+
+def param_count(cfg: Config) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
+
+
+def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
+    """Training FLOPs per token (3 x forward). windows=False counts every layer as full causal,
+    MaxText's convention; windows=True counts the keys a sliding-window query really sees."""
+    D, F, Dh = cfg.d_model, cfg.mlp_hidden, cfg.head_dim
+    H, K, S, W = cfg.n_heads, cfg.n_kv_heads, seq_len, cfg.sliding_window
+    matmuls = 2 * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F)
+    keys_full = (S + 1) / 2
+    keys_window = keys_full if W >= S else W - (W * W - W) / (2 * S)  # about W - W^2/(2S)
+    keys = [keys_full if cfg.is_global(i) or not windows else keys_window for i in range(cfg.n_layers)]
+    attn = sum(4 * Dh * H * c for c in keys)
+    return 3 * (cfg.n_layers * matmuls + attn + 2 * D * cfg.padded_vocab)
+
+
+def init(cfg: Config, key, mesh: Mesh | None = None) -> dict:
+    """fp32 parameters, created directly with their shardings when a mesh is given."""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        arrays = [jnp.ones(s.shape, jnp.float32) if s.init == "ones" else
+                  0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
+                  for s, k in zip(leaves, keys)]
+        return jax.tree.unflatten(treedef, arrays)
+
+    out = shardings(cfg, mesh) if mesh is not None else None
+    return jax.jit(make, out_shardings=out)(key)
+
+
+# ----------------------------------------------------------------------------- sharding
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# The one table from logical axes to mesh axes. Weights are split over `fsdp` (ZeRO-3 style)
+# and `tensor` (Megatron style); the batch over `data` and `fsdp`.
+AXIS_RULES = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "layers": None,
+    "norm": None,
+    "seq": None,
+}
+
+
+def logical_to_spec(axes) -> P:
+    """Logical axis names (None: replicated) -> a PartitionSpec; a mesh axis used twice is an error."""
+    used, out = set(), []
+    for name in axes:
+        rule = AXIS_RULES[name] if name else None
+        mesh_axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        if used & set(mesh_axes):
+            raise ValueError(f"logical axes {axes} map mesh axis {used & set(mesh_axes)} twice")
+        used |= set(mesh_axes)
+        out.append(rule)
+    return P(*out)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh; one size may be -1, meaning "all the remaining devices"."""
+    devices = jax.devices() if devices is None else devices
+    sizes = [data, fsdp, tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if sizes.count(-1) > 1 or len(devices) % known:
+        raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
+                         f"{len(devices)} devices; make the sizes multiply to {len(devices)} (one may be -1)")
+    sizes = [len(devices) // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != len(devices):
+        raise SystemExit(f"error: mesh {dict(zip(MESH_AXES, sizes))} uses {math.prod(sizes)} devices "
+                         f"but {len(devices)} are present; make the sizes multiply to {len(devices)}")
+    return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
+
+
+def shardings(cfg: Config, mesh: Mesh) -> dict:
+    """NamedSharding for every weight; a dimension the mesh cannot split is a one-line error."""
+    def place(path, spec):
+        pspec = logical_to_spec(spec.axes)
+        for dim, rule in zip(spec.shape, pspec):
+            n = math.prod(mesh.shape[a] for a in ((rule,) if isinstance(rule, str) else rule or ()))
+            if dim % n:
+                raise SystemExit(f"error: weight {jax.tree_util.keystr(path)} {spec.shape}: dimension {dim} "
+                                 f"does not split over mesh axes {rule} of size {n}; choose another --mesh")
+        return NamedSharding(mesh, pspec)
+    return jax.tree_util.tree_map_with_path(place, param_specs(cfg), is_leaf=is_spec)
+
+
+def constrain(x, *axes):
+    """Pin an activation's sharding (by logical axes) when running under a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+
+
+# ----------------------------------------------------------------------------- the model
+
+def rms_norm(x, weight, eps):
+    """Statistics and the weight multiply in fp32 (as OLMo-core and HF do), cast back after."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # rotate-half layout: [T, head_dim]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, T, heads, head_dim]; rotation in fp32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+def attention_reference(q, k, v, window: int | None):
+    """Plain softmax attention. q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K.
+    Key j is visible to query i iff j <= i and (no window, or i - j < window)."""
+    B, T, H, Dh = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, H // K, Dh)  # head h reads kv head h // (H // K), as HF's repeat_kv
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * Dh ** -0.5
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    visible = (j <= i) & ((i - j < window) if window else True)
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, Dh)
+
+
+def attention(q, k, v, window: int | None, cfg: Config):
+    return attention_reference(q, k, v, window)
+
+
+def attention_block(p, x, is_global, rope, cfg: Config):
+    B, T, _ = x.shape
+    q = rms_norm(x @ p["q"], p["q_norm"], cfg.norm_eps)   # QK-norm over the whole projection,
+    k = rms_norm(x @ p["k"], p["k_norm"], cfg.norm_eps)   # before splitting heads and before RoPE
+    v = x @ p["v"]
+    q = apply_rope(q.reshape(B, T, cfg.n_heads, cfg.head_dim), *rope)
+    k = apply_rope(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), *rope)
+    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    # One scan runs every layer, so the layer kind is data; cond runs only the branch it picks.
+    out = jax.lax.cond(is_global,
+                       lambda q, k, v: attention(q, k, v, None, cfg),
+                       lambda q, k, v: attention(q, k, v, cfg.sliding_window, cfg), q, k, v)
+    return out.reshape(B, T, -1) @ p["o"]
+
+
+def mlp_block(p, x):
+    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+
+
+def block(p, x, is_global, rope, cfg: Config):
+    """One OLMo 3 layer: the norms sit on each sub-block's output, not its input."""
+    dtype = jnp.dtype(cfg.compute_dtype)
+    p = jax.tree.map(lambda w: w.astype(dtype), p)  # bf16 matmuls; rms_norm upcasts its weight
+    h = x + rms_norm(attention_block(p, x, is_global, rope, cfg), p["attn_norm"], cfg.norm_eps)
+    h = constrain(h, "batch", "seq", None)
+    out = h + rms_norm(mlp_block(p, h), p["mlp_norm"], cfg.norm_eps)
+    return constrain(out, "batch", "seq", None)
+
+
+def embed(params, tokens, cfg: Config):
+    """tokens [B, T] int -> embeddings [B, T, D] in the compute dtype (OLMo 3 does not scale them)."""
+    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+    return constrain(x, "batch", "seq", None)
+
+
+def decoder(params, x, cfg: Config):
+    """Embeddings [B, T, D] -> final normed hidden states, through every layer under one scan."""
+    rope = rope_tables(x.shape[1], cfg.head_dim, cfg.rope_theta)
+    is_global = jnp.array([cfg.is_global(i) for i in range(cfg.n_layers)])
+
+    def layer(x, weights_and_kind):
+        p, kind = weights_and_kind
+        return block(p, x, kind, rope, cfg), None
+    if cfg.remat:
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    x, _ = jax.lax.scan(layer, x, (params["blocks"], is_global))
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def unembed(params, h):
+    """Hidden states -> fp32 logits over the padded vocabulary (matmul in h's dtype, fp32 out)."""
+    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return constrain(logits, "batch", "seq", "vocab")
+
+
+def forward(params, tokens, cfg: Config):
+    """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
+    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg))
+
+
+def loss_terms(logits, labels, z_loss: float):
+    """Sums over the positions whose label is not -100: (cross-entropy, z-loss, count).
+    Sums, not means, so micro-batches and data-parallel shards combine exactly."""
+    valid = labels >= 0
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = jnp.sum(jnp.where(valid, lse - target, 0.0))
+    z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0))
+    return ce, z, jnp.sum(valid)
+
+
+def loss_fn(params, tokens, labels, cfg: Config):
+    """Mean cross-entropy plus z-loss (z_loss * logsumexp^2) over non-ignored positions."""
+    ce, z, n = loss_terms(forward(params, tokens, cfg), labels, cfg.z_loss)
+    n = jnp.maximum(n, 1)
+    return (ce + z) / n, {"ce": ce / n, "z_loss": z / n}

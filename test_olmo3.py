@@ -1,0 +1,163 @@
+"""olmo3-jax tests. CPU only, tiny configs, 8 fake devices where sharding matters.
+
+Run: pytest -q test_olmo3.py   (the README's command sets TIKTOKEN_CACHE_DIR for offline machines)
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax loads
+_SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")
+if os.path.isdir(os.path.join(_SHARED, "tiktoken")):
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(_SHARED, "tiktoken"))
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import convert
+import olmo3
+
+TINY = olmo3.PRESETS["tiny"]
+
+
+# ----------------------------------------------------------------------------- model and converter
+
+def small_config(**overrides):
+    """A tiny OLMo 3 with a window (16) far below the test sequence, so both layer kinds matter."""
+    base = dict(n_layers=4, sliding_window=16, vocab_size=300, tokenizer="dolma2", compute_dtype="float32")
+    return dataclasses.replace(TINY, **(base | overrides))
+
+
+def make_hf_checkpoint(cfg, path, std=0.05, seed=0):
+    """A randomly initialised transformers Olmo3ForCausalLM saved to `path` (no download).
+    Norm weights are randomised too, so a mixed-up norm cannot pass unnoticed."""
+    import torch
+    import transformers
+    hf_cfg = {k: v for k, v in convert.config_to_hf(cfg).items() if k not in ("architectures", "model_type", "dtype")}
+    torch.manual_seed(seed)
+    model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**hf_cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else std * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_logits_match_hugging_face(tmp_path, n_kv_heads):
+    cfg = small_config(n_kv_heads=n_kv_heads)
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
+    loaded_cfg, params = convert.from_hf(hf_dir)
+    assert all(getattr(loaded_cfg, f) == getattr(cfg, f) for f in olmo3.MODEL_FIELDS)
+    results = convert.verify(hf_dir, loaded_cfg, params, seq_len=64)
+    assert results["float32"]["max_abs"] <= 1e-5, results  # seen: ~2e-6
+    assert results["float32"]["top1"] == 1.0
+    assert results["bfloat16"]["kl"] < 2e-3 and results["bfloat16"]["top1"] > 0.95, results
+
+
+def test_round_trip_is_bit_identical(tmp_path):
+    from safetensors.numpy import load_file
+    cfg = small_config(n_kv_heads=2)
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
+    convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
+    convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")])
+
+    def tensors(d):
+        return {k: v for f in sorted(Path(d).glob("*.safetensors")) for k, v in load_file(f).items()}
+    original, back = tensors(hf_dir), tensors(tmp_path / "back")
+    assert original.keys() == back.keys()
+    for name in original:
+        assert original[name].dtype == back[name].dtype and np.array_equal(original[name], back[name]), name
+    import transformers  # and transformers loads what we wrote
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert model.config.layer_types == convert.config_to_hf(cfg)["layer_types"]
+
+
+def test_converter_rejects_bad_checkpoints(tmp_path):
+    cfg = small_config()
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    with pytest.raises(SystemExit, match="model_type is 'llama'"):
+        convert.from_hf(hf_dir)
+    (hf_dir / "config.json").write_text(json.dumps(config | {"intermediate_size": 512}))
+    with pytest.raises(SystemExit, match=r"mlp.gate_proj.weight has shape \(768, 256\), expected \(512, 256\)"):
+        convert.from_hf(hf_dir)
+    del config["layer_types"]  # so the layer count alone changes
+    (hf_dir / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
+    with pytest.raises(SystemExit, match="unexpected tensor model.layers.3"):
+        convert.from_hf(hf_dir)
+    (hf_dir / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))
+    with pytest.raises(SystemExit, match="tensor model.layers.4.* is missing"):
+        convert.from_hf(hf_dir)
+
+
+def test_causality_through_gradients():
+    """d(loss at position t) / d(input embedding at s) is exactly zero for every s > t."""
+    cfg = small_config()
+    params = olmo3.init(cfg, jax.random.key(0))
+    x = olmo3.embed(params, jax.random.randint(jax.random.key(1), (1, 40), 0, cfg.vocab_size), cfg)
+    t = 23
+
+    def loss_at_t(x):
+        return jax.nn.logsumexp(olmo3.unembed(params, olmo3.decoder(params, x, cfg))[0, t])
+    grads = np.abs(np.asarray(jax.grad(loss_at_t)(x)[0])).sum(-1)
+    assert np.all(grads[t + 1:] == 0.0) and np.all(grads[:t + 1] > 0)
+
+
+def test_sliding_window_forgets_tokens_more_than_w_back():
+    cfg = small_config()
+    params = olmo3.init(cfg, jax.random.key(0))
+    layer = jax.tree.map(lambda w: w[0], params["blocks"])
+    x = jax.random.normal(jax.random.key(1), (1, 48, cfg.d_model))
+    rope = olmo3.rope_tables(48, cfg.head_dim, cfg.rope_theta)
+    t, W = 40, cfg.sliding_window
+
+    def influence(is_global):
+        out_t = lambda x: olmo3.block(layer, x, is_global, rope, cfg)[0, t].sum()
+        return np.abs(np.asarray(jax.grad(out_t)(x)[0])).sum(-1)
+    local, full = influence(False), influence(True)
+    assert np.all(local[:t - W + 1] == 0) and np.all(local[t - W + 1:t + 1] > 0)  # window includes t
+    assert np.all(full[:t + 1] > 0)
+
+
+def test_loss_ignores_labels_and_adds_z_loss():
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 7)) * 3
+    labels = jnp.array([[1, 2, 3, -100, 0], [6, -100, 5, 4, -100]])
+    ce, z, n = olmo3.loss_terms(logits, labels, 1e-2)
+    lg, lb = np.asarray(logits, np.float64), np.asarray(labels)
+    lse = np.log(np.exp(lg).sum(-1))
+    keep = lb >= 0
+    want_ce = (lse - np.take_along_axis(lg, np.where(keep, lb, 0)[..., None], -1)[..., 0])[keep].sum()
+    assert int(n) == keep.sum()
+    np.testing.assert_allclose([float(ce), float(z)], [want_ce, 1e-2 * (lse[keep] ** 2).sum()], rtol=1e-5)
+
+
+def test_7b_parameter_count():
+    assert olmo3.param_count(olmo3.PRESETS["7b"]) == 7_298_617_344
+    assert olmo3.param_count(olmo3.PRESETS["7b-wide"]) == 7_298_617_344
+
+
+@pytest.mark.parametrize("preset", ["7b", "7b-wide"])
+def test_7b_forward_compiles_sharded(preset):
+    """The real 7B shapes, lowered with abstract arrays (nothing allocated) on 8 fake devices."""
+    cfg = olmo3.PRESETS[preset]
+    mesh = olmo3.make_mesh(data=1, fsdp=4, tensor=2)
+    abstract = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding),
+                            olmo3.param_specs(cfg), olmo3.shardings(cfg, mesh), is_leaf=olmo3.is_spec)
+    tokens = jax.ShapeDtypeStruct((8, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(olmo3.forward, static_argnums=2).lower(abstract, tokens, cfg).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes < olmo3.param_count(cfg) * 4 / 8 * 1.01
+
+
+def test_mesh_errors_are_one_line():
+    with pytest.raises(SystemExit, match="does not fit 8 devices"):
+        olmo3.make_mesh(data=3, fsdp=-1)
+    with pytest.raises(SystemExit, match="dimension 258 does not split"):
+        olmo3.shardings(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
