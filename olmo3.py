@@ -112,7 +112,7 @@ def param_specs(cfg: Config) -> dict:
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     w = lambda *shape_axes: Spec(tuple(s for s, _ in shape_axes), tuple(a for _, a in shape_axes), "normal")
     ones = lambda *shape_axes: w(*shape_axes)._replace(init="ones")
-    layers = (L, "layers")  # per-layer weights are stacked so the layers run under one scan
+    layers = (L, "layers")  # stacked: one array per kind of weight, whatever the depth
     return {
         "embed": w((V, "vocab"), (D, "embed")),
         "blocks": {
@@ -278,7 +278,7 @@ def attention(q, k, v, window: int | None, cfg: Config):
     return attention_reference(q, k, v, window)
 
 
-def attention_block(p, x, is_global, rope, cfg: Config):
+def attention_block(p, x, window, rope, cfg: Config):
     B, T, _ = x.shape
     q = rms_norm(x @ p["q"], p["q_norm"], cfg.norm_eps)   # QK-norm over the whole projection,
     k = rms_norm(x @ p["k"], p["k_norm"], cfg.norm_eps)   # before splitting heads and before RoPE
@@ -286,22 +286,19 @@ def attention_block(p, x, is_global, rope, cfg: Config):
     q = apply_rope(q.reshape(B, T, cfg.n_heads, cfg.head_dim), *rope)
     k = apply_rope(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), *rope)
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    # One scan runs every layer, so the layer kind is data; cond runs only the branch it picks.
-    out = jax.lax.cond(is_global,
-                       lambda q, k, v: attention(q, k, v, None, cfg),
-                       lambda q, k, v: attention(q, k, v, cfg.sliding_window, cfg), q, k, v)
-    return out.reshape(B, T, -1) @ p["o"]
+    return attention(q, k, v, window, cfg).reshape(B, T, -1) @ p["o"]
 
 
 def mlp_block(p, x):
     return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
 
 
-def block(p, x, is_global, rope, cfg: Config):
-    """One OLMo 3 layer: the norms sit on each sub-block's output, not its input."""
+def block(p, x, window, rope, cfg: Config):
+    """One OLMo 3 layer: the norms sit on each sub-block's output, not its input.
+    window: None for a full-attention layer, else the sliding window (a static number)."""
     dtype = jnp.dtype(cfg.compute_dtype)
     p = jax.tree.map(lambda w: w.astype(dtype), p)  # bf16 matmuls; rms_norm upcasts its weight
-    h = x + rms_norm(attention_block(p, x, is_global, rope, cfg), p["attn_norm"], cfg.norm_eps)
+    h = x + rms_norm(attention_block(p, x, window, rope, cfg), p["attn_norm"], cfg.norm_eps)
     h = constrain(h, "batch", "seq", None)
     out = h + rms_norm(mlp_block(p, h), p["mlp_norm"], cfg.norm_eps)
     return constrain(out, "batch", "seq", None)
@@ -314,16 +311,13 @@ def embed(params, tokens, cfg: Config):
 
 
 def decoder(params, x, cfg: Config):
-    """Embeddings [B, T, D] -> final normed hidden states, through every layer under one scan."""
+    """Embeddings [B, T, D] -> final normed hidden states. The layers are unrolled (each knows
+    its window statically); per-layer weights are stacked [n_layers, ...] and sliced here."""
     rope = rope_tables(x.shape[1], cfg.head_dim, cfg.rope_theta)
-    is_global = jnp.array([cfg.is_global(i) for i in range(cfg.n_layers)])
-
-    def layer(x, weights_and_kind):
-        p, kind = weights_and_kind
-        return block(p, x, kind, rope, cfg), None
-    if cfg.remat:
-        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-    x, _ = jax.lax.scan(layer, x, (params["blocks"], is_global))
+    layer = jax.checkpoint(block, static_argnums=(2, 4)) if cfg.remat else block
+    for i in range(cfg.n_layers):
+        p = jax.tree.map(lambda w: w[i], params["blocks"])
+        x = layer(p, x, None if cfg.is_global(i) else cfg.sliding_window, rope, cfg)
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 

@@ -118,10 +118,10 @@ def test_sliding_window_forgets_tokens_more_than_w_back():
     rope = olmo3.rope_tables(48, cfg.head_dim, cfg.rope_theta)
     t, W = 40, cfg.sliding_window
 
-    def influence(is_global):
-        out_t = lambda x: olmo3.block(layer, x, is_global, rope, cfg)[0, t].sum()
+    def influence(window):
+        out_t = lambda x: olmo3.block(layer, x, window, rope, cfg)[0, t].sum()
         return np.abs(np.asarray(jax.grad(out_t)(x)[0])).sum(-1)
-    local, full = influence(False), influence(True)
+    local, full = influence(W), influence(None)
     assert np.all(local[:t - W + 1] == 0) and np.all(local[t - W + 1:t + 1] > 0)  # window includes t
     assert np.all(full[:t + 1] > 0)
 
