@@ -96,7 +96,7 @@ PRESETS = {
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
 }
 # Stage 2 ("mid-training"): start from stage 1's weights *and* Adam moments, linear decay to 0.
-STAGE2 = dict(global_batch=256, lr=2.0712e-4, warmup_steps=0, schedule="linear", steps=47_684)
+STAGE2 = dict(global_batch=256, lr=2.0712e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.0, steps=47_684)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -202,18 +202,17 @@ def logical_to_spec(axes) -> P:
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh; one size may be -1, meaning "all the remaining devices"."""
+    """A (data, fsdp, tensor) mesh. One size may be -1: all the remaining devices. Sizes that
+    multiply to fewer devices than there are use the first ones (e.g. to resume on fewer)."""
     devices = jax.devices() if devices is None else devices
     sizes = [data, fsdp, tensor]
     known = math.prod(s for s in sizes if s != -1)
-    if sizes.count(-1) > 1 or len(devices) % known:
-        raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
-                         f"{len(devices)} devices; make the sizes multiply to {len(devices)} (one may be -1)")
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
-    if math.prod(sizes) != len(devices):
-        raise SystemExit(f"error: mesh {dict(zip(MESH_AXES, sizes))} uses {math.prod(sizes)} devices "
-                         f"but {len(devices)} are present; make the sizes multiply to {len(devices)}")
-    return Mesh(np.array(devices).reshape(sizes), MESH_AXES)
+    if sizes.count(-1) > 1 or min(sizes) < 1 or math.prod(sizes) > len(devices) or (-1 in (data, fsdp, tensor)
+                                                                                  and len(devices) % known):
+        raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit {len(devices)} "
+                         f"devices; give sizes whose product divides into {len(devices)} (one may be -1)")
+    return Mesh(np.array(devices[:math.prod(sizes)]).reshape(sizes), MESH_AXES)
 
 
 def shardings(cfg: Config, mesh: Mesh) -> dict:

@@ -161,3 +161,144 @@ def test_mesh_errors_are_one_line():
         olmo3.make_mesh(data=3, fsdp=-1)
     with pytest.raises(SystemExit, match="dimension 258 does not split"):
         olmo3.shardings(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
+
+
+# ----------------------------------------------------------------------------- training
+
+import train  # noqa: E402
+
+SMALL_RUN = ["--preset", "tiny", "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "2",
+             "--head-dim", "32", "--mlp-hidden", "256", "--sliding-window", "16", "--seq-len", "32",
+             "--global-batch", "8", "--warmup-steps", "2", "--log-every", "1", "--eval-batches", "2",
+             "--samples", "0"]
+
+
+@pytest.fixture(scope="module")
+def token_files(tmp_path_factory):
+    """Two small train token files and one held-out file (raw uint32, OLMo's format), byte vocab."""
+    d = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    text = (b"the quick brown fox jumps over the lazy dog; " * 40 + bytes(rng.integers(97, 123, 2000, dtype=np.uint8)))
+    for name, n in (("a", 6000), ("b", 5000), ("heldout", 3000)):
+        tokens = np.frombuffer((text * 4)[:n], np.uint8).astype(np.uint32)
+        tokens[::97] = 256  # EOS now and then
+        tokens.tofile(d / f"{name}.npy")
+    return {"train": str(d / "[ab].npy"), "eval": str(d / "heldout.npy")}
+
+
+def run_train(out, token_files, *extra):
+    train.main(SMALL_RUN + ["--data", token_files["train"], "--eval-data", token_files["eval"],
+                            "--out", str(out), *extra])
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+
+
+def train_losses(records):
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def olmo_core_lr(initial_lr, step, max_steps, warmup, alpha_f, kind):
+    """OLMo-core's CosWithWarmup / LinearWithWarmup.get_lr (src/olmo_core/optim/scheduler.py)."""
+    eta_min = initial_lr * alpha_f
+    if step < warmup:
+        return initial_lr * min(step, warmup) / warmup
+    if step >= max_steps:
+        return eta_min
+    step, max_steps = step - warmup, max_steps - warmup
+    if kind == "cosine":
+        return eta_min + (initial_lr - eta_min) * (1 + np.cos(np.pi * step / max_steps)) / 2
+    return initial_lr - (initial_lr - eta_min) * (step / max_steps)
+
+
+@pytest.mark.parametrize("kind,warmup,alpha_f", [("cosine", 10, 0.1), ("linear", 0, 0.0), ("linear", 5, 0.1)])
+def test_schedule_matches_olmo_core_off_by_one(kind, warmup, alpha_f):
+    cfg = dataclasses.replace(TINY, lr=3e-4, steps=50, warmup_steps=warmup, schedule=kind, min_lr_ratio=alpha_f)
+    lr = train.schedule(cfg)
+    for k in range(1, 56):  # the k-th update is optax count k - 1 and OLMo-core's current = k
+        want = olmo_core_lr(3e-4, k, 50, warmup, alpha_f, kind)
+        assert float(lr(k - 1)) == pytest.approx(want, rel=1e-5, abs=1e-12), k  # fp32
+    assert float(lr(0)) > 0 or warmup == 0  # OLMo-core's first update already has a warmup LR
+
+
+def test_stage2_preset_is_warm_adam_linear_to_zero():
+    cfg, args = train.parse_args(["--preset", "7b", "--stage2"])
+    assert (cfg.lr, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio, cfg.global_batch) == (2.0712e-4, 0, "linear", 0.0, 256)
+    assert float(train.schedule(cfg)(0)) == pytest.approx(2.0712e-4 * (1 - 1 / cfg.steps))
+    assert float(train.schedule(cfg)(cfg.steps - 1)) == 0.0
+
+
+def test_spike_guard_follows_olmo_core():
+    history = {"loss": jnp.zeros(128), "grad_norm": jnp.zeros(128), "count": jnp.int32(0)}
+    rng = np.random.default_rng(0)
+    skips = []
+    for i in range(100):
+        loss, gn = 3 + 0.01 * rng.standard_normal(), 1 + 0.01 * rng.standard_normal()
+        if i in (40, 80):
+            loss += 1.0  # a loss spike: ignored before 64 steps of history, skipped after
+        if i == 90:
+            gn += 1.0    # a grad-norm spike alone also skips (OLMo-core needs both within 6 sigma)
+        skip, history = train.spike_guard(history, jnp.float32(loss), jnp.float32(gn))
+        skips.append(bool(skip))
+    assert [i for i, s in enumerate(skips) if s] == [80, 90]
+    assert int(history["count"]) == 100
+
+
+def test_exact_resume_and_run_outputs(tmp_path, token_files):
+    straight = train_losses(run_train(tmp_path / "a", token_files, "--steps", "12", "--save-every", "100"))
+    run_train(tmp_path / "b", token_files, "--steps", "12", "--stop-at", "6")
+    resumed = run_train(tmp_path / "b", token_files, "--steps", "12")
+    assert sorted(straight) == list(range(1, 13))
+    assert train_losses(resumed) == straight  # bit-identical at every step, before and after the resume
+    assert straight[12] < straight[1]
+    evals = [r for r in resumed if "eval_loss" in r]
+    assert evals and all(k in resumed[-1] for k in ("step", "eval_loss")) and (tmp_path / "b" / "loss.png").exists()
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(resumed[0])
+
+
+def test_resume_refuses_other_config(tmp_path, token_files):
+    run_train(tmp_path / "r", token_files, "--steps", "2")
+    with pytest.raises(SystemExit, match=r"checkpoint in .* has d_model=64 \(command line: 128\)"):
+        run_train(tmp_path / "r", token_files, "--steps", "4", "--d-model", "128")
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path, token_files):
+    full = train_losses(run_train(tmp_path / "full", token_files, "--steps", "3", "--mesh", "fsdp=2"))
+    micro = train_losses(run_train(tmp_path / "micro", token_files, "--steps", "3", "--mesh", "fsdp=2",
+                                   "--micro-batch", "2"))
+    np.testing.assert_allclose([micro[s] for s in full], list(full.values()), rtol=1e-5)
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, token_files):
+    with pytest.raises(SystemExit, match=r"loss is nan at step 2; stopped. The last good checkpoint \(step 1\)"):
+        run_train(tmp_path / "n", token_files, "--steps", "20", "--save-every", "1", "--lr", "1e12")
+    assert sorted(p.name for p in (tmp_path / "n" / "checkpoints").iterdir()) == ["1"]
+
+
+def test_7b_on_this_machine_fails_early():
+    with pytest.raises(SystemExit, match=r"7.3B-parameter model needs \d+ GiB per device"):
+        train.main(["--preset", "7b", "--data", "x.npy", "--mesh", "fsdp=8"])
+
+
+def test_two_processes_match_one(tmp_path, token_files):
+    """Multi-host: two processes on loopback (CPU collectives), one device each, each loading only
+    its half of every batch, against one process with two devices: the same losses."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "train.py", *SMALL_RUN, "--data", token_files["train"], "--eval-data",
+            token_files["eval"], "--steps", "4", "--samples", "1"]
+    env = lambda n: {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run(args + ["--out", str(tmp_path / "one")], env=env(2), cwd=here, check=True, capture_output=True)
+    procs = [subprocess.Popen(args + ["--out", str(tmp_path / "two"), "--coordinator", f"localhost:{port}",
+                                      "--num-processes", "2", "--process-id", str(i)],
+                              env=env(1), cwd=here, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    one = train_losses(json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl"))
+    two = train_losses(json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl"))
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=1e-6)
