@@ -1,170 +1,129 @@
 """Data for olmo3-jax: text -> token files -> batches, with OLMo-core's semantics.
 
-1. `tokenize` turns documents into token ids (EOS appended after every document, no BOS) and writes
-   them as headerless little-endian uint32 shards (OLMo's ".npy" token files) plus a mix file listing
-   them. A hash of each document's text picks train or held-out, so the same text never lands in both.
-2. `Loader` memory-maps the token files and cuts every file into instances of seq_len tokens (the tail
-   is dropped; documents run across instance boundaries). Instance ids are shuffled once per epoch
-   exactly as OLMo-core does, and data-parallel rank r takes the columns r::world of each global batch.
-   Labels are the inputs shifted left by one; the last position (-100) is ignored.
-3. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through the same path.
+1. `tokenize` turns documents into token ids (EOS after every document, no BOS) and writes them as
+   headerless little-endian uint32 shards (OLMo's ".npy" token files) plus a mix file listing them.
+   A hash of each document's text picks train or held-out, so the same text never lands in both.
+2. `Loader` memory-maps the token files and cuts each file into instances of seq_len tokens (tail
+   dropped; documents run across instance boundaries). Instance ids are shuffled once per epoch exactly
+   as OLMo-core does, and data-parallel rank r takes the columns r::world of each global batch.
+   Labels are the inputs shifted left by one; the last position is ignored (-100).
+3. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through the same code path.
 
 Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05]   |   python data.py bench
-Numpy, tiktoken and the standard library only: no jax here, so tokenize workers start fast.
+Only numpy, tiktoken and the standard library: no jax here, so tokenize workers start fast.
 """
-import argparse
-import collections
-import contextlib
-import glob
-import gzip
-import hashlib
-import itertools
-import json
-import multiprocessing
-import os
-import queue
-import shutil
-import sys
-import sysconfig
-import tempfile
-import threading
-import time
-import urllib.request
+import argparse, collections, concurrent.futures, contextlib, glob, gzip, hashlib, itertools, json
+import multiprocessing, os, queue, shutil, sys, sysconfig, tempfile, threading, time, urllib.request
 from functools import lru_cache
 
 import numpy as np
 
 TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files: raw little-endian uint32, no header
 DEFAULT_SHARD_TOKENS = 1 << 28  # 1 GiB per shard
-CHUNK_BYTES = 1 << 20  # documents are sent to the workers in chunks of about this much text
+CHUNK_BYTES = 1 << 20  # documents travel to the workers in chunks of about this much text
 CORPUS_HELDOUT = 0.05
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
-# allenai/dolma2-tokenizer: cl100k_base plus these specials (names from the tokenizer's model card).
+# allenai/dolma2-tokenizer = cl100k_base ranks + these specials (names from the tokenizer's model card)
 DOLMA2_SPECIAL_TOKENS = {
-    "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258,
-    "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261,
-    "|||EMAIL_ADDRESS|||": 100262, "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264,
-    "<|im_end|>": 100265, **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)},
-    "<|endofprompt|>": 100276, "<|pad|>": 100277,
-}
+    "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
+    "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261, "|||EMAIL_ADDRESS|||": 100262,
+    "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264, "<|im_end|>": 100265,
+    **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)}, "<|endofprompt|>": 100276, "<|pad|>": 100277}
 BYTES_SPECIAL_NAMES = {256: "<|endoftext|>", 257: "<|pad|>"}
 
 Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id encode decode")
-Source = collections.namedtuple("Source", "name where fingerprint size chunks")  # one thing to tokenize
+# One thing to tokenize: chunks() yields (chunk of (line number, raw document), input bytes read so far)
+Source = collections.namedtuple("Source", "name where fingerprint size chunks")
 
 
 def cache_dir():
     return os.path.expanduser(os.environ.get("OLMO3_CACHE", "~/.cache/olmo3-jax"))
 
 
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # ----------------------------------------------------------------------------- tokenizers
 
 @lru_cache(maxsize=None)
 def get_tokenizer(name):
-    """"dolma2" (OLMo 3's tokenizer) or "bytes" (UTF-8 bytes, for tiny offline experiments)."""
+    """"dolma2" (OLMo 3's tokenizer) or "bytes" (UTF-8 bytes; tiny and offline)."""
     if name == "bytes":
         return Tokenizer("bytes", 258, 256, 257, lambda text: list(text.encode("utf-8")), _decode_bytes)
     if name != "dolma2":
         raise SystemExit(f"error: unknown tokenizer {name!r}; use 'dolma2' or 'bytes'")
     import tiktoken
     try:
-        cl100k = tiktoken.get_encoding("cl100k_base")  # downloads the ranks once into TIKTOKEN_CACHE_DIR
+        cl100k = tiktoken.get_encoding("cl100k_base")  # downloaded once into TIKTOKEN_CACHE_DIR
     except Exception as e:
-        raise SystemExit(f"error: could not load tiktoken's cl100k_base ranks ({type(e).__name__}); connect to "
-                         "the internet once, or set TIKTOKEN_CACHE_DIR to a folder holding the cl100k_base cache file") from None
+        raise SystemExit(f"error: could not load tiktoken's cl100k_base ranks ({type(e).__name__}); connect once, "
+                         "or set TIKTOKEN_CACHE_DIR to a folder holding the cl100k_base cache file") from None
     enc = tiktoken.Encoding("dolma2", pat_str=cl100k._pat_str, mergeable_ranks=cl100k._mergeable_ranks,
                             special_tokens=DOLMA2_SPECIAL_TOKENS)
-    # encode_ordinary: special-token strings in text stay ordinary text; decode knows the special ids.
+    # encode_ordinary: special-token strings in a text stay ordinary text; decode knows the special ids
     return Tokenizer("dolma2", 100278, 100257, 100277, enc.encode_ordinary, enc.decode)
 
 
 def _decode_bytes(ids):
-    pieces, run = [], bytearray()
-    for i in map(int, ids):
-        if i in BYTES_SPECIAL_NAMES:
-            pieces += [run.decode("utf-8", "replace"), BYTES_SPECIAL_NAMES[i]]
-            run = bytearray()
-        else:
-            run.append(i)
-    return "".join(pieces) + run.decode("utf-8", "replace")
+    pieces = (BYTES_SPECIAL_NAMES[i].encode() if i in BYTES_SPECIAL_NAMES else bytes([i]) for i in map(int, ids))
+    return b"".join(pieces).decode("utf-8", "replace")
 
 
 def is_heldout(text_bytes, fraction):
-    """A document is held out iff a hash of its content falls below `fraction`: stable across runs."""
-    digest = hashlib.blake2b(text_bytes, digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
+    """A document is held out iff a hash of its content falls below `fraction`: the same on every run."""
+    return int.from_bytes(hashlib.blake2b(text_bytes, digest_size=8).digest(), "little") < fraction * 2**64
 
 
 # ----------------------------------------------------------------------------- tokenize
 
-def _read_chunks(path):
-    """Yield (first line number, raw documents, on-disk bytes read so far) for one input file."""
-    if path.endswith(".txt"):  # the whole file is one document
-        with open(path, "rb") as f:
-            yield 1, [f.read().decode("utf-8", "replace")], os.path.getsize(path)
-        return
+def _file_documents(path):
+    """(line number, raw document, input bytes read so far): a .txt is one document, else one JSON per line."""
     with open(path, "rb") as raw:
-        lines = gzip.open(raw) if path.endswith(".gz") else raw
-        first, items, size = 1, [], 0
-        for line_no, line in enumerate(lines, 1):
-            items.append(line)
-            size += len(line)
-            if size >= CHUNK_BYTES:
-                yield first, items, raw.tell()
-                first, items, size = line_no + 1, [], 0
-        if items:
-            yield first, items, raw.tell()
+        if path.endswith(".txt"):
+            yield 1, raw.read().decode("utf-8", "replace"), os.path.getsize(path)
+        else:
+            for line_no, line in enumerate(gzip.open(raw) if path.endswith(".gz") else raw, 1):
+                yield line_no, line, raw.tell()
 
 
-def _chunk_documents(texts):
-    """Group in-memory documents (str) into chunks like _read_chunks does for files."""
-    items, size, done = [], 0, 0
-    for text in texts:
-        items.append(text)
-        size += len(text)
+def _chunked(documents):
+    chunk, size, position = [], 0, 0
+    for line_no, document, position in documents:
+        chunk.append((line_no, document))
+        size += len(document)
         if size >= CHUNK_BYTES:
-            done += size
-            yield 1, items, done
-            items, size = [], 0
-    if items:
-        yield 1, items, done + size
+            yield chunk, position
+            chunk, size = [], 0
+    if chunk:
+        yield chunk, position
 
 
-def _json_text(line, where, line_no):
-    try:
-        return json.loads(line)["text"]
-    except (ValueError, KeyError, TypeError):
-        # ValueError, not SystemExit: a SystemExit would kill a pool worker instead of reaching the parent.
-        raise ValueError(f"error: {where} line {line_no} is not a JSON object with a 'text' field; "
-                         "fix or remove that line") from None
-
-
-def _encode_chunk(job):
-    """Worker: one chunk of raw documents -> token arrays, document counts and text bytes per split."""
-    tokenizer_name, heldout, where, first_line, items, position = job
+def _encode_chunk(tokenizer_name, heldout, where, chunk):
+    """Worker: a chunk of raw documents -> ([train tokens, held-out tokens], [train docs, held-out docs], bytes)."""
     tok = get_tokenizer(tokenizer_name)
-    tokens, docs, text_bytes = ([], []), [0, 0], 0
-    for line_no, item in enumerate(items, first_line):
-        if isinstance(item, bytes):  # a JSON line
-            if not item.strip():
-                continue
-            item = _json_text(item, where, line_no)
-        if not item:
-            continue
-        data = item.encode("utf-8")
-        ids = np.frombuffer(data, np.uint8) if tok.name == "bytes" else tok.encode(item)
-        split = int(is_heldout(data, heldout))
-        tokens[split].extend([np.asarray(ids, TOKEN_DTYPE), np.array([tok.eos_id], TOKEN_DTYPE)])
-        docs[split] += 1
-        text_bytes += len(data)
-    arrays = [np.concatenate(t) if t else np.zeros(0, TOKEN_DTYPE) for t in tokens]
-    return arrays, docs, text_bytes, position
+    tokens, docs, text_bytes = [[], []], [0, 0], 0
+    for line_no, text in chunk:
+        if isinstance(text, bytes):  # a JSON line
+            try:
+                text = json.loads(text)["text"] if text.strip() else ""
+            except (ValueError, KeyError, TypeError):
+                raise SystemExit(f"error: {where} line {line_no} is not a JSON object with a 'text' field; "
+                                 "fix or remove that line") from None
+        if text:
+            data = text.encode("utf-8")
+            split = int(is_heldout(data, heldout))
+            ids = np.frombuffer(data, np.uint8) if tok.name == "bytes" else tok.encode(text)
+            tokens[split] += [np.asarray(ids, TOKEN_DTYPE), np.array([tok.eos_id], TOKEN_DTYPE)]
+            docs[split] += 1
+            text_bytes += len(data)
+    return [np.concatenate(t) if t else np.zeros(0, TOKEN_DTYPE) for t in tokens], docs, text_bytes
 
 
 class _ShardWriter:
-    """Appends tokens to DIR/split/name-00000.npy, -00001.npy, ...; every shard but the last holds
-    exactly shard_tokens tokens. A shard is written under a .tmp name and renamed once complete."""
+    """Appends tokens to DIR/split/name-00000.npy, -00001.npy, ...: every shard but the last holds exactly
+    shard_tokens tokens. A shard is written under a .tmp name and renamed once complete."""
 
     def __init__(self, out_dir, split, name, shard_tokens):
         self.out_dir, self.split, self.name, self.shard_tokens = out_dir, split, name, shard_tokens
@@ -175,25 +134,20 @@ class _ShardWriter:
             if self.file is None:
                 self.shards.append(f"{self.split}/{self.name}-{len(self.shards):05d}.npy")
                 os.makedirs(os.path.join(self.out_dir, self.split), exist_ok=True)
-                self.file, self.filled = open(self._path() + ".tmp", "wb"), 0
+                self.file, self.filled = open(os.path.join(self.out_dir, self.shards[-1] + ".tmp"), "wb"), 0
             part, tokens = np.split(tokens, [self.shard_tokens - self.filled])
             part.astype(TOKEN_DTYPE, copy=False).tofile(self.file)
             self.filled += len(part)
             if self.filled == self.shard_tokens:
-                self._finish_shard()
+                self.close()
 
     def close(self):
         if self.file is not None:
-            self._finish_shard()
+            self.file.close()
+            path = os.path.join(self.out_dir, self.shards[-1])
+            os.replace(path + ".tmp", path)
+            self.file = None
         return self.shards
-
-    def _path(self):
-        return os.path.join(self.out_dir, self.shards[-1])
-
-    def _finish_shard(self):
-        self.file.close()
-        os.replace(self._path() + ".tmp", self._path())
-        self.file = None
 
 
 def _write_atomic(path, data):
@@ -202,113 +156,114 @@ def _write_atomic(path, data):
     os.replace(path + ".tmp", path)
 
 
-def _ordered_map(pool, func, jobs, in_flight):
-    """map(func, jobs) on a process pool, results in order, at most `in_flight` jobs queued (bounded RAM)."""
-    if pool is None:
-        yield from map(func, jobs)
+def _ordered_map(func, jobs, processes):
+    """map(func, *job) for each job on `processes` worker processes: results in order, a bounded number
+    in flight, worker exceptions (SystemExit too) re-raised here. fork: workers start at once and never
+    re-run the caller's script (a caller with jax threads running should use one process)."""
+    if processes <= 1:
+        yield from (func(*job) for job in jobs)
         return
-    pending = collections.deque()
-    for job in jobs:
-        pending.append(pool.apply_async(func, (job,)))
-        if len(pending) >= in_flight:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        pending = collections.deque()
+        for job in jobs:
+            pending.append(pool.submit(func, *job))
+            if len(pending) >= 2 * processes:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _tokenize(sources, out_dir, tokenizer, heldout, shard_tokens, processes):
-    """Tokenize each Source into shards plus DIR/name.manifest.json, skipping sources whose manifest
-    (written last, atomically) matches: an interrupted run redoes only unfinished sources."""
-    manifest_path = lambda s: os.path.join(out_dir, f"{s.name}.manifest.json")
-    manifests, todo = {}, []
+    """Tokenize each Source into shards plus DIR/name.manifest.json. The manifest is written last and
+    atomically, so a rerun skips every source whose manifest matches and redoes only unfinished ones."""
+    manifests = {}
     for s in sources:
-        if os.path.exists(manifest_path(s)):
-            with open(manifest_path(s)) as f:
-                manifests[s.name] = json.load(f)
-        if manifests.get(s.name, {}).get("fingerprint") != s.fingerprint:
-            todo.append(s)
-    if not todo:
-        return [manifests[s.name] for s in sources]
-    get_tokenizer(tokenizer)  # fail early (e.g. offline) before starting workers
-    os.makedirs(out_dir, exist_ok=True)
-    total_size, start, done_size, docs, tokens, text_bytes, shown = sum(s.size for s in todo), time.time(), 0, 0, 0, 0, 0
-    # spawn, not fork: safe when the caller has already started threads (e.g. jax in train.py).
-    pool_ctx = multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else contextlib.nullcontext()
-    with pool_ctx as pool:
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, f"{s.name}.manifest.json")) as f:
+            manifests[s.name] = json.load(f)
+    todo = [s for s in sources if manifests.get(s.name, {}).get("fingerprint") != s.fingerprint]
+    if todo:
+        get_tokenizer(tokenizer)  # fail early (e.g. offline), not in every worker
+        start, shown, done_size, docs, tokens, text_bytes = time.time(), 0, 0, 0, 0, 0
+        total_size = sum(s.size for s in todo)
         for s in todo:
-            if os.path.exists(manifest_path(s)):
-                os.remove(manifest_path(s))  # its shards are about to be overwritten
+            manifest_path = os.path.join(out_dir, f"{s.name}.manifest.json")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(manifest_path)  # stale: its shards are about to be overwritten
             writers = [_ShardWriter(out_dir, split, s.name, shard_tokens) for split in ("train", "heldout")]
-            counts = [0, 0]
-            jobs = ((tokenizer, heldout, s.where, first, items, pos) for first, items, pos in s.chunks())
-            try:
-                for arrays, chunk_docs, chunk_bytes, pos in _ordered_map(pool, _encode_chunk, jobs, 2 * processes):
-                    for writer, array in zip(writers, arrays):
-                        writer.write(array)
-                    counts = [c + d for c, d in zip(counts, chunk_docs)]
-                    docs, tokens, text_bytes = docs + sum(chunk_docs), tokens + sum(map(len, arrays)), text_bytes + chunk_bytes
-                    if time.time() - shown > 0.5:
-                        shown, elapsed = time.time(), time.time() - start
-                        eta = elapsed * (total_size - done_size - pos) / max(done_size + pos, 1)
-                        print(f"\r{docs:,} docs  {tokens:,} tokens  {text_bytes / 1e6 / elapsed:.1f} MB/s  ETA {eta:.0f}s   ",
-                              end="", file=sys.stderr, flush=True)
-            except ValueError as e:
-                if str(e).startswith("error:"):
-                    raise SystemExit(str(e)) from None
-                raise
+            counts, positions = [0, 0], collections.deque()
+
+            def jobs(s=s):
+                for chunk, position in s.chunks():
+                    positions.append(position)  # results come back in order: one position per result
+                    yield tokenizer, heldout, s.where, chunk
+
+            for arrays, chunk_docs, chunk_bytes in _ordered_map(_encode_chunk, jobs(), processes):
+                for writer, array in zip(writers, arrays):
+                    writer.write(array)
+                counts = [a + b for a, b in zip(counts, chunk_docs)]
+                docs += sum(chunk_docs)
+                tokens += sum(map(len, arrays))
+                text_bytes += chunk_bytes
+                read, elapsed = done_size + positions.popleft(), time.time() - start
+                if time.time() - shown > 0.5 and sys.stderr.isatty():
+                    shown, eta = time.time(), elapsed * (total_size - read) / max(read, 1)
+                    print(f"\r{docs:,} docs  {tokens:,} tokens  {text_bytes / 1e6 / elapsed:.1f} MB/s  ETA {eta:.0f}s   ",
+                          end="", file=sys.stderr, flush=True)
             if sum(counts) == 0:
-                raise SystemExit(f"error: no documents in {s.where}; give a non-empty .txt, or JSON lines with a 'text' field")
-            manifests[s.name] = m = {"fingerprint": s.fingerprint, "train": writers[0].close(), "heldout": writers[1].close(),
-                                     "docs": counts, "tokens": [sum(os.path.getsize(os.path.join(out_dir, p)) // 4 for p in w.shards) for w in writers]}
-            _write_atomic(manifest_path(s), json.dumps(m, indent=1).encode())
+                raise SystemExit(f"error: no documents in {s.where}; give a non-empty .txt, or JSON lines with 'text'")
+            shards = [w.close() for w in writers]
+            sizes = [sum(os.path.getsize(os.path.join(out_dir, p)) // 4 for p in split) for split in shards]
+            manifests[s.name] = dict(fingerprint=s.fingerprint, train=shards[0], heldout=shards[1], docs=counts,
+                                     tokens=sizes)
+            _write_atomic(manifest_path, json.dumps(manifests[s.name], indent=1).encode())
             done_size += s.size
-    elapsed = time.time() - start
-    print(f"\rtokenized {len(todo)} source(s): {docs:,} docs, {tokens:,} tokens, {text_bytes / 1e6:.1f} MB in {elapsed:.1f}s "
-          f"({text_bytes / 1e6 / elapsed:.1f} MB/s, {processes} processes)", file=sys.stderr)
+        elapsed = time.time() - start
+        print(f"\rtokenized {docs:,} docs into {tokens:,} tokens: {text_bytes / 1e6:.1f} MB in {elapsed:.1f}s "
+              f"({text_bytes / 1e6 / elapsed:.1f} MB/s, processes: {processes})", file=sys.stderr)
     return [manifests[s.name] for s in sources]
 
 
-def default_processes():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0, shard_tokens=DEFAULT_SHARD_TOKENS, processes=None):
-    """The `tokenize` command: token shards per input, then DIR/train.txt (and DIR/heldout.txt) mixes."""
+    """The `tokenize` command: shards for each input, then the mixes DIR/train.txt (and DIR/heldout.txt)."""
     if not 0 <= heldout < 1:
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction such as 0.05")
     if shard_tokens < 1:
         raise SystemExit(f"error: --shard-tokens {shard_tokens} must be positive")
     sources = []
     for path in map(os.fspath, inputs):
-        if not os.path.isfile(path):
-            raise SystemExit(f"error: input {path} does not exist; check the path")
         base = os.path.basename(path)
         stem = next((base[: -len(e)] for e in (".jsonl.gz", ".json.gz", ".jsonl", ".txt") if base.endswith(e)), None)
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: input {path} does not exist; check the path")
         if stem is None:
             raise SystemExit(f"error: input {path} is not .txt, .jsonl, .jsonl.gz or .json.gz; convert it to one of those")
         full, st = os.path.abspath(path), os.stat(path)
-        name = f"{stem}-{hashlib.sha1(full.encode()).hexdigest()[:8]}"  # two inputs with one basename stay apart
+        name = f"{stem}-{hashlib.sha1(full.encode()).hexdigest()[:8]}"  # inputs sharing a basename stay apart
         fingerprint = f"{full}|{st.st_size}|{st.st_mtime_ns}|{tokenizer}|{heldout}|{shard_tokens}"
-        sources.append(Source(name, path, fingerprint, st.st_size, lambda path=path: _read_chunks(path)))
-    manifests = _tokenize(sources, out_dir, tokenizer, heldout, shard_tokens, processes or default_processes())
-    mixes = [("train", "train.txt")] + ([("heldout", "heldout.txt")] if heldout > 0 else [])
-    for split, mix in mixes:
-        lines = [f"{s.name},{p}\n" for s, m in zip(sources, manifests) for p in m[split]]
-        _write_atomic(os.path.join(out_dir, mix), "".join(lines).encode())
-    return [os.path.join(out_dir, mix) for _, mix in mixes]
+        sources.append(Source(name, path, fingerprint, st.st_size, lambda path=path: _chunked(_file_documents(path))))
+    os.makedirs(out_dir, exist_ok=True)
+    manifests = _tokenize(sources, out_dir, tokenizer, heldout, shard_tokens, processes or _cores())
+    mixes = ["train"] + ["heldout"] * (heldout > 0)
+    if heldout == 0:  # a held-out mix left by an earlier run would now overlap the training data
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, "heldout.txt"))
+    for split in mixes:
+        lines = [f"{s.name},{shard}\n" for s, m in zip(sources, manifests) for shard in m[split]]
+        _write_atomic(os.path.join(out_dir, f"{split}.txt"), "".join(lines).encode())
+    return [os.path.join(out_dir, f"{split}.txt") for split in mixes]
 
 
 # ----------------------------------------------------------------------------- default corpora
 
 def _stdlib_files():
-    root = sysconfig.get_paths()["stdlib"]
-    skip = {"site-packages", "dist-packages"}
+    root, skip = sysconfig.get_paths()["stdlib"], {"site-packages", "dist-packages"}
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root) if not skip & set(d.split(os.sep))
                   for f in files if f.endswith(".py"))
 
 
 def shakespeare_path():
-    """Where TinyShakespeare is cached; put the file here to use it offline."""
+    """Where TinyShakespeare is cached: put the file here to use it offline."""
     return os.path.join(cache_dir(), "tinyshakespeare.txt")
 
 
@@ -317,36 +272,49 @@ def _fetch_shakespeare():
     if not os.path.exists(path):
         try:
             with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as response:
-                data = response.read()
+                text = response.read()
         except OSError as e:
             raise SystemExit(f"error: could not download TinyShakespeare from {SHAKESPEARE_URL} ({type(e).__name__}); "
                              f"connect once, or put the file at {path}") from None
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_atomic(path, data)
+        _write_atomic(path, text)
     return path
 
 
+def _read_text(path):
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+def _numbered(texts):
+    """In-memory documents in _file_documents' form (no line numbers; characters so far, for the ETA)."""
+    read = 0
+    for text in texts:
+        read += len(text)
+        yield 0, text, read
+
+
 def corpus(name, tokenizer):
-    """Tokenize (once, cached under OLMO3_CACHE) a default corpus -> (train token files, held-out token files)."""
-    if name == "stdlib":  # every .py file of this Python's standard library is one document
+    """A default corpus, tokenized once into OLMO3_CACHE -> (train token files, held-out token files)."""
+    if name == "stdlib":  # each .py file of this Python's standard library is one document
         files = _stdlib_files()
-        read = lambda f: open(f, "rb").read().decode("utf-8", "replace")
-        texts = lambda: (read(f) for f in files)
-        listing = "".join(f"{os.path.relpath(f, sysconfig.get_paths()['stdlib'])}:{os.path.getsize(f)}\n" for f in files)
-        size = sum(map(os.path.getsize, files))
+        texts = lambda: map(_read_text, files)
+        root = sysconfig.get_paths()["stdlib"]
+        listing = "".join(f"{os.path.relpath(f, root)}:{os.path.getsize(f)}\n" for f in files)
     elif name == "shakespeare":  # blank-line separated passages are the documents
         files = [_fetch_shakespeare()]
-        texts = lambda: (p for p in open(files[0], encoding="utf-8").read().split("\n\n") if p.strip())
-        size = os.path.getsize(files[0])
-        listing = f"tinyshakespeare:{size}"
+        texts = lambda: (p for p in _read_text(files[0]).split("\n\n") if p.strip())
+        listing = f"tinyshakespeare:{os.path.getsize(files[0])}"
     else:
         raise SystemExit(f"error: unknown corpus {name!r}; use 'stdlib' or 'shakespeare'")
-    key = hashlib.sha256(listing.encode()).hexdigest()[:12]  # a different Python gets a different cache
-    out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{tokenizer}-{key}")
-    source = Source(name, name, f"{key}|{tokenizer}|{CORPUS_HELDOUT}", size, lambda: _chunk_documents(texts()))
-    (m,) = _tokenize([source], out_dir, tokenizer, CORPUS_HELDOUT, DEFAULT_SHARD_TOKENS, default_processes())
-    print(f"{name} corpus: {len(files)} files, {size / 1e6:.1f} MB, {m['tokens'][0]:,} train / {m['tokens'][1]:,} "
-          f"held-out {tokenizer} tokens", file=sys.stderr)
+    size, key = sum(map(os.path.getsize, files)), hashlib.sha256(listing.encode()).hexdigest()[:12]
+    out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{tokenizer}-{key}")  # another Python, another cache
+    os.makedirs(out_dir, exist_ok=True)
+    source = Source(name, name, f"{key}|{tokenizer}|{CORPUS_HELDOUT}", size, lambda: _chunked(_numbered(texts())))
+    # one process: a few seconds at most, and no fork of a caller whose jax threads may be running
+    (m,) = _tokenize([source], out_dir, tokenizer, CORPUS_HELDOUT, DEFAULT_SHARD_TOKENS, processes=1)
+    print(f"{name} corpus: {len(files)} files, {size / 1e6:.1f} MB, {m['tokens'][0]:,} train / "
+          f"{m['tokens'][1]:,} held-out {tokenizer} tokens", file=sys.stderr)
     return tuple([os.path.join(out_dir, p) for p in m[split]] for split in ("train", "heldout"))
 
 
@@ -360,13 +328,11 @@ def read_mix(path, base_dir=None, tokenizer="dolma2"):
     paths = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            _, comma, relative = line.partition(",")
-            if not comma or not relative.strip():
-                raise SystemExit(f"error: {path} line {line_no} is not 'label,relative/path'; fix that line")
-            paths.append(os.path.join(base_dir, relative.strip().replace("{TOKENIZER}", tokenizer)))
+            label, comma, relative = line.strip().partition(",")
+            if label and not label.startswith("#"):
+                if not comma or not relative.strip():
+                    raise SystemExit(f"error: {path} line {line_no} is not 'label,relative/path'; fix that line")
+                paths.append(os.path.join(base_dir, relative.strip().replace("{TOKENIZER}", tokenizer)))
     return paths
 
 
@@ -380,22 +346,22 @@ def resolve_source(source, tokenizer="dolma2"):
         if mix.endswith(".txt"):
             paths = read_mix(mix, tokenizer=tokenizer)
         else:
-            paths = sorted(glob.glob(source)) if glob.has_magic(source) else [source]
+            paths = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
     if not paths:
         raise SystemExit(f"error: no token files in {source}; check the mix file or glob")
     for path in paths:
         if not os.path.isfile(path):
             raise SystemExit(f"error: token file {path} does not exist; check the path (or the mix file listing it)")
         if os.path.getsize(path) % TOKEN_DTYPE.itemsize:
-            raise SystemExit(f"error: {path} has {os.path.getsize(path)} bytes, not a multiple of 4; "
-                             "it is not a uint32 token file, or it is truncated: re-tokenize it")
+            raise SystemExit(f"error: {path} has {os.path.getsize(path)} bytes, not a multiple of 4: it is not a "
+                             "uint32 token file, or it is truncated; re-tokenize it")
     return paths
 
 
 # ----------------------------------------------------------------------------- repetition filter
+# A faithful port of OLMo-core's find_periodic_sequences and its helpers
+# (allenai/OLMo-core, src/olmo_core/data/utils.py; the algorithm comes from dolma's repetition tagger).
 
-# A faithful numpy port of OLMo-core's find_periodic_sequences and its helpers
-# (allenai/OLMo-core, src/olmo_core/data/utils.py; originally from dolma's repetition tagger).
 RepetitionTuple = collections.namedtuple("RepetitionTuple", "start end period times")
 
 
@@ -418,11 +384,11 @@ def _group_consecutive_values(arr, stepsize=1):
 
 
 def find_periodic_sequences(arr, max_period, min_period=1, mask_value=-1):
-    """Yield RepetitionTuple(start, end, period, times) for every run of a period-p pattern (min_period <= p
-    <= max_period) repeated at least 3 times: rows of a `period`-wide reshape that equal the previous row."""
+    """Yield RepetitionTuple(start, end, period, times) for each run of a period-p pattern (min_period <= p <=
+    max_period) seen at least 3 times: rows of a p-wide reshape that equal the row before them."""
     if (arr == mask_value).sum() > 0:
         raise ValueError("`mask_value` is in the array")
-    max_period = min(max_period, len(arr) // 3)  # 3 repeats are needed to see a period
+    max_period = min(max_period, len(arr) // 3)  # a period shows only after 3 repeats
     for period in range(min_period, max_period + 1):
         padded = np.pad(arr, (0, period - (len(arr) % period)), constant_values=mask_value)
         shaped = padded.reshape(-1, period)
@@ -432,27 +398,26 @@ def find_periodic_sequences(arr, max_period, min_period=1, mask_value=-1):
             continue
         for sequence in _group_consecutive_values(rows_with_period):
             start_row, end_row = sequence[0], sequence[-1]
-            # the run may start inside the row before start_row and end inside the row after end_row
+            # the run may begin inside the row before start_row and end inside the row after end_row
             start_offset = _find_start_last_consecutive_true(is_equal_to_prev_row[start_row - 1])
             start_offset = period - start_offset if start_offset > 0 else 0
             end_offset = _find_end_first_consecutive_true(is_equal_to_prev_row[end_row + 1])
-            start_pos = int((start_row - 1) * period - start_offset)
-            end_pos = int((end_row + 1) * period + end_offset)
+            start_pos, end_pos = int((start_row - 1) * period - start_offset), int((end_row + 1) * period + end_offset)
             out = RepetitionTuple(start_pos, end_pos, period, (end_pos - start_pos) // period)
-            if out.times > 2:
+            if out.times > 2:  # fewer than 3 repeats cannot be measured this way
                 yield out
 
 
 def has_repetition(arr, max_period=13, min_period=1, max_count=32):
-    """OLMo-core's instance filter: True if some period-p pattern repeats max_count times or more."""
-    arr = np.asarray(arr, np.int64)  # room for the -1 padding value, as OLMo-core's int64 tensors
+    """OLMo-core's instance filter: True if a pattern of period min_period..max_period repeats max_count+ times."""
+    arr = np.asarray(arr, np.int64)  # room for the -1 padding, like OLMo-core's int64 tensors
     return any(r.times >= max_count for r in find_periodic_sequences(arr, max_period, min_period))
 
 
 # ----------------------------------------------------------------------------- loader
 
 class Loader:
-    """Batches from token files with OLMo-core's fixed-sequence-length semantics (see the module docstring).
+    """Batches from token files with OLMo-core's fixed-length-instance semantics (see the module docstring).
     batch(step) is a pure function of (files, seq_len, global_batch, seed, step, rank, world)."""
 
     def __init__(self, source, seq_len, global_batch, seed, rank=0, world=1, repetition_filter=False,
@@ -461,7 +426,7 @@ class Loader:
             raise SystemExit(f"error: seq_len {seq_len} < 2; an instance needs an input and a label")
         if world < 1 or global_batch < 1 or global_batch % world:
             raise SystemExit(f"error: global batch {global_batch} is not divisible by world size {world}; "
-                             "use a global batch that is a multiple of the number of data-parallel ranks")
+                             "use a multiple of the number of data-parallel ranks")
         if not 0 <= rank < world:
             raise SystemExit(f"error: rank {rank} is out of range for world size {world}; use 0..{world - 1}")
         self.files = resolve_source(source, tokenizer)
@@ -471,14 +436,14 @@ class Loader:
         self._first_id = np.cumsum([0] + counts)  # global id of each file's first instance
         self.num_instances = int(self._first_id[-1])
         if self.num_instances < global_batch:
-            raise SystemExit(f"error: the corpus has {self.num_instances} instances of {seq_len} tokens but one global "
-                             f"batch needs {global_batch}; add data, or lower seq_len or the global batch")
+            raise SystemExit(f"error: the corpus has {self.num_instances} instances of {seq_len} tokens but one "
+                             f"global batch needs {global_batch}; add data, or lower seq_len or the global batch")
         self.steps_per_epoch = self.num_instances // global_batch
         self._maps, self._order, self._lock = {}, (None, None), threading.Lock()
 
-    def epoch_order(self, epoch):
+    def _epoch_order(self, epoch):
         """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] instance ids."""
-        with self._lock:  # only the current epoch's permutation is cached
+        with self._lock:  # only the current epoch's permutation is kept
             if self._order[0] != epoch:
                 ids = np.arange(self.num_instances, dtype=np.uint32)
                 np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
@@ -487,21 +452,21 @@ class Loader:
 
     def _instance(self, instance_id):
         f = int(np.searchsorted(self._first_id, instance_id, side="right")) - 1
-        if f not in self._maps:  # map on first use: files never touched never hold a descriptor
+        if f not in self._maps:  # mapped on first use: files never read hold no descriptor
             self._maps[f] = np.memmap(self.files[f], TOKEN_DTYPE, mode="r")
         k = instance_id - int(self._first_id[f])
-        return self._maps[f][k * self.seq_len : (k + 1) * self.seq_len], f
+        return self._maps[f][k * self.seq_len: (k + 1) * self.seq_len], f
 
     def batch(self, step):
-        """(inputs, labels) for this rank at `step`: int32 [global_batch // world, seq_len]; ignored labels are -100."""
+        """(inputs, labels) of this rank at `step`: int32 [global_batch // world, seq_len]; -100 = ignored label."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        ids = self.epoch_order(epoch + 1)[index, self.rank :: self.world]
+        ids = self._epoch_order(epoch + 1)[index, self.rank:: self.world]
         rows, files = zip(*(self._instance(int(i)) for i in ids))
         tokens = np.stack(rows)
         if self.vocab_size is not None and tokens.max() >= self.vocab_size:
             row = int(tokens.max(axis=1).argmax())
-            raise SystemExit(f"error: token id {int(tokens[row].max())} >= vocab_size {self.vocab_size} in "
-                             f"{self.files[files[row]]}; it was tokenized with another tokenizer: re-tokenize it")
+            raise SystemExit(f"error: token id {tokens[row].max()} >= vocab_size {self.vocab_size} in "
+                             f"{self.files[files[row]]}; it was made with another tokenizer: re-tokenize it")
         inputs = tokens.astype(np.int32)
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = inputs[:, 1:]
@@ -512,25 +477,21 @@ class Loader:
         return inputs, labels
 
     def iterate(self, start_step=0, stop_step=None, prefetch=4):
-        """Yield (step, inputs, labels) for start_step <= step < stop_step (forever if None); a background
-        thread prepares up to `prefetch` batches ahead, and its exceptions are re-raised here."""
+        """Yield (step, inputs, labels) for start_step <= step < stop_step (forever if None), prepared by a
+        background thread `prefetch` batches ahead; its exceptions are re-raised here."""
         batches, stop, end = queue.Queue(maxsize=prefetch), threading.Event(), object()
 
-        def put(item):
+        def put(item):  # gives up once the consumer has gone
             while not stop.is_set():
-                try:
+                with contextlib.suppress(queue.Full):
                     return batches.put(item, timeout=0.1)
-                except queue.Full:
-                    pass
 
         def fill():
             try:
                 for step in itertools.count(start_step) if stop_step is None else range(start_step, stop_step):
-                    if stop.is_set():
-                        return
                     put((step, *self.batch(step)))
                 put(end)
-            except BaseException as e:  # SystemExit too: it is the loader's way to report a user error
+            except BaseException as e:  # SystemExit too: it is how the loader reports a user error
                 put(e)
 
         threading.Thread(target=fill, daemon=True).start()
@@ -540,38 +501,33 @@ class Loader:
                     raise item
                 yield item
         finally:
-            stop.set()  # also when the consumer stops early: the thread exits within 0.1 s
+            stop.set()
 
 
 # ----------------------------------------------------------------------------- bench and CLI
 
 def bench(tokenizer="dolma2"):
-    """Tokenize throughput on the stdlib sources, and loader throughput incl. a 7b-shaped per-host batch."""
+    """Tokenize throughput on the stdlib's source, loader throughput up to a 7b-shaped per-host batch."""
     tmp = tempfile.mkdtemp(prefix="olmo3-bench-")
     try:
-        files, processes = _stdlib_files(), default_processes()
-        size = sum(map(os.path.getsize, files))
-        read = lambda f: open(f, "rb").read().decode("utf-8", "replace")
-        source = Source("stdlib", "stdlib", "bench", size, lambda: _chunk_documents(read(f) for f in files))
-        start = time.time()
-        _tokenize([source], os.path.join(tmp, "tok"), tokenizer, CORPUS_HELDOUT, DEFAULT_SHARD_TOKENS, processes)
-        seconds = time.time() - start
-        print(f"tokenize: {size / 1e6:.1f} MB of stdlib source with {tokenizer} on {processes} processes in "
-              f"{seconds:.1f}s = {size / 1e6 / seconds:.1f} MB/s")
-        rng = np.random.default_rng(0)
-        paths = [os.path.join(tmp, f"synthetic-{i}.npy") for i in range(3)]
-        for path in paths:  # 3 x 128 MB of random dolma2-range token ids
+        files = _stdlib_files()
+        size, start = sum(map(os.path.getsize, files)), time.time()
+        source = Source("stdlib", "stdlib", "bench", size, lambda: _chunked(_numbered(map(_read_text, files))))
+        _tokenize([source], tmp, tokenizer, CORPUS_HELDOUT, DEFAULT_SHARD_TOKENS, _cores())
+        print(f"tokenize: {size / 1e6:.1f} MB of stdlib source, {tokenizer}, {_cores()} processes: "
+              f"{size / 1e6 / (time.time() - start):.1f} MB/s")
+        rng, paths = np.random.default_rng(0), [os.path.join(tmp, f"synthetic-{i}.npy") for i in range(3)]
+        for path in paths:  # 3 x 128 MB of random dolma2 token ids
             rng.integers(0, 100278, size=32 << 20, dtype=np.uint32).astype(TOKEN_DTYPE).tofile(path)
-        for seq_len, batch, filt in ((2048, 16, False), (8192, 64, False), (8192, 64, True)):
-            loader = Loader(paths, seq_len, batch, seed=34521, repetition_filter=filt, vocab_size=100278)
-            steps = rng.integers(0, 50 * loader.steps_per_epoch, size=20)
-            loader.batch(int(steps[0]))
+        for seq_len, batch, repetition_filter in ((2048, 16, False), (8192, 64, False), (8192, 64, True)):
+            loader = Loader(paths, seq_len, batch, 34521, repetition_filter=repetition_filter, vocab_size=100278)
+            steps = rng.integers(0, 50 * loader.steps_per_epoch, size=20)  # random steps, many epochs
             start = time.time()
             for step in steps:
                 loader.batch(int(step))
             seconds = (time.time() - start) / len(steps)
-            print(f"loader: {batch} x {seq_len}{' + repetition filter' if filt else ''}: {seconds * 1e3:.1f} ms/batch = "
-                  f"{batch * seq_len / seconds / 1e6:.1f} M tokens/s (random steps over {sum(map(os.path.getsize, paths)) / 1e6:.0f} MB)")
+            print(f"loader: {batch} x {seq_len}{' + repetition filter' if repetition_filter else ''}: "
+                  f"{seconds * 1e3:.1f} ms/batch = {batch * seq_len / seconds / 1e6:.1f} M tokens/s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -579,19 +535,19 @@ def bench(tokenizer="dolma2"):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    tok = commands.add_parser("tokenize", help="documents -> uint32 token shards + mix file")
-    tok.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt (one document), .jsonl, .jsonl.gz or .json.gz")
-    tok.add_argument("--out", required=True, help="output folder (train.txt / heldout.txt mixes and shards)")
-    tok.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
+    tok = commands.add_parser("tokenize", help="documents -> uint32 token shards + mix file(s)")
+    tok.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt (one document), .jsonl, .jsonl.gz, .json.gz")
+    tok.add_argument("--out", required=True, help="output folder: train.txt (heldout.txt) mixes and shards")
     tok.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out, by content hash")
     tok.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     tok.add_argument("--processes", type=int, default=None, help="worker processes (default: all cores)")
     ben = commands.add_parser("bench", help="tokenize and loader throughput")
-    ben.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
+    for command in (tok, ben):
+        command.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
     args = parser.parse_args(argv)
     if args.command == "tokenize":
-        for mix in tokenize_files(args.inputs, args.out, args.tokenizer, args.heldout, args.shard_tokens, args.processes):
-            print(mix)
+        mixes = tokenize_files(args.inputs, args.out, args.tokenizer, args.heldout, args.shard_tokens, args.processes)
+        print("\n".join(mixes))
     else:
         bench(args.tokenizer)
 

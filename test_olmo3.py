@@ -10,7 +10,11 @@ if os.path.isdir(os.path.join(_SHARED, "tiktoken")):
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(_SHARED, "tiktoken"))
 
 import dataclasses
+import gzip
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -20,9 +24,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import convert
+import data
 import olmo3
 
 TINY = olmo3.PRESETS["tiny"]
+SHAKESPEARE = os.path.join(_SHARED, "tinyshakespeare.txt")
 
 
 # ----------------------------------------------------------------------------- model and converter
@@ -163,6 +169,453 @@ def test_mesh_errors_are_one_line():
         olmo3.shardings(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
 
 
+# ----------------------------------------------------------------------------- data
+
+
+def write_tokens(path, tokens):
+    np.asarray(tokens, np.uint32).astype("<u4").tofile(path)
+    return str(path)
+
+
+def documents(paths, eos):
+    """The documents (token arrays, EOS removed) in the concatenation of token files."""
+    tokens = np.concatenate([np.fromfile(p, "<u4") for p in paths]) if paths else np.zeros(0, np.uint32)
+    assert len(tokens) == 0 or tokens[-1] == eos  # every document ends with EOS
+    return [d[:-1] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]]
+
+
+def texts(paths, tokenizer_name):
+    """The documents of token files, decoded."""
+    tok = data.get_tokenizer(tokenizer_name)
+    if tokenizer_name == "bytes":  # fast path for tens of MB
+        return [d.astype(np.uint8).tobytes().decode() for d in documents(paths, tok.eos_id)]
+    return [tok.decode(d.tolist()) for d in documents(paths, tok.eos_id)]
+
+
+def shard_state(directory):
+    return {p: (os.stat(os.path.join(directory, p)).st_mtime_ns, os.stat(os.path.join(directory, p)).st_ino)
+            for p in sorted(os.listdir(directory))}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OLMO3_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def test_bytes_tokenizer_round_trip_with_specials():
+    tok = data.get_tokenizer("bytes")
+    assert (tok.name, tok.vocab_size, tok.eos_id, tok.pad_id) == ("bytes", 258, 256, 257)
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text
+    assert tok.decode(ids + [256] + ids + [257]) == text + "<|endoftext|>" + text + "<|pad|>"
+    assert 256 not in tok.encode("<|endoftext|>")  # special strings in text are ordinary text
+    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut UTF-8 sequence decodes with errors="replace"
+
+
+def test_dolma2_matches_cl100k_and_knows_olmo_specials():
+    import tiktoken
+    tok = data.get_tokenizer("dolma2")
+    cl100k = tiktoken.get_encoding("cl100k_base")
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id) == (100278, 100257, 100277)
+    texts = ["Hello world!", "def f(x):\n    return x ** 2  # square\n", "naïve café 数学 🙂", "  spaces\t\ttabs\r\n",
+             open(SHAKESPEARE, encoding="utf-8").read()[:5000]]
+    for text in texts:
+        assert tok.encode(text) == cl100k.encode_ordinary(text) == cl100k.encode(text, disallowed_special=())
+        assert tok.decode(tok.encode(text)) == text
+    for name, i in [("<|endoftext|>", 100257), ("<|fim_prefix|>", 100258), ("<|fim_middle|>", 100259),
+                    ("<|fim_suffix|>", 100260), ("<|endofprompt|>", 100276), ("<|pad|>", 100277)]:
+        assert tok.decode([i]) == name
+        assert i not in tok.encode(f"a {name} b")  # never parsed as a special token
+    assert tok.decode(tok.encode("hi") + [100257] + tok.encode("there")) == "hi<|endoftext|>there"
+    assert sorted(data.DOLMA2_SPECIAL_TOKENS.values()) == list(range(100256, 100278))
+    assert max(tok.encode("".join(map(chr, range(32, 0x3000))))) < 100256
+
+
+def test_dolma2_offline_without_cache_is_one_line_error(monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    data.get_tokenizer.cache_clear()
+    try:
+        with pytest.raises(SystemExit, match="error: .*cl100k_base.*TIKTOKEN_CACHE_DIR"):
+            data.get_tokenizer("dolma2")
+    finally:
+        data.get_tokenizer.cache_clear()
+    with pytest.raises(SystemExit, match="error: unknown tokenizer"):
+        data.get_tokenizer("gpt2")
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+def make_inputs(tmp_path, n=400):
+    """Three inputs in three formats, with a few duplicated documents across and within files."""
+    docs = [f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 17 + 1) for i in range(n)]
+    docs += docs[:20]  # duplicates must land on the same side of the split
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for i, d in enumerate(docs[: n // 2]):
+            f.write(json.dumps({"id": i, "text": d}) + "\n")
+        f.write("\n")  # blank lines are skipped
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        for d in docs[n // 2:]:
+            f.write(json.dumps({"text": d}) + "\n")
+    whole_file = "a whole file is one document\n\nstill the same one"
+    (tmp_path / "c.txt").write_text(whole_file)
+    return [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.txt")], docs + [whole_file]
+
+
+def test_tokenize_heldout_split_is_disjoint_by_content(tmp_path):
+    inputs, docs = make_inputs(tmp_path)
+    out = tmp_path / "out"
+    data.main(["tokenize", *inputs, "--out", str(out), "--tokenizer", "bytes", "--heldout", "0.2",
+               "--shard-tokens", "5000", "--processes", "1"])
+    train, heldout = data.resolve_source(str(out), "bytes"), data.resolve_source(str(out / "heldout.txt"), "bytes")
+    assert len(train) > 3 and all(os.path.getsize(p) <= 5000 * 4 for p in train)
+    train_docs, heldout_docs = set(texts(train, "bytes")), set(texts(heldout, "bytes"))
+    assert train_docs and heldout_docs and not train_docs & heldout_docs
+    assert train_docs | heldout_docs == set(docs)
+    assert 0.1 < len(heldout_docs) / len(set(docs)) < 0.3
+    assert heldout_docs == {d for d in docs if data.is_heldout(d.encode(), 0.2)}
+    mix_lines = (out / "train.txt").read_text().splitlines()
+    assert all("," in line and line.split(",", 1)[1].startswith("train/") for line in mix_lines)
+
+
+def test_tokenize_dolma2_appends_eos_after_every_document(tmp_path):
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one doc", "two <|endoftext|>"]))
+    (mix,) = data.tokenize_files([tmp_path / "x.jsonl"], tmp_path / "out", "dolma2", processes=1)
+    tok = data.get_tokenizer("dolma2")
+    tokens = np.fromfile(data.resolve_source(mix)[0], "<u4").tolist()
+    assert tokens == tok.encode("one doc") + [100257] + tok.encode("two <|endoftext|>") + [100257]
+
+
+def test_is_heldout_is_a_stable_content_hash():
+    texts = [f"doc {i}" for i in range(20000)]
+    for fraction in (0.05, 0.5):
+        assert abs(np.mean([data.is_heldout(t.encode(), fraction) for t in texts]) - fraction) < 0.01
+    assert not any(data.is_heldout(t.encode(), 0.0) for t in texts[:100])
+    # the same in another process with another string-hash seed (Python's hash() would not be)
+    script = "import data; print([data.is_heldout(f'doc {i}'.encode(), 0.5) for i in range(200)])"
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    other = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.abspath(data.__file__)),
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert other == str([data.is_heldout(t.encode(), 0.5) for t in texts[:200]])
+
+
+def test_tokenize_is_deterministic_across_process_counts(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 20_000)  # many chunks per input, so order across workers matters
+    inputs, _ = make_inputs(tmp_path, n=3000)
+    outs = []
+    for processes in (1, 2):
+        out = tmp_path / f"out{processes}"
+        data.tokenize_files(inputs, out, "dolma2", heldout=0.1, shard_tokens=7000, processes=processes)
+        outs.append(out)
+    files = sorted(os.path.relpath(os.path.join(d, f), outs[0]) for d, _, fs in os.walk(outs[0]) for f in fs)
+    assert sum(f.endswith(".npy") for f in files) > 4
+    for f in files:  # shards, mixes and manifests
+        assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
+    assert files == sorted(os.path.relpath(os.path.join(d, f), outs[1]) for d, _, fs in os.walk(outs[1]) for f in fs)
+
+
+def test_tokenize_resume_skips_finished_inputs(tmp_path):
+    inputs, _ = make_inputs(tmp_path)
+    out = tmp_path / "out"
+    data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
+    before = shard_state(out / "train")
+    mix_before = (out / "train.txt").read_bytes()
+    data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
+    assert shard_state(out / "train") == before  # nothing rewritten
+    # an interrupted run: input b got no manifest (and left a partial .tmp shard) -> only b is redone
+    (manifest_b,) = [p for p in os.listdir(out) if p.startswith("b-") and p.endswith(".manifest.json")]
+    os.remove(out / manifest_b)
+    (out / "train" / "b-partial.npy.tmp").write_bytes(b"junk")
+    data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
+    after = shard_state(out / "train")
+    redone = {p for p in before if after[p] != before[p]}
+    assert redone and all(p.startswith("b-") for p in redone)
+    assert (out / "train.txt").read_bytes() == mix_before
+    assert [p for p in os.listdir(out / "train") if p.endswith(".tmp")] == ["b-partial.npy.tmp"]  # no new ones
+
+
+def test_tokenize_errors_are_one_line(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(SystemExit, match=r"error: no documents in .*empty\.jsonl"):
+        data.tokenize_files([tmp_path / "empty.jsonl"], tmp_path / "o1", "bytes", processes=1)
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no text field"}\n')
+    with pytest.raises(SystemExit, match=r"error: .*bad\.jsonl line 2 .*'text'"):
+        data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o2", "bytes", processes=1)
+    with pytest.raises(SystemExit, match=r"error: .*bad\.jsonl line 2 "):  # also through worker processes
+        data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o3", "bytes", processes=2)
+    with pytest.raises(SystemExit, match=r"error: input .*missing\.jsonl does not exist"):
+        data.tokenize_files([tmp_path / "missing.jsonl"], tmp_path / "o4", "bytes")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(SystemExit, match=r"error: input .*x\.csv is not"):
+        data.tokenize_files([tmp_path / "x.csv"], tmp_path / "o5", "bytes")
+    with pytest.raises(SystemExit, match="error: --heldout"):
+        data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o6", "bytes", heldout=1.5)
+
+
+# ----------------------------------------------------------------------------- default corpora
+
+@pytest.fixture(scope="module")
+def stdlib_bytes(tmp_path_factory):
+    """The stdlib corpus with the bytes tokenizer, prepared once for this module in a fresh cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OLMO3_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield data.corpus("stdlib", "bytes")
+
+
+def test_stdlib_corpus_split_is_disjoint_and_complete(stdlib_bytes):
+    train, heldout = stdlib_bytes
+    train_docs, heldout_docs = texts(train, "bytes"), texts(heldout, "bytes")
+    assert not set(train_docs) & set(heldout_docs)
+    sources = {open(f, "rb").read().decode("utf-8", "replace") for f in data._stdlib_files()} - {""}
+    assert set(train_docs) | set(heldout_docs) == sources
+    assert 0.02 < len(heldout_docs) / (len(train_docs) + len(heldout_docs)) < 0.09  # about 5%
+    assert sum(os.path.getsize(p) for p in train) > 10e6  # the stdlib is tens of MB of source
+
+
+def test_stdlib_files_are_the_standard_library_only():
+    import sysconfig
+    files = data._stdlib_files()
+    root = sysconfig.get_paths()["stdlib"]
+    assert files == sorted(files) and os.path.join(root, "os.py") in files
+    assert os.path.join(root, "json", "__init__.py") in files
+    assert not [f for f in files if {"site-packages", "dist-packages"} & set(f.split(os.sep))]
+
+
+def test_stdlib_corpus_is_cached(stdlib_bytes, capsys):
+    state = {p: os.stat(p).st_mtime_ns for p in stdlib_bytes[0] + stdlib_bytes[1]}
+    assert data.corpus("stdlib", "bytes") == stdlib_bytes
+    assert {p: os.stat(p).st_mtime_ns for p in state} == state
+    assert "stdlib corpus:" in capsys.readouterr().err
+
+
+def test_shakespeare_corpus_from_seeded_cache(cache, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("must not download when the file is cached")
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", no_network)
+    os.makedirs(os.path.dirname(data.shakespeare_path()), exist_ok=True)
+    shutil.copy(SHAKESPEARE, data.shakespeare_path())
+    train, heldout = data.corpus("shakespeare", "dolma2")
+    train_docs, heldout_docs = texts(train, "dolma2"), texts(heldout, "dolma2")
+    assert train_docs and heldout_docs and not set(train_docs) & set(heldout_docs)
+    passages = [p for p in open(SHAKESPEARE, encoding="utf-8").read().split("\n\n") if p.strip()]
+    assert passages[0].startswith("First Citizen:") and len(train_docs) + len(heldout_docs) == len(passages)
+    assert set(train_docs) | set(heldout_docs) == set(passages)
+
+
+def test_shakespeare_offline_and_not_cached_is_one_line_error(cache, monkeypatch):
+    def offline(*args, **kwargs):
+        raise data.urllib.error.URLError("offline")
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit, match="error: could not download TinyShakespeare.*put the file at .*tinyshakespeare"):
+        data.corpus("shakespeare", "bytes")
+
+
+# ----------------------------------------------------------------------------- mixes and sources
+
+def test_read_mix_and_resolve_source(tmp_path):
+    (tmp_path / "dolma2").mkdir()
+    a = write_tokens(tmp_path / "dolma2" / "a.npy", range(10))
+    b = write_tokens(tmp_path / "b.npy", range(4))
+    (tmp_path / "mix.txt").write_text("# a comment\n\nx,{TOKENIZER}/a.npy\n  y , b.npy \n")
+    assert data.read_mix(str(tmp_path / "mix.txt")) == [a, b]
+    assert data.read_mix(str(tmp_path / "mix.txt"), base_dir="/base", tokenizer="t") == ["/base/t/a.npy", "/base/b.npy"]
+    assert data.resolve_source(str(tmp_path / "mix.txt"), "dolma2") == [a, b]
+    assert data.resolve_source([a, b], "dolma2") == [a, b]
+    c = write_tokens(tmp_path / "c.npy", range(8))
+    assert data.resolve_source(str(tmp_path / "*.npy"), "dolma2") == [b, c]  # sorted
+    os.rename(tmp_path / "mix.txt", tmp_path / "train.txt")
+    assert data.resolve_source(str(tmp_path), "dolma2") == [a, b]
+
+
+def test_source_errors_are_one_line(tmp_path):
+    (tmp_path / "mix.txt").write_text("x,missing.npy\n")
+    with pytest.raises(SystemExit, match=r"error: token file .*missing\.npy does not exist"):
+        data.resolve_source(str(tmp_path / "mix.txt"), "dolma2")
+    with pytest.raises(SystemExit, match=r"error: token file .*missing\.npy does not exist"):
+        data.Loader(str(tmp_path / "mix.txt"), 4, 1, seed=0)
+    (tmp_path / "odd.npy").write_bytes(b"\0" * 10)
+    with pytest.raises(SystemExit, match=r"error: .*odd\.npy has 10 bytes, not a multiple of 4"):
+        data.resolve_source([str(tmp_path / "odd.npy")], "dolma2")
+    with pytest.raises(SystemExit, match="error: no token files"):
+        data.resolve_source(str(tmp_path / "*.nothing"), "dolma2")
+    (tmp_path / "bad.txt").write_text("no comma here\n")
+    with pytest.raises(SystemExit, match=r"error: .*bad\.txt line 1"):
+        data.read_mix(str(tmp_path / "bad.txt"))
+    with pytest.raises(SystemExit, match=r"error: mix file .*nope\.txt does not exist"):
+        data.resolve_source(str(tmp_path / "nope.txt"), "dolma2")
+
+
+# ----------------------------------------------------------------------------- loader
+
+def three_files(tmp_path):
+    """Token files of different lengths with unique tokens (so every instance is recognisable)."""
+    lengths = [103, 57, 200]
+    return [write_tokens(tmp_path / f"f{i}.npy", 10_000 * (i + 1) + np.arange(n)) for i, n in enumerate(lengths)]
+
+
+def expected_batch(files, seq_len, global_batch, seed, step, rank, world):
+    """The rule, stated independently: instances are whole seq_len slices of each file (tails dropped),
+    concatenated in file order; epoch e (from 1) shuffles arange(N) with PCG64(seed + e)."""
+    instances = np.concatenate([t[: len(t) // seq_len * seq_len].reshape(-1, seq_len)
+                                for t in (np.fromfile(f, "<u4") for f in files)])
+    steps_per_epoch = len(instances) // global_batch
+    order = np.arange(len(instances), dtype=np.uint32)
+    np.random.Generator(np.random.PCG64(seed + step // steps_per_epoch + 1)).shuffle(order)
+    index = step % steps_per_epoch
+    return instances[order[index * global_batch: (index + 1) * global_batch]][rank::world]
+
+
+def test_order_and_rank_slicing_follow_olmo_core(tmp_path):
+    files = three_files(tmp_path)
+    seq_len, global_batch, seed = 8, 6, 34521
+    loader = data.Loader(files, seq_len, global_batch, seed)
+    assert loader.num_instances == 103 // 8 + 57 // 8 + 200 // 8 == 44
+    assert loader.steps_per_epoch == 44 // 6 == 7
+    for world in (1, 2, 3):
+        for rank in range(world):
+            loader = data.Loader(files, seq_len, global_batch, seed, rank=rank, world=world)
+            for step in range(0, 3 * loader.steps_per_epoch + 2):  # three epochs and a bit
+                inputs, labels = loader.batch(step)
+                want = expected_batch(files, seq_len, global_batch, seed, step, rank, world)
+                assert inputs.dtype == labels.dtype == np.int32 and inputs.shape == (global_batch // world, seq_len)
+                np.testing.assert_array_equal(inputs, want)
+                np.testing.assert_array_equal(labels[:, :-1], want[:, 1:])
+                assert (labels[:, -1] == -100).all()
+
+
+def test_epochs_use_different_orders_and_truncate(tmp_path):
+    loader = data.Loader(three_files(tmp_path), 8, 6, seed=1)
+    first = {tuple(r) for s in range(7) for r in loader.batch(s)[0]}
+    second = {tuple(r) for s in range(7, 14) for r in loader.batch(s)[0]}
+    assert len(first) == len(second) == 42 and first != second  # 44 instances, 2 dropped per epoch
+    assert not np.array_equal(loader.batch(0)[0], loader.batch(7)[0])
+
+
+def test_two_ranks_cover_exactly_the_global_batch(tmp_path):
+    files = three_files(tmp_path)
+    for step in (0, 5, 9):
+        whole = data.Loader(files, 8, 6, seed=3).batch(step)[0]
+        parts = [data.Loader(files, 8, 6, seed=3, rank=r, world=2).batch(step)[0] for r in range(2)]
+        assert sorted(map(tuple, np.concatenate(parts))) == sorted(map(tuple, whole))
+        np.testing.assert_array_equal(parts[0], whole[0::2])
+
+
+def test_iterate_equals_direct_batches_across_epoch_boundary(tmp_path):
+    loader = data.Loader(three_files(tmp_path), 8, 6, seed=5, rank=1, world=2)
+    fresh = data.Loader(three_files(tmp_path), 8, 6, seed=5, rank=1, world=2)
+    seen = list(loader.iterate(4, 16))  # steps_per_epoch is 7: crosses into epochs 2 and 3
+    assert [s for s, _, _ in seen] == list(range(4, 16))
+    for step, inputs, labels in seen:
+        want_inputs, want_labels = fresh.batch(step)
+        np.testing.assert_array_equal(inputs, want_inputs)
+        np.testing.assert_array_equal(labels, want_labels)
+    stream = loader.iterate(100)  # open-ended; stopping early must not hang
+    assert next(stream)[0] == 100
+    stream.close()
+
+
+def test_iterate_reraises_errors_from_the_background_thread(tmp_path):
+    files = [write_tokens(tmp_path / "big.npy", np.full(64, 300))]
+    loader = data.Loader(files, 8, 2, seed=0, vocab_size=258)
+    with pytest.raises(SystemExit, match=r"error: token id 300 >= vocab_size 258 in .*big\.npy"):
+        for _ in loader.iterate(0, 3):
+            pass
+
+
+def test_loader_errors_are_one_line(tmp_path):
+    files = three_files(tmp_path)
+    with pytest.raises(SystemExit, match="error: the corpus has 44 instances of 8 tokens but one global batch needs 64"):
+        data.Loader(files, 8, 64, seed=0)
+    with pytest.raises(SystemExit, match="error: global batch 6 is not divisible by world size 4"):
+        data.Loader(files, 8, 6, seed=0, world=4)
+    with pytest.raises(SystemExit, match="error: rank 2 is out of range for world size 2"):
+        data.Loader(files, 8, 6, seed=0, rank=2, world=2)
+    with pytest.raises(SystemExit, match="error: seq_len 1 < 2"):
+        data.Loader(files, 1, 6, seed=0)
+    bad = files + [write_tokens(tmp_path / "wide.npy", np.full(80, 100_400))]
+    loader = data.Loader(bad, 8, 6, seed=0, vocab_size=100_278)
+    with pytest.raises(SystemExit, match=r"error: token id 100400 >= vocab_size 100278 in .*wide\.npy"):
+        for step in range(loader.steps_per_epoch):
+            loader.batch(step)
+
+
+def test_loader_on_tokenized_corpus(stdlib_bytes):
+    train, _ = stdlib_bytes
+    loader = data.Loader(train, 1024, 8, seed=0, rank=1, world=2, vocab_size=258)
+    for step in (0, 123, loader.steps_per_epoch + 7):
+        inputs, labels = loader.batch(step)
+        np.testing.assert_array_equal(inputs, expected_batch(train, 1024, 8, 0, step, 1, 2))
+        assert inputs.max() < 258 and (labels[:, -1] == -100).all()
+
+
+# ----------------------------------------------------------------------------- repetition filter
+
+def test_find_periodic_sequences_matches_reference_cases():
+    # cases and expected values from dolma's tests/python/test_repetitions.py (same algorithm as OLMo-core)
+    digits = lambda s: np.array(list(map(int, s)))
+    cases = [("5000007", 1, 1, [(1, 6, 1, 5)]),
+             ("501010127", 2, 2, [(1, 7, 2, 3)]),
+             ("5301040104010401", 4, 4, [(2, 16, 4, 3)]),
+             ("04004004004030", 3, 3, [(0, 12, 3, 4)]),
+             ("004646464639955055055046550", 2, 3, [(2, 10, 2, 4), (13, 22, 3, 3)]),
+             ("123456789", 1, 10, []),
+             ("112233445566778899", 1, 10, [])]
+    for s, lo, hi, want in cases:
+        got = list(data.find_periodic_sequences(digits(s), max_period=hi, min_period=lo))
+        assert [tuple(r) for r in got] == want, s
+    with pytest.raises(ValueError):
+        list(data.find_periodic_sequences(np.array([1, -1, 2]), 3))
+
+
+def planted(period, repeats, length=600, seed=0):
+    rng = np.random.default_rng(seed + 1000 * period + repeats)
+    tokens = rng.integers(1000, 100_000, size=length)  # random background: no accidental repeats
+    pattern = rng.permutation(np.arange(1, 1 + period))  # distinct ids: the smallest period is `period`
+    run = np.tile(pattern, repeats)
+    tokens[37: 37 + len(run)] = run
+    return tokens
+
+
+def test_has_repetition_threshold_and_max_period():
+    for period in range(1, 16):
+        for repeats in (31, 32):
+            tokens = planted(period, repeats)
+            caught = period <= 13 and repeats >= 32
+            assert data.has_repetition(tokens) == caught, (period, repeats)
+            runs = [r for r in data.find_periodic_sequences(tokens, 13) if r.period == period]
+            if period <= 13:
+                assert [(r.start, r.end, r.times) for r in runs] == [(37, 37 + period * repeats, repeats)]
+    assert not data.has_repetition(np.arange(5000))
+    assert data.has_repetition(np.full(40, 7, np.uint32))  # uint32 input: the -1 padding must still work
+
+
+def test_repetition_filter_masks_whole_instances(tmp_path):
+    seq_len = 256
+    rows = [planted(5, 32, length=seq_len, seed=s) if s % 3 == 0 else planted(5, 31, length=seq_len, seed=s)
+            for s in range(12)]
+    files = [write_tokens(tmp_path / "rep.npy", np.concatenate(rows))]
+    plain = data.Loader(files, seq_len, 12, seed=0)
+    filtered = data.Loader(files, seq_len, 12, seed=0, repetition_filter=True)
+    inputs, labels = filtered.batch(0)
+    plain_inputs, plain_labels = plain.batch(0)
+    np.testing.assert_array_equal(inputs, plain_inputs)
+    masked = (labels == -100).all(axis=1)
+    assert masked.sum() == 4
+    for row, is_masked in zip(inputs, masked):
+        assert is_masked == data.has_repetition(row)
+    np.testing.assert_array_equal(labels[~masked], plain_labels[~masked])
+
+
 # ----------------------------------------------------------------------------- training
 
 import train  # noqa: E402
@@ -282,8 +735,6 @@ def test_two_processes_match_one(tmp_path, token_files):
     """Multi-host: two processes on loopback (CPU collectives), one device each, each loading only
     its half of every batch, against one process with two devices: the same losses."""
     import socket
-    import subprocess
-    import sys
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
