@@ -158,12 +158,12 @@ def _write_atomic(path, data):
 
 def _ordered_map(func, jobs, processes):
     """map(func, *job) for each job on `processes` worker processes: results in order, a bounded number
-    in flight, worker exceptions (SystemExit too) re-raised here. fork: workers start at once and never
-    re-run the caller's script (a caller with jax threads running should use one process)."""
+    in flight, worker exceptions (SystemExit too) re-raised here. Workers are spawned, not forked:
+    a fork of a process whose JAX threads are running can deadlock."""
     if processes <= 1:
         yield from (func(*job) for job in jobs)
         return
-    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
         pending = collections.deque()
         for job in jobs:
