@@ -277,19 +277,44 @@ def attention(q, k, v, window: int | None, cfg: Config):
     return attention_reference(q, k, v, window)
 
 
+@jax.custom_vjp
+def dense(x, w):
+    """x [..., in] @ w [in, out]: one 2-D matmul on compute-dtype inputs accumulating in fp32,
+    forward and backward (autodiff alone would run the backward matmuls in fp32). On CPU both
+    matter: 3-D matmuls run at half speed and only bf16 -> fp32 dots use the AMX units."""
+    return _matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def _matmul(a, b, out_dtype=None):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(out_dtype or a.dtype)
+
+
+def _dense_fwd(x, w):
+    return dense(x, w), (x, w)
+
+
+def _dense_bwd(saved, dy):
+    x, w = saved
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]).astype(x.dtype)
+    return _matmul(dy2, w.T).reshape(x.shape), _matmul(x2.T, dy2, w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
 def attention_block(p, x, window, rope, cfg: Config):
     B, T, _ = x.shape
-    q = rms_norm(x @ p["q"], p["q_norm"], cfg.norm_eps)   # QK-norm over the whole projection,
-    k = rms_norm(x @ p["k"], p["k_norm"], cfg.norm_eps)   # before splitting heads and before RoPE
-    v = x @ p["v"]
+    q = rms_norm(dense(x, p["q"]), p["q_norm"], cfg.norm_eps)   # QK-norm over the whole projection,
+    k = rms_norm(dense(x, p["k"]), p["k_norm"], cfg.norm_eps)   # before splitting heads and before RoPE
+    v = dense(x, p["v"])
     q = apply_rope(q.reshape(B, T, cfg.n_heads, cfg.head_dim), *rope)
     k = apply_rope(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), *rope)
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    return attention(q, k, v, window, cfg).reshape(B, T, -1) @ p["o"]
+    return dense(attention(q, k, v, window, cfg).reshape(B, T, -1), p["o"])
 
 
 def mlp_block(p, x):
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+    return dense(jax.nn.silu(dense(x, p["gate"])) * dense(x, p["up"]), p["down"])
 
 
 def block(p, x, window, rope, cfg: Config):
