@@ -260,21 +260,104 @@ def apply_rope(x, cos, sin):
     return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
+def visible(q_pos, k_pos, window: int | None):
+    """Key j is visible to query i iff j <= i and, in a sliding layer, i - j < window."""
+    return (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+
+
 def attention_reference(q, k, v, window: int | None):
-    """Plain softmax attention. q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K.
-    Key j is visible to query i iff j <= i and (no window, or i - j < window)."""
+    """Plain softmax attention over the whole [T, T] score matrix: the definition, and fastest on
+    CPU for short sequences. q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K."""
     B, T, H, Dh = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, H // K, Dh)  # head h reads kv head h // (H // K), as HF's repeat_kv
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * Dh ** -0.5
-    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    visible = (j <= i) & ((i - j < window) if window else True)
-    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    mask = visible(jnp.arange(T)[:, None], jnp.arange(T)[None, :], window)
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, Dh)
 
 
+def attention_blockwise(q, k, v, window: int | None, block: int = 512):
+    """Memory-efficient attention in pure JAX. Queries go in blocks of c; each query block runs an
+    online softmax over only the key blocks it can see (causal: blocks 0..i; sliding window: the
+    1 + ceil((W-1)/c) blocks the window reaches), so work and memory are O(T x visible keys).
+    Each query block is rematerialised in the backward pass, like flash attention."""
+    B, T, H, Dh = q.shape
+    K, G = k.shape[2], H // k.shape[2]
+    c = math.gcd(T, block)
+    n = T // c
+    reach = n if window is None else min(n, 1 + -(-(window - 1) // c))
+    qb = q.reshape(B, n, c, K, G, Dh).transpose(1, 0, 3, 4, 2, 5)  # [n, B, K, G, c, Dh]
+    kb, vb = (x.reshape(B, n, c, K, Dh).transpose(1, 0, 3, 2, 4) for x in (k, v))  # [n, B, K, c, Dh]
+    offsets = jnp.arange(c)
+
+    def query_block(i, q_i):
+        def visit(carry, t):
+            j = i - reach + 1 + t  # the key block; < 0 means before the sequence start
+
+            def attend(carry):
+                m, l, acc = carry
+                s = jnp.einsum("bkgqd,bksd->bkgqs", q_i, kb[j], preferred_element_type=jnp.float32) * Dh ** -0.5
+                mask = visible(i * c + offsets[:, None], j * c + offsets[None, :], window)
+                s = jnp.where(mask, s, -1e30)  # finite, so a row with nothing visible yet stays NaN-free
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                scale = jnp.exp(m - m_new)
+                pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vb[j], preferred_element_type=jnp.float32)
+                return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
+            return jax.lax.cond(j >= 0, attend, lambda carry: carry, carry), None
+        init = (jnp.full(q_i.shape[:-1], -1e30), jnp.zeros(q_i.shape[:-1]), jnp.zeros(q_i.shape, jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(visit, init, jnp.arange(reach))
+        return (acc / l[..., None]).astype(q.dtype)
+    out = jax.lax.map(lambda args: jax.checkpoint(query_block)(*args), (jnp.arange(n), qb))
+    return out.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
+
+
+def attention_cudnn(q, k, v, window: int | None):
+    """NVIDIA: cuDNN's fused flash attention with a causal local window (bf16/fp16 only)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                        local_window_size=None if window is None else (window - 1, 0))
+
+
+def attention_splash(q, k, v, window: int | None, interpret: bool = False):
+    """TPU: the Pallas splash-attention kernel with a causal or local mask, run per device under
+    shard_map (batch over data/fsdp, heads over tensor). interpret=True runs it on CPU, for tests."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    T, Dh = q.shape[1], q.shape[3]
+    mask = masks.CausalMask((T, T)) if window is None else masks.LocalMask((T, T), (window - 1, 0), 0)
+    block = math.gcd(T, 512)
+    sizes = splash.BlockSizes(block, block, block, block, block, block, block, block)
+
+    def local(q, k, v):  # one device's shard: [b, T, h, Dh] -> the kernel's [h, T, Dh], vmapped over b
+        kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * q.shape[2]), block_sizes=sizes,
+                                        head_shards=1, q_seq_shards=1, interpret=interpret)
+        heads_first = lambda x: x.transpose(0, 2, 1, 3)
+        return heads_first(jax.vmap(kernel)(heads_first(q * Dh ** -0.5), heads_first(k), heads_first(v)))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q, k, v)
+    spec = logical_to_spec(("batch", None, "heads", None))
+    return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+
+
+ATTENTION = {"reference": attention_reference, "blockwise": attention_blockwise,
+             "cudnn": attention_cudnn, "splash": attention_splash}
+
+
 def attention(q, k, v, window: int | None, cfg: Config):
-    return attention_reference(q, k, v, window)
+    """cfg.attention picks the implementation; "auto" takes the maintained kernel of the backend
+    (cuDNN on NVIDIA GPUs with bf16, splash on TPU), else the reference for short sequences and
+    the blockwise path for long ones."""
+    name = cfg.attention
+    if name == "auto":
+        backend = jax.default_backend()
+        name = ("splash" if backend == "tpu" else
+                "cudnn" if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else
+                "reference" if q.shape[1] <= 2048 else "blockwise")
+    if name not in ATTENTION:
+        raise SystemExit(f"error: attention {name!r} unknown; use auto, {', '.join(ATTENTION)}")
+    return ATTENTION[name](q, k, v, window)
 
 
 @jax.custom_vjp

@@ -1,0 +1,165 @@
+"""Benchmarks: our training step against Hugging Face transformers + torch.optim.AdamW, and data.py.
+
+    python bench.py                 # tiny and wide configs, fp32 and bf16 compute, on this machine
+    python bench.py --data          # tokenize MB/s and loader tokens/s (see data.bench)
+
+Each framework runs in its own process (so peak memory is its own), the two are alternated
+rep by rep (so machine drift hits both), and medians are reported. The last line is
+`worst ratio ours/pytorch: X.XX`, the minimum over configurations and dtypes.
+"""
+import argparse
+import dataclasses
+import multiprocessing
+import os
+import resource
+import statistics
+import sys
+import time
+
+CONFIGS = {  # name -> (Config overrides of the tiny preset, batch)
+    "tiny": ({}, 32),
+    "wide": (dict(d_model=1024, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=128, mlp_hidden=2816,
+                  seq_len=1024, sliding_window=256), 4),
+}
+
+
+def model_config(name, dtype):
+    import olmo3
+    overrides, batch = CONFIGS[name]
+    return dataclasses.replace(olmo3.PRESETS["tiny"], compute_dtype=dtype, global_batch=batch, **overrides)
+
+
+def jax_worker(conn, name, dtype):
+    """Our step exactly as train.py runs it (AdamW, clipping, spike guard, z-loss) on one device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import olmo3
+    import train
+    cfg = model_config(name, dtype)
+    mesh = olmo3.make_mesh(fsdp=1)
+    with jax.set_mesh(mesh):
+        state = train.init_state(cfg, mesh)
+        step, _, batch_sharding = train.compile_steps(cfg, mesh, train.shardings_of(train.abstract_state(cfg, mesh)))
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len), dtype=np.int32)
+        x = jax.device_put(tokens, batch_sharding)
+        labels = jax.device_put(np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1), batch_sharding)
+        state, metrics = step(state, x, labels)
+        jax.block_until_ready(metrics)
+        n = 4096  # this machine's matmul peak in this dtype (bf16 inputs accumulate in fp32)
+        a = jnp.ones((n, n), dtype)
+        matmul = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
+        matmul(a).block_until_ready()
+        conn.send("ready")
+        while (k := conn.recv()) is not None:
+            start = time.perf_counter()
+            for _ in range(k):
+                state, metrics = step(state, x, labels)
+            jax.block_until_ready(metrics)
+            step_time = (time.perf_counter() - start) / k
+            start = time.perf_counter()
+            matmul(a).block_until_ready()
+            conn.send((step_time, 2 * n ** 3 / (time.perf_counter() - start)))
+    conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def torch_worker(conn, name, dtype):
+    """transformers' Olmo3ForCausalLM, the same config and padded vocab, torch.optim.AdamW with the
+    same hyperparameters and clipping; bf16 compute through torch.autocast, fp32 master weights.
+    Both attention implementations are tried and the faster one is used."""
+    import torch
+    import transformers
+    import convert
+    cfg = model_config(name, dtype)
+    torch.manual_seed(0)
+    hf = {k: v for k, v in convert.config_to_hf(cfg).items() if k not in ("architectures", "model_type", "dtype")}
+    model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**hf | {"vocab_size": cfg.padded_vocab}))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    x = torch.randint(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss = model(x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    timings = {}
+    for implementation in ("eager", "sdpa"):
+        model.config._attn_implementation = implementation
+        step()
+        start = time.perf_counter()
+        step()
+        timings[implementation] = time.perf_counter() - start
+    model.config._attn_implementation = min(timings, key=timings.get)
+    conn.send("ready")
+    while (k := conn.recv()) is not None:
+        start = time.perf_counter()
+        for _ in range(k):
+            step()
+        conn.send(((time.perf_counter() - start) / k, model.config._attn_implementation))
+    conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def start(worker, *args):
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(target=worker, args=(child, *args), daemon=True)
+    process.start()
+    if parent.recv() != "ready":
+        raise SystemExit(f"error: {worker.__name__} did not start")
+    return parent, process
+
+
+def compare(name, dtype, reps, steps):
+    import olmo3
+    cfg = model_config(name, dtype)
+    ours, _ = start(jax_worker, name, dtype)
+    theirs, _ = start(torch_worker, name, dtype)
+    ours_t, peak_t, theirs_t = [], [], []
+    for _ in range(reps):  # alternate, so drift on this machine hits both alike
+        ours.send(steps)
+        step_time, peak = ours.recv()
+        ours_t.append(step_time)
+        peak_t.append(peak)
+        theirs.send(steps)
+        step_time, attention = theirs.recv()
+        theirs_t.append(step_time)
+    memory = []
+    for conn in (ours, theirs):
+        conn.send(None)
+        memory.append(conn.recv())
+    tokens = cfg.global_batch * cfg.seq_len
+    ours_s, theirs_s, peak = statistics.median(ours_t), statistics.median(theirs_t), statistics.median(peak_t)
+    flops = olmo3.flops_per_token(cfg, cfg.seq_len) * tokens / ours_s
+    row = dict(config=name, dtype=dtype, ours=tokens / ours_s, theirs=tokens / theirs_s, ratio=theirs_s / ours_s,
+               flops=flops, peak=peak, fraction=flops / peak, ours_mem=memory[0], theirs_mem=memory[1],
+               attention=attention)
+    print(f"{name:5s} {dtype:9s} | ours {row['ours']:9,.0f} tok/s | pytorch {row['theirs']:9,.0f} tok/s "
+          f"({attention}) | ratio {row['ratio']:.2f} | ours {flops / 1e9:6.1f} GFLOP/s = "
+          f"{100 * row['fraction']:4.1f}% of matmul peak {peak / 1e9:.0f} GFLOP/s | peak RSS ours "
+          f"{memory[0] / 2**30:.2f} GiB, pytorch {memory[1] / 2**30:.2f} GiB", flush=True)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="tiny,wide")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (medians reported)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps per repetition")
+    ap.add_argument("--data", action="store_true", help="benchmark data.py instead")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if args.data:
+        import data
+        return data.bench()
+    print(f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows (olmo3.flops_per_token)")
+    rows = [compare(name, dtype, args.reps, args.steps)
+            for name in args.configs.split(",") for dtype in args.dtypes.split(",")]
+    print(f"worst ratio ours/pytorch: {min(r['ratio'] for r in rows):.2f}")
+
+
+if __name__ == "__main__":
+    main()
