@@ -1,7 +1,7 @@
 """Benchmarks: our training step against Hugging Face transformers + torch.optim.AdamW, and data.py.
 
     python bench.py                 # tiny and wide configs, fp32 and bf16 compute, on this machine
-    python bench.py --data          # tokenize MB/s and loader tokens/s (see data.bench)
+    python bench.py --data          # data.py: tokenize MB/s and loader tokens/s
 
 Each framework runs in its own process (so peak memory is its own), the two are alternated
 rep by rep (so machine drift hits both), and medians are reported. The last line is
@@ -143,6 +143,39 @@ def compare(name, dtype, reps, steps):
     return row
 
 
+def bench_data(tokenizer):
+    """Tokenize throughput (the stdlib's source as JSON lines, all cores) and loader throughput up to
+    a 7b-shaped per-host batch (64 x 8192) over 384 MB of synthetic token files."""
+    import json
+    import shutil
+    import tempfile
+    import numpy as np
+    import data
+    tmp = tempfile.mkdtemp(prefix="olmo3-bench-")
+    try:
+        with open(os.path.join(tmp, "stdlib.jsonl"), "w") as f:
+            for path in data._stdlib_files():
+                f.write(json.dumps({"text": open(path, "rb").read().decode("utf-8", "replace")}) + "\n")
+        size, start = os.path.getsize(f.name), time.perf_counter()
+        data.tokenize_files([f.name], os.path.join(tmp, "out"), tokenizer)
+        print(f"tokenize: {size / 1e6:.1f} MB of JSON lines, {tokenizer}, {os.cpu_count()} cores: "
+              f"{size / 1e6 / (time.perf_counter() - start):.1f} MB/s")
+        rng, paths = np.random.default_rng(0), [os.path.join(tmp, f"synthetic-{i}.npy") for i in range(3)]
+        for path in paths:
+            rng.integers(0, 100278, size=32 << 20, dtype=np.uint32).tofile(path)
+        for seq_len, batch, repetition_filter in ((2048, 16, False), (8192, 64, False), (8192, 64, True)):
+            loader = data.Loader(paths, seq_len, batch, 34521, repetition_filter=repetition_filter, vocab_size=100278)
+            steps = rng.integers(0, 50 * loader.steps_per_epoch, size=20)  # random steps over many epochs
+            start = time.perf_counter()
+            for step in steps:
+                loader.batch(int(step))
+            seconds = (time.perf_counter() - start) / len(steps)
+            print(f"loader: {batch} x {seq_len}{' + repetition filter' if repetition_filter else ''}: "
+                  f"{seconds * 1e3:.1f} ms/batch = {batch * seq_len / seconds / 1e6:.1f} M tokens/s")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="tiny,wide")
@@ -150,11 +183,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (medians reported)")
     ap.add_argument("--steps", type=int, default=3, help="training steps per repetition")
     ap.add_argument("--data", action="store_true", help="benchmark data.py instead")
+    ap.add_argument("--tokenizer", default="dolma2", help="for --data")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.data:
-        import data
-        return data.bench()
+        return bench_data(args.tokenizer)
     print(f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows (olmo3.flops_per_token)")
     rows = [compare(name, dtype, args.reps, args.steps)
             for name in args.configs.split(",") for dtype in args.dtypes.split(",")]

@@ -9,11 +9,11 @@
    Labels are the inputs shifted left by one; the last position is ignored (-100).
 3. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through the same code path.
 
-Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05]   |   python data.py bench
+Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05]     (benchmark: python bench.py --data)
 Only numpy, tiktoken and the standard library: no jax here, so tokenize workers start fast.
 """
 import argparse, collections, concurrent.futures, contextlib, glob, gzip, hashlib, itertools, json
-import multiprocessing, os, queue, shutil, sys, sysconfig, tempfile, threading, time, urllib.request
+import multiprocessing, os, queue, sys, sysconfig, threading, time, urllib.request
 from functools import lru_cache
 
 import numpy as np
@@ -504,33 +504,7 @@ class Loader:
             stop.set()
 
 
-# ----------------------------------------------------------------------------- bench and CLI
-
-def bench(tokenizer="dolma2"):
-    """Tokenize throughput on the stdlib's source, loader throughput up to a 7b-shaped per-host batch."""
-    tmp = tempfile.mkdtemp(prefix="olmo3-bench-")
-    try:
-        files = _stdlib_files()
-        size, start = sum(map(os.path.getsize, files)), time.time()
-        source = Source("stdlib", "stdlib", "bench", size, lambda: _chunked(_numbered(map(_read_text, files))))
-        _tokenize([source], tmp, tokenizer, CORPUS_HELDOUT, DEFAULT_SHARD_TOKENS, _cores())
-        print(f"tokenize: {size / 1e6:.1f} MB of stdlib source, {tokenizer}, {_cores()} processes: "
-              f"{size / 1e6 / (time.time() - start):.1f} MB/s")
-        rng, paths = np.random.default_rng(0), [os.path.join(tmp, f"synthetic-{i}.npy") for i in range(3)]
-        for path in paths:  # 3 x 128 MB of random dolma2 token ids
-            rng.integers(0, 100278, size=32 << 20, dtype=np.uint32).astype(TOKEN_DTYPE).tofile(path)
-        for seq_len, batch, repetition_filter in ((2048, 16, False), (8192, 64, False), (8192, 64, True)):
-            loader = Loader(paths, seq_len, batch, 34521, repetition_filter=repetition_filter, vocab_size=100278)
-            steps = rng.integers(0, 50 * loader.steps_per_epoch, size=20)  # random steps, many epochs
-            start = time.time()
-            for step in steps:
-                loader.batch(int(step))
-            seconds = (time.time() - start) / len(steps)
-            print(f"loader: {batch} x {seq_len}{' + repetition filter' if repetition_filter else ''}: "
-                  f"{seconds * 1e3:.1f} ms/batch = {batch * seq_len / seconds / 1e6:.1f} M tokens/s")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
+# ----------------------------------------------------------------------------- command line
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -541,15 +515,10 @@ def main(argv=None):
     tok.add_argument("--heldout", type=float, default=0.0, help="fraction of documents held out, by content hash")
     tok.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     tok.add_argument("--processes", type=int, default=None, help="worker processes (default: all cores)")
-    ben = commands.add_parser("bench", help="tokenize and loader throughput")
-    for command in (tok, ben):
-        command.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
+    tok.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
     args = parser.parse_args(argv)
-    if args.command == "tokenize":
-        mixes = tokenize_files(args.inputs, args.out, args.tokenizer, args.heldout, args.shard_tokens, args.processes)
-        print("\n".join(mixes))
-    else:
-        bench(args.tokenizer)
+    print("\n".join(tokenize_files(args.inputs, args.out, args.tokenizer, args.heldout, args.shard_tokens,
+                                   args.processes)))
 
 
 if __name__ == "__main__":
