@@ -132,6 +132,62 @@ def test_sliding_window_forgets_tokens_more_than_w_back():
     assert np.all(full[:t + 1] > 0)
 
 
+def random_qkv(B=2, T=96, H=4, K=2, Dh=16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (B, T, H, Dh)), jax.random.normal(ks[1], (B, T, K, Dh)),
+            jax.random.normal(ks[2], (B, T, K, Dh)))
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 33, 50, 200])
+def test_blockwise_attention_matches_reference(window):
+    """Online softmax over only the visible key blocks, windows not aligned with blocks, GQA."""
+    q, k, v = random_qkv()
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    ref = olmo3.attention_reference(q, k, v, window)
+    ref_grads = jax.grad(loss(lambda q, k, v: olmo3.attention_reference(q, k, v, window)), (0, 1, 2))(q, k, v)
+    for block in (16, 32):
+        out = olmo3.attention_blockwise(q, k, v, window, block)
+        grads = jax.grad(loss(lambda q, k, v: olmo3.attention_blockwise(q, k, v, window, block)), (0, 1, 2))(q, k, v)
+        np.testing.assert_allclose(out, ref, atol=2e-6)
+        for g, r in zip(grads, ref_grads):
+            np.testing.assert_allclose(g, r, atol=2e-5)
+
+
+def test_blockwise_attention_memory_is_not_quadratic():
+    """Forward + backward at T=4096: the [T, T] scores never exist (the reference needs 192 MiB)."""
+    s = jax.ShapeDtypeStruct((1, 4096, 1, 64), jnp.float32)
+
+    def temp_bytes(f):
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
+        return grad.lower(s, s, s).compile().memory_analysis().temp_size_in_bytes
+    assert temp_bytes(lambda q, k, v: olmo3.attention_reference(q, k, v, 64)) > 4096 ** 2 * 4
+    assert temp_bytes(lambda q, k, v: olmo3.attention_blockwise(q, k, v, 64, block=64)) < 16 * 2 ** 20
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_splash_kernel_matches_reference_sharded(window):
+    """The TPU splash-attention path, run by Pallas' interpreter on CPU, under shard_map on a
+    (fsdp=2, tensor=2) mesh: the same numbers as the reference, gradients included."""
+    q, k, v = random_qkv(B=2, T=256, H=4, K=2, Dh=128)
+    mesh = olmo3.make_mesh(fsdp=2, tensor=2)
+    splash = lambda q, k, v: olmo3.attention_splash(q, k, v, window, interpret=True)
+    with jax.set_mesh(mesh):
+        out, grad = jax.jit(lambda q, k, v: (splash(q, k, v), jax.grad(lambda q: jnp.sum(splash(q, k, v) ** 2))(q)))(q, k, v)
+    np.testing.assert_allclose(out, olmo3.attention_reference(q, k, v, window), atol=1e-5)
+    ref_grad = jax.grad(lambda q: jnp.sum(olmo3.attention_reference(q, k, v, window) ** 2))(q)
+    np.testing.assert_allclose(grad, ref_grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 1, 33])
+def test_cudnn_call_uses_olmo_window_convention(window):
+    """cuDNN itself needs an NVIDIA GPU; its API's XLA implementation takes the same arguments, so
+    this pins local_window_size=(W - 1, 0) to OLMo's "W keys including the current one"."""
+    q, k, v = random_qkv()
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                       local_window_size=None if window is None else (window - 1, 0))
+    np.testing.assert_allclose(out, olmo3.attention_reference(q, k, v, window), atol=2e-6)
+
+
 def test_loss_ignores_labels_and_adds_z_loss():
     logits = jax.random.normal(jax.random.key(0), (2, 5, 7)) * 3
     labels = jnp.array([[1, 2, 3, -100, 0], [6, -100, 5, 4, -100]])
@@ -753,3 +809,143 @@ def test_two_processes_match_one(tmp_path, token_files):
     two = train_losses(json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl"))
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- faults and resizing
+
+@pytest.fixture(scope="module")
+def clean_losses(token_files, tmp_path_factory):
+    """Losses of 10 uninterrupted steps on 8 devices, the reference for every fault below."""
+    return train_losses(run_train(tmp_path_factory.mktemp("clean"), token_files, "--steps", "10"))
+
+
+def test_resume_on_fewer_devices_matches_straight(tmp_path, token_files, clean_losses, capsys):
+    """Resize: a checkpoint written on 8 devices resumes on 2 and on 1 with the same global batch. The
+    batches are a pure function of the step, so the same steps mean the same data; losses agree to fp32."""
+    run_train(tmp_path / "8", token_files, "--steps", "10", "--stop-at", "4")
+    for n in (2, 1):
+        shutil.copytree(tmp_path / "8", tmp_path / str(n))
+        capsys.readouterr()
+        resumed = train_losses(run_train(tmp_path / str(n), token_files, "--steps", "10", "--mesh", f"fsdp={n}"))
+        header = capsys.readouterr().out.splitlines()[0]
+        assert f"| {n} x cpu " in header and header.endswith("resumed from step 4")
+        assert sorted(resumed) == sorted(clean_losses) == list(range(1, 11))
+        np.testing.assert_allclose([resumed[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5)
+
+
+def test_elastic_retry_survives_faults_and_a_device_loss(tmp_path, token_files, clean_losses):
+    """Faults at steps 2 (before any checkpoint), 6 (leaving 2 of 8 devices) and 8: the run recovers
+    in-process each time and consumes the same data, with a clean run's losses at every step."""
+    records = run_train(tmp_path / "f", token_files, "--steps", "10", "--save-every", "3", "--inject-faults", "2,6:2,8")
+    recoveries = [(r["recovered_from"], r["step"], r["steps_lost"], r["devices"]) for r in records if "recovered_from" in r]
+    assert recoveries == [(2, 0, 1, 8), (6, 3, 2, 2), (8, 6, 1, 2)]
+    losses = train_losses(records)  # replayed steps appear twice; the last record counts
+    assert sorted(losses) == list(range(1, 11))
+    np.testing.assert_allclose([losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5)
+
+
+def test_elastic_retry_gives_up_on_a_repeating_fault(tmp_path, token_files, monkeypatch):
+    with pytest.raises(SystemExit, match=r"^error: step 3 failed \(fault injected .*\), again at the same step; "
+                                         r"stopped: rerun the same command"):
+        run_train(tmp_path / "a", token_files, "--steps", "10", "--inject-faults", "3,3")
+    with pytest.raises(SystemExit, match=r"step 4 failed .*, failure 2, --max-retries 1; stopped"):
+        run_train(tmp_path / "b", token_files, "--steps", "10", "--inject-faults", "2,4", "--max-retries", "1")
+    compile_steps = train.compile_steps
+
+    def failing_at_step_5(*args):  # an XLA runtime error (a device gone bad), every time step 5 runs
+        step_fn, *rest = compile_steps(*args)
+        def step(state, x, y):
+            if int(state["step"]) == 4:
+                raise jax.errors.JaxRuntimeError("INTERNAL: device lost")
+            return step_fn(state, x, y)
+        return step, *rest
+    monkeypatch.setattr(train, "compile_steps", failing_at_step_5)
+    with pytest.raises(SystemExit, match=r"step 5 failed \(INTERNAL: device lost\), again at the same step"):
+        run_train(tmp_path / "c", token_files, "--steps", "10", "--save-every", "2")
+    assert [r["recovered_from"] for r in map(json.loads, open(tmp_path / "c" / "metrics.jsonl")) if "recovered_from" in r] == [5]
+
+
+def test_kill_9_at_any_moment_then_the_same_command_resumes_exactly(tmp_path, token_files, clean_losses):
+    """A real process killed with SIGKILL after step 3, in the middle of an asynchronous checkpoint
+    save and after step 8; the same command each time, then to the end: a clean run's losses."""
+    import time
+    out = tmp_path / "k"
+    cmd = [sys.executable, "train.py", *SMALL_RUN, "--data", token_files["train"], "--eval-data", token_files["eval"],
+           "--out", str(out), "--steps", "10", "--save-every", "1"]
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def last_step():
+        lines = open(out / "metrics.jsonl").read().splitlines(keepends=True) if (out / "metrics.jsonl").exists() else []
+        return max(train_losses(json.loads(line) for line in lines if line.endswith("\n")), default=0)
+
+    def saving():  # orbax writes <step>.orbax-checkpoint-tmp and renames it when the save commits
+        return [p.name for p in (out / "checkpoints").glob("*.orbax-checkpoint-tmp*")] if out.exists() else []
+
+    def kill_when(ready):
+        proc = subprocess.Popen(cmd, cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while proc.poll() is None and not ready():
+            time.sleep(0.001)
+        proc.kill()
+        assert proc.wait() == -9, "the run ended before it could be killed"
+
+    kill_when(lambda: last_step() >= 3)
+    mid_save = False
+    for _ in range(5):  # a save takes ~0.1 s here; a kill can race its final rename, so check and retry
+        kill_when(lambda: last_step() >= 5 and saving())
+        mid_save = bool(saving())
+        if mid_save:
+            break
+    assert mid_save, "never killed while a checkpoint save was in flight"
+    kill_when(lambda: last_step() >= 8)
+    subprocess.run(cmd, cwd=here, check=True, capture_output=True)
+    losses = train_losses(json.loads(line) for line in open(out / "metrics.jsonl"))
+    assert sorted(losses) == list(range(1, 11))
+    np.testing.assert_allclose([losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6)
+
+
+def test_unreadable_checkpoint_is_reported_and_the_one_before_used(tmp_path, token_files, clean_losses, capsys):
+    out = tmp_path / "c"
+    run_train(out, token_files, "--steps", "10", "--save-every", "2", "--stop-at", "6")
+    newest = max((out / "checkpoints" / "6" / "params").rglob("*"), key=lambda p: p.stat().st_size)
+    newest.write_bytes(newest.read_bytes()[:100])  # a torn write
+    capsys.readouterr()
+    losses = train_losses(run_train(out, token_files, "--steps", "10", "--save-every", "2"))
+    printed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"error: checkpoint {out.absolute()}/checkpoints/6 could not be read (") for line in printed)
+    assert "resumed from step 4" in printed[1] and (out / "checkpoints" / "6.unreadable").is_dir()
+    np.testing.assert_allclose([losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6)
+    for step in (out / "checkpoints").glob("[0-9]*"):  # now every checkpoint is unreadable
+        (step / "params" / "manifest.ocdbt").unlink()
+    with pytest.raises(SystemExit, match=r"^error: no checkpoint in .* can be read \(steps \[6, 8, 10\], see above\)"):
+        run_train(out, token_files, "--steps", "10")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "6", "6.unreadable", "8"]  # untouched
+
+
+def test_wrong_init_checkpoint_and_mesh_not_dividing_are_one_line_errors(tmp_path, token_files):
+    cfg, _ = train.parse_args(SMALL_RUN + ["--d-model", "32"])
+    convert.save_checkpoint(olmo3.init(cfg, jax.random.key(0)), cfg, tmp_path / "converted")
+    with pytest.raises(SystemExit, match=r"^error: checkpoint in .*converted has d_model=32 \(command line: 64\)"):
+        run_train(tmp_path / "i", token_files, "--steps", "2", "--init-from", str(tmp_path / "converted"))
+    with pytest.raises(SystemExit, match=r"^error: weight \[.*\] \(.*\): dimension 64 does not split over "
+                                         r"mesh axes fsdp of size 3"):
+        train.main(SMALL_RUN + ["--dry-run", "--mesh", "fsdp=3"])
+    with pytest.raises(SystemExit, match=r"^error: global batch 12 / micro batch 12 / 8 data-parallel devices do not "):
+        train.main(SMALL_RUN + ["--dry-run", "--global-batch", "12"])
+    with pytest.raises(SystemExit, match=r"^error: --inject-faults '5,x': expected STEP or STEP:DEVICES"):
+        train.main(SMALL_RUN + ["--inject-faults", "5,x"])
+
+
+def test_dry_run_compiles_the_real_step_without_data(capsys):
+    """--dry-run with abstract arrays: what one device holds is the state's shard plus the batch's."""
+    memory = train.main(SMALL_RUN + ["--dry-run", "--mesh", "fsdp=4", "--micro-batch", "4"])
+    cfg, _ = train.parse_args(SMALL_RUN)
+    state = train.abstract_state(cfg, olmo3.make_mesh(fsdp=4))
+    shard_bytes = sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4  # + the inputs' and labels' rows
+    out = capsys.readouterr().out
+    assert "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1} | batch 8 x 32 in 2 micro-batches of 1 per device" in out
+    assert f"{olmo3.param_count(cfg):,} parameters" in out and "TPU v5p 95 GiB: fits | Ironwood" in out
+    here = os.path.dirname(os.path.abspath(__file__))  # --devices: fake devices, set before JAX starts
+    text = subprocess.run([sys.executable, "train.py", *SMALL_RUN, "--dry-run", "--devices", "2"], cwd=here,
+                          check=True, capture_output=True, text=True).stdout
+    assert "dry run: 2 x cpu {'data': 1, 'fsdp': 2, 'tensor': 1}" in text and "H200 141 GiB: fits" in text

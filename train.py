@@ -7,9 +7,13 @@
 Any Config field can be set from the command line (--lr 1e-3, --global-batch 64, --remat true).
 A run directory holds checkpoints/, metrics.jsonl and loss.png; running the same command again
 resumes from the last complete checkpoint. The batch for a step is a pure function of the step,
-so resuming needs no data-loader state and replays exactly.
+so resuming needs no data-loader state and replays exactly, on any mesh (the same command with
+another --mesh resizes a run). A failed step is retried in-process from the last checkpoint, on the
+devices still working (--max-retries; --inject-faults to try it). Plan a pod without one:
+    python train.py --preset 7b --dry-run --devices 64 --mesh fsdp=-1 --remat true --micro-batch 64
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -22,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils, topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import data
@@ -159,14 +164,15 @@ def eval_step(params, inputs, labels, cfg, accum):
     return ce, n
 
 
-def compile_steps(cfg, mesh, state_shardings):
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    accum = accumulation(cfg, shards)
+def compile_steps(cfg, mesh, target):
+    """The training step compiled ahead of time for the abstract state `target` (so a --dry-run
+    compiles exactly what training runs), and the held-out evaluation, jitted."""
+    accum = accumulation(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     batch = NamedSharding(mesh, P(("data", "fsdp"), None))
+    tokens = jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len), jnp.int32, sharding=batch)
     step = jax.jit(lambda s, x, y: train_step(s, x, y, cfg, accum), donate_argnums=0,
-                   in_shardings=(state_shardings, batch, batch), out_shardings=(state_shardings, None))
-    evaluate = jax.jit(lambda p, x, y: eval_step(p, x, y, cfg, accum),
-                       in_shardings=(state_shardings["params"], batch, batch))
+                   out_shardings=(shardings_of(target), None)).lower(target, tokens, tokens).compile()
+    evaluate = jax.jit(lambda p, x, y: eval_step(p, x, y, cfg, accum))
     return step, evaluate, batch
 
 
@@ -199,24 +205,51 @@ def find_checkpoint(path: Path):
     raise SystemExit(f"error: no complete checkpoint in {path}; pass a run directory or a converted checkpoint")
 
 
-def restore(path: Path, target, cfg, with_optimizer: bool, fields=olmo3.MODEL_FIELDS):
-    """Restore params (and the optimizer state, step and spike history) from `path` directly
-    onto the shardings in `target`, whatever mesh the checkpoint was written on."""
+class Unreadable(SystemExit):
+    """A checkpoint that exists but cannot be read: files missing or truncated, or another format."""
+
+
+def restore(path: Path, target, cfg, with_optimizer: bool, fields=olmo3.MODEL_FIELDS, step=None):
+    """Restore params (and the optimizer state, step and spike history) of the latest (or the
+    given) step from `path` directly onto the shardings in `target`, whatever mesh wrote it."""
     import orbax.checkpoint as ocp
-    directory, step = find_checkpoint(path)
+    directory, latest = find_checkpoint(path)
+    step = latest if step is None else step
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
-    saved = olmo3.Config(**manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
-    check_compatible(saved, cfg, path, fields)
-    items = {"params": ocp.args.StandardRestore(target["params"])}
-    has_optimizer = "train_state" in (manager.item_metadata(step) or {})
-    if with_optimizer and has_optimizer:
-        items["train_state"] = ocp.args.StandardRestore({k: target[k] for k in ("opt_state", "step", "history")})
     try:
+        saved = olmo3.Config(**manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+        check_compatible(saved, cfg, path, fields)
+        items = {"params": ocp.args.StandardRestore(target["params"])}
+        has_optimizer = "train_state" in (manager.item_metadata(step) or {})
+        if with_optimizer and has_optimizer:
+            items["train_state"] = ocp.args.StandardRestore({k: target[k] for k in ("opt_state", "step", "history")})
         restored = manager.restore(step, args=ocp.args.Composite(**items))
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise SystemExit(f"error: checkpoint {directory}/{step} could not be read ({str(e).splitlines()[0][:200]}); "
+    except jax.errors.JaxRuntimeError:
+        raise  # a failing device, not a bad file
+    except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
+        raise Unreadable(f"error: checkpoint {directory}/{step} could not be read ({str(e).splitlines()[0][:200]}); "
                          f"it may be incomplete or from another config")
     return restored, step, has_optimizer
+
+
+def resume(manager, run_dir: Path, target, cfg, log):
+    """The state in the newest readable checkpoint of this run. Unreadable newer ones are reported
+    and renamed <step>.unreadable; with none readable, stop rather than start again from scratch."""
+    bad = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored, _, _ = restore(run_dir, target, cfg, True, RESUME_FIELDS, step)
+        except Unreadable as e:
+            log(f"{e}; trying the one before")
+            bad.append(step)
+            continue
+        for b in bad if jax.process_index() == 0 else ():
+            (manager.directory / str(b)).rename(manager.directory / f"{b}.unreadable")
+        multihost_utils.sync_global_devices("unreadable checkpoints renamed")
+        manager.reload()
+        return {"params": restored["params"], **restored["train_state"]}
+    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (steps {sorted(bad)}, see above); "
+                     f"restore one from a copy, or move them away to start this run from scratch")
 
 
 def check_compatible(saved, cfg, where, fields):
@@ -314,6 +347,11 @@ def parse_args(argv=None):
     ap.add_argument("--mesh", default="fsdp=-1", help="data=N,fsdp=N,tensor=N (one may be -1: the rest)")
     ap.add_argument("--samples", type=int, default=3, help="prompts to continue at the end")
     ap.add_argument("--stop-at", type=int, help="checkpoint and exit after this step, as if preempted")
+    ap.add_argument("--max-retries", type=int, default=3, help="failed steps to recover from in-process")
+    ap.add_argument("--inject-faults", help="fail these steps, for tests and demos: 5,12:2 (at 12, keep 2 devices)")
+    ap.add_argument("--dry-run", action="store_true", help="compile the training step, print memory per device, exit")
+    ap.add_argument("--devices", type=int, help="use N fake CPU devices (with --dry-run: plan a pod on a laptop)")
+    ap.add_argument("--topology", help="--dry-run for a TPU slice (v5p:4x4x4 = 64 chips), by the TPU compiler (libtpu)")
     ap.add_argument("--coordinator", help="host:port of process 0, for multi-host runs without auto-detection")
     ap.add_argument("--num-processes", type=int)
     ap.add_argument("--process-id", type=int)
@@ -391,15 +429,101 @@ def global_array(local, sharding):
     return jax.make_array_from_process_local_data(sharding, local)
 
 
+ACCELERATORS = (("TPU v5p", 95), ("Ironwood", 96), ("H100", 80), ("H200", 141))  # GiB per JAX device
+# (Ironwood: 192 GiB per chip, which JAX sees as two devices)
+
+
+def dry_run(cfg, mesh):
+    """Compile the real training step for `mesh` on abstract arrays (nothing is allocated) and print
+    what one device needs. The memory is this backend's buffer assignment (CPU when planning on fake
+    devices); TPU and GPU compilers fuse and schedule differently, so read it as an estimate."""
+    t, target = time.time(), abstract_state(cfg, mesh)
+    with jax.set_mesh(mesh):
+        step, _, _ = compile_steps(cfg, mesh, target)
+    m = step.memory_analysis()
+    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    micro, gib = cfg.micro_batch or cfg.global_batch, lambda b: f"{b / 2**30:.2f} GiB"
+    flops = [olmo3.flops_per_token(cfg, cfg.seq_len, windows) / 1e9 for windows in (True, False)]
+    print(f"dry run: {mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)} | batch {cfg.global_batch} x "
+          f"{cfg.seq_len} in {cfg.global_batch // micro} micro-batches of {micro * mesh.shape['tensor'] // mesh.size} "
+          f"per device | remat {cfg.remat} | compiled in {time.time() - t:.0f}s\n{olmo3.param_count(cfg):,} parameters"
+          f" | training FLOPs/token {flops[0]:.4g}G with sliding windows, {flops[1]:.4g}G counting all layers full\n"
+          f"per device: arguments {gib(m.argument_size_in_bytes)}, temporaries {gib(m.temp_size_in_bytes)}, outputs "
+          f"{gib(m.output_size_in_bytes - m.alias_size_in_bytes)} (beyond the donated state), total {gib(total)}\n"
+          + " | ".join(f"{name} {cap} GiB: {'fits' if total <= cap * 2**30 else 'does NOT fit'}" for name, cap in ACCELERATORS))
+    return m
+
+
+class StepFailed(Exception):
+    """A training step failed; `devices`: how many remain usable, when known (an injected loss)."""
+    def __init__(self, step, cause, devices=None):
+        super().__init__(f"step {step} failed ({cause})")
+        self.step, self.devices = step, devices
+
+
+def parse_faults(text):
+    """--inject-faults "5,12:2,20" -> [(5, None), (12, 2), (20, None)]: fail at step 5; at step 12,
+    leaving 2 usable devices; at step 20. Each fires once (a step listed twice fails twice)."""
+    try:
+        return sorted(((int(k), int(n) if n else None) for k, _, n in (f.partition(":") for f in text.split(","))),
+                      key=lambda f: f[0]) if text else []
+    except ValueError:
+        raise SystemExit(f"error: --inject-faults {text!r}: expected STEP or STEP:DEVICES, comma-separated (5,12:2,20)")
+
+
+def usable_devices(devices):
+    """The devices that still run a trivial computation."""
+    usable = []
+    for device in devices:
+        with contextlib.suppress(jax.errors.JaxRuntimeError):
+            usable.append(jax.device_put(1, device).block_until_ready().device)
+    return usable
+
+
+def recovery_mesh(sizes, devices):
+    """The requested mesh on the devices left or, when it no longer fits them, fsdp over all of them."""
+    try:
+        return olmo3.make_mesh(**sizes, devices=devices)
+    except SystemExit:
+        return olmo3.make_mesh(data=1, fsdp=-1, tensor=sizes["tensor"], devices=devices)
+
+
 def main(argv=None):
     cfg, args = parse_args(argv)
+    if args.devices:  # fake CPU devices; only takes effect before JAX first lists its devices
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
     if args.coordinator or args.distributed:
         if jax.config.jax_platforms in (None, "", "cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    run_dir = Path(args.out or f"runs/{args.preset}")
-    lead = jax.process_index() == 0
-    mesh = olmo3.make_mesh(**parse_mesh(args.mesh))
+    sizes = parse_mesh(args.mesh)
+    if args.dry_run:  # on this machine's devices, fake CPU ones (--devices) or a TPU topology's (needs libtpu)
+        devices = args.topology and topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
+        return dry_run(cfg, olmo3.make_mesh(**sizes, devices=devices or None))
+    run_dir, devices = Path(args.out or f"runs/{args.preset}"), jax.devices()
+    mesh, faults, failed, recovery = olmo3.make_mesh(**sizes), parse_faults(args.inject_faults), [], None
+    while True:  # the elastic retry: a failed step restarts training from the last checkpoint
+        try:
+            return run(cfg, args, run_dir, mesh, faults, recovery)
+        except StepFailed as e:
+            rerun = f"rerun the same command to resume from the last checkpoint in {run_dir}/checkpoints"
+            if jax.process_count() > 1:  # other hosts cannot be rebuilt from here
+                raise SystemExit(f"error: {e} on a multi-host run; {rerun} (with a new --mesh if hosts are gone)")
+            again = failed[-1:] == [e.step]
+            if again or len(failed) == args.max_retries:
+                why = "again at the same step" if again else f"failure {len(failed) + 1}, --max-retries {args.max_retries}"
+                raise SystemExit(f"error: {e}, {why}; stopped: {rerun}")
+            failed.append(e.step)
+            devices = devices[:e.devices] if e.devices else usable_devices(devices)  # lost ones stay lost
+            mesh, recovery = recovery_mesh(sizes, devices), (e.step, time.time())
+            print(f"{e}; recovering on {mesh.size} devices (retry {len(failed)} of {args.max_retries})", flush=True)
+        jax.clear_caches()  # the programs compiled for the old mesh; the old state was freed with `e`
+
+
+def run(cfg, args, run_dir, mesh, faults, recovery=None):
+    """Train on `mesh` from the last checkpoint (or the start) to the end. A failing step raises
+    StepFailed. recovery: (failed step, when) if this run recovers from a failure."""
     check_fits(cfg, mesh)
     tokenizer = data.get_tokenizer(cfg.tokenizer)
     train_files, heldout = data_sources(cfg, args)
@@ -411,10 +535,10 @@ def main(argv=None):
     run_dir.mkdir(parents=True, exist_ok=True)
     target = abstract_state(cfg, mesh)
     manager = checkpoint_manager(run_dir, cfg)
+    log = Log(run_dir, lead=rank == 0)
     with jax.set_mesh(mesh):
         if manager.latest_step() is not None:
-            restored, _, _ = restore(run_dir, target, cfg, with_optimizer=True, fields=RESUME_FIELDS)
-            state = {"params": restored["params"], **restored["train_state"]}
+            state = resume(manager, run_dir, target, cfg, log)
             note = f"resumed from step {int(state['step'])}"
         else:
             state = init_state(cfg, mesh)
@@ -425,9 +549,12 @@ def main(argv=None):
                 if has_opt:  # "warm Adam": the moments carry over, the schedule starts again
                     state["opt_state"] = restored["train_state"]["opt_state"]
                 note = f"weights{' and Adam moments' if has_opt else ''} from {args.init_from} (step {from_step})"
-        step_fn, evaluate_fn, batch_sharding = compile_steps(cfg, mesh, shardings_of(target))
+        step_fn, evaluate_fn, batch_sharding = compile_steps(cfg, mesh, target)
         start = int(state["step"])
-        log = Log(run_dir, lead)
+        if recovery:
+            lost, took = recovery[0] - 1 - start, time.time() - recovery[1]
+            note = f"recovered in {took:.1f}s (restore and compile), {lost} steps to redo from step {start}"
+            log(step=start, recovered_from=recovery[0], steps_lost=lost, recovery_s=took, devices=mesh.size)
         flops = olmo3.flops_per_token(cfg, cfg.seq_len)
         peak = peak_tflops(mesh.devices.flat[0])
         tokens_per_step = cfg.global_batch * cfg.seq_len
@@ -451,13 +578,9 @@ def main(argv=None):
             skipped += m["skipped"]
             if step % cfg.log_every and step != cfg.steps:
                 return
-            now = time.time()
-            if t_log is None:  # the first step includes compilation; measure from here
-                t_log, step_log = now, step
-                rate = None
-            else:
-                rate = (step - step_log) * tokens_per_step / (now - t_log)
-                t_log, step_log = now, step
+            now = time.time()  # the first step includes compilation: the rate is measured from there
+            rate = (step - step_log) * tokens_per_step / (now - t_log) if t_log else None
+            t_log, step_log = now, step
             tflops = rate * flops / mesh.size / 1e12 if rate else None
             eta = (cfg.steps - step) * tokens_per_step / rate if rate else None
             log(f"step {step:>6}/{cfg.steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad norm {m['grad_norm']:.3f}"
@@ -473,26 +596,32 @@ def main(argv=None):
                 step=step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50)))
             return loss
 
-        pending, eval_loss = None, None
-        for step, inputs, labels in loader.iterate(start, cfg.steps):
-            state, metrics = step_fn(state, global_array(inputs, batch_sharding), global_array(labels, batch_sharding))
+        pending, eval_loss, batches = None, None, loader.iterate(start, cfg.steps)
+        try:
+            for step, inputs, labels in batches:
+                if faults and faults[0][0] == step + 1:
+                    raise StepFailed(step + 1, "fault injected by --inject-faults", faults.pop(0)[1])
+                state, metrics = step_fn(state, global_array(inputs, batch_sharding), global_array(labels, batch_sharding))
+                if pending:
+                    report(*pending)  # the previous step's numbers: reading them does not stall this step
+                pending, done = (step + 1, metrics), step + 1
+                stop = done == args.stop_at
+                if done % cfg.save_every == 0 or done == cfg.steps or stop:
+                    report(*pending)  # never checkpoint a state whose loss was not checked
+                    pending = None
+                    save(manager, state, cfg)
+                if eval_loader and (done % cfg.eval_every == 0 or done == cfg.steps):
+                    eval_loss = run_eval(done)
+                if stop:
+                    manager.wait_until_finished()
+                    return log(f"stopped after step {done} (--stop-at); the same command without it resumes")
             if pending:
-                report(*pending)  # the previous step's numbers: reading them does not stall this step
-            pending, done = (step + 1, metrics), step + 1
-            stop = done == args.stop_at
-            if done % cfg.save_every == 0 or done == cfg.steps or stop:
-                report(*pending)  # never checkpoint a state whose loss was not checked
-                pending = None
-                save(manager, state, cfg)
-            if eval_loader and (done % cfg.eval_every == 0 or done == cfg.steps):
-                eval_loss = run_eval(done)
-            if stop:
-                manager.wait_until_finished()
-                log(f"stopped after step {done} (--stop-at); the same command without it resumes")
-                return manager.close()
-        if pending:
-            report(*pending)
-        manager.wait_until_finished()
+                report(*pending)
+        except jax.errors.JaxRuntimeError as e:
+            raise StepFailed(step + 1, str(e).splitlines()[0][:200]) from e
+        finally:
+            batches.close()  # stops the loader's thread
+            manager.close()  # after the save in flight, if any, has completed
         if eval_loader and eval_loss is None:
             eval_loss = run_eval(int(state["step"]))
         if args.samples:  # every process takes part (the weights may span hosts); process 0 prints
@@ -504,11 +633,10 @@ def main(argv=None):
             for temperature in (0.0, 0.8):
                 for prompt, text in zip(prompts, sample(state["params"], cfg, prompts, tokenizer, n_new, temperature)):
                     log(f"--- sample (temperature {temperature}) ---\n{tokenizer.decode(prompt)}>>>{text}")
-        if lead:
+        if rank == 0:
             plot(run_dir)
         log(f"done: step {int(state['step'])} in {fmt_time(time.time() - t_start)}"
             + (f" | held-out loss {eval_loss:.4f}" if eval_loss is not None else "") + f" | plot {run_dir / 'loss.png'}")
-    manager.close()
 
 
 if __name__ == "__main__":
