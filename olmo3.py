@@ -267,14 +267,16 @@ def visible(q_pos, k_pos, window: int | None):
 
 def attention_reference(q, k, v, window: int | None):
     """Plain softmax attention over the whole [T, T] score matrix: the definition, and fastest on
-    CPU for short sequences. q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K."""
+    CPU for short sequences. q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K.
+    Heads go first so that both products are plain batched matmuls."""
     B, T, H, Dh = q.shape
-    K = k.shape[2]
-    q = q.reshape(B, T, K, H // K, Dh)  # head h reads kv head h // (H // K), as HF's repeat_kv
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * Dh ** -0.5
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, heads, T, Dh]
+    k, v = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k, v))  # head h reads kv head h // (H/K)
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32) * Dh ** -0.5
     mask = visible(jnp.arange(T)[:, None], jnp.arange(T)[None, :], window)
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, Dh)
+    out = jnp.einsum("bhts,bhsd->bhtd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return out.transpose(0, 2, 1, 3)
 
 
 def attention_blockwise(q, k, v, window: int | None, block: int = 512):
@@ -368,8 +370,10 @@ def dense(x, w):
     return _matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _matmul(a, b, out_dtype=None):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(out_dtype or a.dtype)
+def _matmul(a, b, contract=(1, 0), out_dtype=None):
+    """a @ b (or a @ b.T with contract=(1, 1), without materialising the transpose) in fp32."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype or a.dtype)
 
 
 def _dense_fwd(x, w):
@@ -379,7 +383,7 @@ def _dense_fwd(x, w):
 def _dense_bwd(saved, dy):
     x, w = saved
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]).astype(x.dtype)
-    return _matmul(dy2, w.T).reshape(x.shape), _matmul(x2.T, dy2, w.dtype)
+    return _matmul(dy2, w, (1, 1)).reshape(x.shape), _matmul(x2, dy2, (0, 0), w.dtype)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
