@@ -40,7 +40,7 @@ def jax_worker(conn, name, dtype):
     mesh = olmo3.make_mesh(fsdp=1)
     with jax.set_mesh(mesh):
         state = train.init_state(cfg, mesh)
-        step, _, batch_sharding = train.compile_steps(cfg, mesh, train.shardings_of(train.abstract_state(cfg, mesh)))
+        step, _, batch_sharding = train.compile_steps(cfg, mesh, train.abstract_state(cfg, mesh))
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len), dtype=np.int32)
         x = jax.device_put(tokens, batch_sharding)
         labels = jax.device_put(np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1), batch_sharding)
@@ -107,8 +107,10 @@ def start(worker, *args):
     parent, child = multiprocessing.get_context("spawn").Pipe()
     process = multiprocessing.get_context("spawn").Process(target=worker, args=(child, *args), daemon=True)
     process.start()
-    if parent.recv() != "ready":
-        raise SystemExit(f"error: {worker.__name__} did not start")
+    while not parent.poll(1):
+        if not process.is_alive():
+            raise SystemExit(f"error: {worker.__name__} died while starting (its traceback is above)")
+    parent.recv()
     return parent, process
 
 
@@ -188,7 +190,8 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.data:
         return bench_data(args.tokenizer)
-    print(f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows (olmo3.flops_per_token)")
+    print(f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows (olmo3.flops_per_token)",
+          flush=True)
     rows = [compare(name, dtype, args.reps, args.steps)
             for name in args.configs.split(",") for dtype in args.dtypes.split(",")]
     print(f"worst ratio ours/pytorch: {min(r['ratio'] for r in rows):.2f}")

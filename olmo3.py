@@ -85,9 +85,9 @@ PRESETS = {
     # Laptop CPU, minutes. Byte-level vocab; window 64 < seq 256 so both layer kinds matter.
     "tiny": Config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64,
                    mlp_hidden=olmo_mlp_hidden(256), vocab_size=258, sliding_window=64,
-                   tokenizer="bytes", compute_dtype="float32", seq_len=256, global_batch=32,
-                   steps=600, lr=3e-3, warmup_steps=60, log_every=20, eval_every=200,
-                   eval_batches=4, save_every=200),
+                   tokenizer="bytes", compute_dtype="float32", seq_len=256, global_batch=16,
+                   steps=500, lr=3e-3, warmup_steps=50, log_every=25, eval_every=100,
+                   eval_batches=8, save_every=100),
     # One accelerator: OLMo's 1B shape with the 7B recipe.
     "1b": Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128,
                  mlp_hidden=8192, seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),

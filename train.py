@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -32,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import data
 import olmo3
 
+logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's informational warnings, on every restore
 # Must match for a run directory to resume: the model, and everything that decides the data order.
 RESUME_FIELDS = olmo3.MODEL_FIELDS + ("seq_len", "global_batch", "data_seed", "repetition_filter")
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
