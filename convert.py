@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 
 import olmo3
@@ -137,7 +138,7 @@ def from_hf(path, scratch: str | None = None):
         if scratch is None:
             return np.zeros(spec.shape, np.float32)
         return np.lib.format.open_memmap(os.path.join(scratch, name + ".npy"), "w+", np.float32, spec.shape)
-    params = olmo3.jax.tree_util.tree_map_with_path(allocate, olmo3.param_specs(cfg), is_leaf=olmo3.is_spec)
+    params = jax.tree_util.tree_map_with_path(allocate, olmo3.param_specs(cfg), is_leaf=olmo3.is_spec)
 
     for name, key, sub, layer in hf_tensors(cfg):
         dest = params[key] if sub is None else params[key][sub][layer]
@@ -178,7 +179,7 @@ def to_hf(params, cfg, out_dir):
         save_file(tensors, out / fname, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, fname)
         del array, tensors
-    total = sum(math.prod(s.shape) * 4 for s in olmo3.jax.tree.leaves(olmo3.param_specs(cfg), is_leaf=olmo3.is_spec))
+    total = sum(math.prod(s.shape) * 4 for s in jax.tree.leaves(olmo3.param_specs(cfg), is_leaf=olmo3.is_spec))
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1))
@@ -201,20 +202,19 @@ def save_checkpoint(params, cfg, out_dir):
 
 
 def load_checkpoint(ckpt_dir):
-    """An Orbax checkpoint of ours (latest step) -> (Config, read) where read(key, sub=None) restores
-    one weight as numpy, e.g. read("blocks", "q"), so a large model is read a weight at a time."""
+    """An Orbax checkpoint of ours (latest step; converted, or a training run) -> (Config, read)
+    where read(key, sub=None) restores one weight as numpy, e.g. read("blocks", "q"), so a large
+    model is read a weight at a time."""
     import orbax.checkpoint as ocp
-    ckpt_dir = Path(ckpt_dir).absolute()
-    manager = ocp.CheckpointManager(ckpt_dir)
-    step = manager.latest_step()
-    if step is None:
-        raise SystemExit(f"error: no checkpoint found in {ckpt_dir}")
+    import train
+    directory, step = train.find_checkpoint(Path(ckpt_dir))  # a converted one, or a run directory
+    manager = ocp.CheckpointManager(directory)
     config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     cfg = olmo3.Config(**config)
 
     def read(key, sub=None):
         item = {key: np.zeros(0) if sub is None else {sub: np.zeros(0)}}
-        restore_args = olmo3.jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
         out = manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
             item=item, restore_args=restore_args, partial_restore=True)))["params"][key]
         return out if sub is None else out[sub]
@@ -236,7 +236,6 @@ def compare(hf_logits, our_logits, vocab_size):
 
 def verify(hf_dir, cfg, params, seq_len=256, batch=2, seed=0):
     """Run HF (torch) and ours on the same random tokens, fp32 and bf16; print and return the metrics."""
-    import jax
     import torch
     import transformers
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len))

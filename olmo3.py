@@ -54,7 +54,7 @@ class Config:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     z_loss: float = 1e-5
-    spike_guard: bool = True           # skip updates whose loss and grad norm both spike
+    spike_guard: bool = True           # skip updates whose loss or grad norm spikes (OLMo-core)
     seed: int = 0                      # model init
     data_seed: int = 34521             # data order (AI2's stage-1 seed)
     repetition_filter: bool = False    # mask instances with long periodic runs (off in AI2's 7B)

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -65,10 +64,11 @@ def optimizer(cfg):
                        optax.add_decayed_weights(cfg.weight_decay, mask=no_decay))
 
 
-def spike_guard(history, loss, grad_norm):
+def spike_guard(history, step, loss, grad_norm):
     """OLMo-core's SkipStepOptimizer: skip when the loss or the grad norm is more than 6 standard
-    deviations above its mean over the previous (up to) 128 steps; active from the 64th step."""
-    n = jnp.minimum(history["count"], HISTORY)
+    deviations above its mean over the previous (up to) 128 steps; active from the 64th step.
+    history: the last 128 losses and grad norms, a ring indexed by the step."""
+    n = jnp.minimum(step, HISTORY)
     valid = jnp.arange(HISTORY) < n
 
     def too_high(values, x):
@@ -76,9 +76,8 @@ def spike_guard(history, loss, grad_norm):
         std = jnp.sqrt(jnp.sum(jnp.where(valid, (values - mean) ** 2, 0.0)) / jnp.maximum(n - 1, 1))
         return x - mean > 6 * std
     skip = (n + 1 >= HISTORY // 2) & (too_high(history["loss"], loss) | too_high(history["grad_norm"], grad_norm))
-    slot = history["count"] % HISTORY
-    new = {"loss": history["loss"].at[slot].set(loss), "grad_norm": history["grad_norm"].at[slot].set(grad_norm),
-           "count": history["count"] + 1}
+    new = {"loss": history["loss"].at[step % HISTORY].set(loss),
+           "grad_norm": history["grad_norm"].at[step % HISTORY].set(grad_norm)}
     return skip, new
 
 
@@ -102,8 +101,7 @@ def abstract_state(cfg, mesh):
         optimizer(cfg), lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
         opt_shapes, params, transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated))
     scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-    history = {"loss": scalar(jnp.float32, (HISTORY,)), "grad_norm": scalar(jnp.float32, (HISTORY,)),
-               "count": scalar(jnp.int32)}
+    history = {"loss": scalar(jnp.float32, (HISTORY,)), "grad_norm": scalar(jnp.float32, (HISTORY,))}
     return {"params": params, "opt_state": opt_state, "step": scalar(jnp.int32), "history": history}
 
 
@@ -117,7 +115,7 @@ def init_state(cfg, mesh):
 
     def make(key):
         params = olmo3.init(cfg, key)
-        history = {"loss": jnp.zeros(HISTORY), "grad_norm": jnp.zeros(HISTORY), "count": jnp.int32(0)}
+        history = {"loss": jnp.zeros(HISTORY), "grad_norm": jnp.zeros(HISTORY)}
         return {"params": params, "opt_state": optimizer(cfg).init(params), "step": jnp.int32(0), "history": history}
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(cfg.seed))
 
@@ -146,7 +144,7 @@ def train_step(state, inputs, labels, cfg, accum):
         (grads, ce), _ = jax.lax.scan(add_micro, (jax.tree.map(jnp.zeros_like, params), 0.0),
                                       (split_micro(inputs, accum), split_micro(labels, accum)))
     grad_norm = optax.tree.norm(grads)
-    skip, history = spike_guard(state["history"], ce, grad_norm)
+    skip, history = spike_guard(state["history"], state["step"], ce, grad_norm)
     skip = skip & cfg.spike_guard
     updates, opt_state = optimizer(cfg).update(grads, state["opt_state"], params)
     lr = schedule(cfg)(state["step"])
@@ -180,10 +178,9 @@ def compile_steps(cfg, mesh, target):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def checkpoint_manager(run_dir: Path, cfg, create=True):
+def checkpoint_manager(run_dir: Path, cfg):
     import orbax.checkpoint as ocp
-    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, create=create,
-                                           enable_async_checkpointing=True)
+    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=True)
     return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
 
 
@@ -398,7 +395,9 @@ def data_sources(cfg, args):
     if name in ("stdlib", "shakespeare"):
         train_files, heldout = data.corpus(name, cfg.tokenizer)
     else:
-        train_files, heldout = data.resolve_source(name, cfg.tokenizer), None
+        split = Path(name) / "heldout.txt"  # written beside train.txt by `data.py tokenize --heldout`
+        train_files = data.resolve_source(name, cfg.tokenizer)
+        heldout = data.resolve_source(split, cfg.tokenizer) if split.exists() else None
     if args.eval_data:
         heldout = data.resolve_source(args.eval_data, cfg.tokenizer)
     return train_files, heldout
@@ -562,7 +561,8 @@ def run(cfg, args, run_dir, mesh, faults, recovery=None):
         tokens_per_step = cfg.global_batch * cfg.seq_len
         log(f"olmo3-jax | preset {args.preset} | {olmo3.param_count(cfg) / 1e6:,.1f}M params | "
             f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)} | {note}\n"
-            f"data: {loader.num_instances:,} sequences of {cfg.seq_len} ({loader.steps_per_epoch} steps/epoch), "
+            f"data: {loader.num_instances:,} sequences of {cfg.seq_len} ({loader.steps_per_epoch} steps/epoch), held-out: "
+            f"{f'{eval_loader.num_instances:,} sequences' if eval_loader else 'none (--eval-data)'}, "
             f"{tokens_per_step:,} tokens/step | steps {start} -> {cfg.steps} | run dir {run_dir}")
 
         skipped, t_log, step_log, t_start = 0, None, start, time.time()
