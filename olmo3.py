@@ -207,9 +207,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     devices = jax.devices() if devices is None else devices
     sizes = [data, fsdp, tensor]
     known = math.prod(s for s in sizes if s != -1)
-    sizes = [len(devices) // known if s == -1 else s for s in sizes]
-    if sizes.count(-1) > 1 or min(sizes) < 1 or math.prod(sizes) > len(devices) or (-1 in (data, fsdp, tensor)
-                                                                                  and len(devices) % known):
+    if -1 in sizes:  # the devices the other axes leave, if they leave a whole number
+        whole = sizes.count(-1) == 1 and known > 0 and len(devices) % known == 0
+        sizes = [len(devices) // known if s == -1 else s for s in sizes] if whole else [0]
+    if min(sizes) < 1 or math.prod(sizes) > len(devices):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit {len(devices)} "
                          f"devices; give sizes whose product divides into {len(devices)} (one may be -1)")
     return Mesh(np.array(devices[:math.prod(sizes)]).reshape(sizes), MESH_AXES)
