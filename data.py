@@ -33,8 +33,6 @@ DOLMA2_SPECIAL_TOKENS = {
 BYTES_SPECIAL_NAMES = {256: "<|endoftext|>", 257: "<|pad|>"}
 
 Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id encode decode")
-# One thing to tokenize: chunks() yields (chunk of (line number, raw document), input bytes read so far)
-Source = collections.namedtuple("Source", "name where fingerprint size chunks")
 
 
 def cache_dir():
@@ -174,54 +172,51 @@ def _ordered_map(func, jobs, processes):
             yield pending.popleft().result()
 
 
-def _tokenize(sources, out_dir, tokenizer, heldout, shard_tokens, processes):
-    """Tokenize each Source into shards plus DIR/name.manifest.json. The manifest is written last and
-    atomically, so a rerun skips every source whose manifest matches and redoes only unfinished ones."""
-    manifests = {}
-    for s in sources:
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(out_dir, f"{s.name}.manifest.json")) as f:
-            manifests[s.name] = json.load(f)
-    todo = [s for s in sources if manifests.get(s.name, {}).get("fingerprint") != s.fingerprint]
-    if todo:
-        get_tokenizer(tokenizer)  # fail early (e.g. offline), not in every worker
-        start, shown, done_size, docs, tokens, text_bytes = time.time(), 0, 0, 0, 0, 0
-        total_size = sum(s.size for s in todo)
-        for s in todo:
-            manifest_path = os.path.join(out_dir, f"{s.name}.manifest.json")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(manifest_path)  # stale: its shards are about to be overwritten
-            writers = [_ShardWriter(out_dir, split, s.name, shard_tokens) for split in ("train", "heldout")]
-            counts, positions = [0, 0], collections.deque()
+def _tokenize_input(path, name, out_dir, tokenizer, heldout, shard_tokens, processes, progress):
+    """One input -> shards plus DIR/name.manifest.json. The manifest is written last and atomically,
+    so a rerun skips every input whose manifest matches and redoes only unfinished ones."""
+    st, manifest_path = os.stat(path), os.path.join(out_dir, f"{name}.manifest.json")
+    fingerprint = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{tokenizer}|{heldout}|{shard_tokens}"
+    with contextlib.suppress(FileNotFoundError, ValueError), open(manifest_path) as f:
+        if (manifest := json.load(f))["fingerprint"] == fingerprint:
+            return manifest
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(manifest_path)  # stale: its shards are about to be overwritten
+    writers = [_ShardWriter(out_dir, split, name, shard_tokens) for split in ("train", "heldout")]
+    counts, positions = [0, 0], collections.deque()
 
-            def jobs(s=s):
-                for chunk, position in s.chunks():
-                    positions.append(position)  # results come back in order: one position per result
-                    yield tokenizer, heldout, s.where, chunk
+    def jobs():
+        for chunk, position in _chunked(_file_documents(path)):
+            positions.append(position)  # results come back in order: one position per result
+            yield tokenizer, heldout, path, chunk
+    for arrays, chunk_docs, chunk_bytes in _ordered_map(_encode_chunk, jobs(), processes):
+        for writer, array in zip(writers, arrays):
+            writer.write(array)
+        counts = [a + b for a, b in zip(counts, chunk_docs)]
+        progress(sum(chunk_docs), sum(map(len, arrays)), chunk_bytes, positions.popleft())
+    if sum(counts) == 0:
+        raise SystemExit(f"error: no documents in {path}; give a non-empty .txt, or JSON lines with 'text'")
+    shards = [w.close() for w in writers]
+    sizes = [sum(os.path.getsize(os.path.join(out_dir, p)) // 4 for p in split) for split in shards]
+    manifest = dict(fingerprint=fingerprint, train=shards[0], heldout=shards[1], docs=counts, tokens=sizes)
+    _write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
+    progress.inputs_done += st.st_size
+    return manifest
 
-            for arrays, chunk_docs, chunk_bytes in _ordered_map(_encode_chunk, jobs(), processes):
-                for writer, array in zip(writers, arrays):
-                    writer.write(array)
-                counts = [a + b for a, b in zip(counts, chunk_docs)]
-                docs += sum(chunk_docs)
-                tokens += sum(map(len, arrays))
-                text_bytes += chunk_bytes
-                read, elapsed = done_size + positions.popleft(), time.time() - start
-                if time.time() - shown > 0.5 and sys.stderr.isatty():
-                    shown, eta = time.time(), elapsed * (total_size - read) / max(read, 1)
-                    print(f"\r{docs:,} docs  {tokens:,} tokens  {text_bytes / 1e6 / elapsed:.1f} MB/s  ETA {eta:.0f}s   ",
-                          end="", file=sys.stderr, flush=True)
-            if sum(counts) == 0:
-                raise SystemExit(f"error: no documents in {s.where}; give a non-empty .txt, or JSON lines with 'text'")
-            shards = [w.close() for w in writers]
-            sizes = [sum(os.path.getsize(os.path.join(out_dir, p)) // 4 for p in split) for split in shards]
-            manifests[s.name] = dict(fingerprint=s.fingerprint, train=shards[0], heldout=shards[1], docs=counts,
-                                     tokens=sizes)
-            _write_atomic(manifest_path, json.dumps(manifests[s.name], indent=1).encode())
-            done_size += s.size
-        elapsed = time.time() - start
-        print(f"\rtokenized {docs:,} docs into {tokens:,} tokens: {text_bytes / 1e6:.1f} MB in {elapsed:.1f}s "
-              f"({text_bytes / 1e6 / elapsed:.1f} MB/s, processes: {processes})", file=sys.stderr)
-    return [manifests[s.name] for s in sources]
+
+class _Progress:
+    """docs, tokens, MB/s and ETA on one refreshed stderr line (when stderr is a terminal)."""
+    def __init__(self, total_bytes):
+        self.total, self.inputs_done, self.start, self.shown = total_bytes, 0, time.time(), 0
+        self.docs = self.tokens = self.text_bytes = 0
+
+    def __call__(self, docs, tokens, text_bytes, position_in_input):
+        self.docs, self.tokens, self.text_bytes = self.docs + docs, self.tokens + tokens, self.text_bytes + text_bytes
+        elapsed, read = time.time() - self.start, self.inputs_done + position_in_input
+        if time.time() - self.shown > 0.5 and sys.stderr.isatty():
+            self.shown, eta = time.time(), elapsed * (self.total - read) / max(read, 1)
+            print(f"\r{self.docs:,} docs  {self.tokens:,} tokens  {self.text_bytes / 1e6 / elapsed:.1f} MB/s  "
+                  f"ETA {eta:.0f}s   ", end="", file=sys.stderr, flush=True)
 
 
 def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0, shard_tokens=DEFAULT_SHARD_TOKENS, processes=None):
@@ -230,7 +225,7 @@ def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0, shard_token
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction such as 0.05")
     if shard_tokens < 1:
         raise SystemExit(f"error: --shard-tokens {shard_tokens} must be positive")
-    sources = []
+    names = []
     for path in map(os.fspath, inputs):
         base = os.path.basename(path)
         stem = next((base[: -len(e)] for e in (".jsonl.gz", ".json.gz", ".jsonl", ".txt") if base.endswith(e)), None)
@@ -238,18 +233,22 @@ def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0, shard_token
             raise SystemExit(f"error: input {path} does not exist; check the path")
         if stem is None:
             raise SystemExit(f"error: input {path} is not .txt, .jsonl, .jsonl.gz or .json.gz; convert it to one of those")
-        full, st = os.path.abspath(path), os.stat(path)
-        name = f"{stem}-{hashlib.sha1(full.encode()).hexdigest()[:8]}"  # inputs sharing a basename stay apart
-        fingerprint = f"{full}|{st.st_size}|{st.st_mtime_ns}|{tokenizer}|{heldout}|{shard_tokens}"
-        sources.append(Source(name, path, fingerprint, st.st_size, lambda path=path: _chunked(_file_documents(path))))
+        names.append(f"{stem}-{hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]}")  # same basename, apart
     os.makedirs(out_dir, exist_ok=True)
-    manifests = _tokenize(sources, out_dir, tokenizer, heldout, shard_tokens, processes or _cores())
+    get_tokenizer(tokenizer)  # fail early (e.g. offline), not in every worker
+    progress = _Progress(sum(os.path.getsize(p) for p in inputs))
+    manifests = [_tokenize_input(os.fspath(path), name, out_dir, tokenizer, heldout, shard_tokens,
+                                 processes or _cores(), progress) for path, name in zip(inputs, names)]
+    if progress.docs:
+        elapsed = time.time() - progress.start
+        print(f"\rtokenized {progress.docs:,} docs into {progress.tokens:,} tokens: {progress.text_bytes / 1e6:.1f} MB "
+              f"in {elapsed:.1f}s ({progress.text_bytes / 1e6 / elapsed:.1f} MB/s)", file=sys.stderr)
     mixes = ["train"] + ["heldout"] * (heldout > 0)
     if heldout == 0:  # a held-out mix left by an earlier run would now overlap the training data
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out_dir, "heldout.txt"))
     for split in mixes:
-        lines = [f"{s.name},{shard}\n" for s, m in zip(sources, manifests) for shard in m[split]]
+        lines = [f"{name},{shard}\n" for name, m in zip(names, manifests) for shard in m[split]]
         _write_atomic(os.path.join(out_dir, f"{split}.txt"), "".join(lines).encode())
     return [os.path.join(out_dir, f"{split}.txt") for split in mixes]
 
@@ -286,16 +285,9 @@ def _read_text(path):
         return f.read().decode("utf-8", "replace")
 
 
-def _numbered(texts):
-    """In-memory documents in _file_documents' form (no line numbers; characters so far, for the ETA)."""
-    read = 0
-    for text in texts:
-        read += len(text)
-        yield 0, text, read
-
-
 def corpus(name, tokenizer):
-    """A default corpus, tokenized once into OLMO3_CACHE -> (train token files, held-out token files)."""
+    """A default corpus, tokenized once into OLMO3_CACHE -> (train token files, held-out token files).
+    Its documents are written once as JSON lines, then go through `tokenize_files` like any input."""
     if name == "stdlib":  # each .py file of this Python's standard library is one document
         files = _stdlib_files()
         texts = lambda: map(_read_text, files)
@@ -307,15 +299,19 @@ def corpus(name, tokenizer):
         listing = f"tinyshakespeare:{os.path.getsize(files[0])}"
     else:
         raise SystemExit(f"error: unknown corpus {name!r}; use 'stdlib' or 'shakespeare'")
-    size, key = sum(map(os.path.getsize, files)), hashlib.sha256(listing.encode()).hexdigest()[:12]
-    out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{tokenizer}-{key}")  # another Python, another cache
-    os.makedirs(out_dir, exist_ok=True)
-    source = Source(name, name, f"{key}|{tokenizer}|{CORPUS_HELDOUT}", size, lambda: _chunked(_numbered(texts())))
-    # one process: a few seconds at most, and no fork of a caller whose jax threads may be running
-    (m,) = _tokenize([source], out_dir, tokenizer, CORPUS_HELDOUT, DEFAULT_SHARD_TOKENS, processes=1)
-    print(f"{name} corpus: {len(files)} files, {size / 1e6:.1f} MB, {m['tokens'][0]:,} train / "
-          f"{m['tokens'][1]:,} held-out {tokenizer} tokens", file=sys.stderr)
-    return tuple([os.path.join(out_dir, p) for p in m[split]] for split in ("train", "heldout"))
+    out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{hashlib.sha256(listing.encode()).hexdigest()[:12]}")
+    documents = os.path.join(out_dir, f"{name}.jsonl")  # the key above: another Python, another folder
+    if not os.path.exists(documents):
+        os.makedirs(out_dir, exist_ok=True)
+        _write_atomic(documents, "".join(json.dumps({"text": t}) + "\n" for t in texts()).encode())
+    tokens_dir = os.path.join(out_dir, tokenizer)
+    # one process: a few seconds at most, and no new processes beside a caller's running JAX
+    mixes = tokenize_files([documents], tokens_dir, tokenizer, CORPUS_HELDOUT, processes=1)
+    train, heldout = (read_mix(m) for m in mixes)
+    sizes = [sum(os.path.getsize(f) // 4 for f in split) for split in (train, heldout)]
+    print(f"{name} corpus: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB, {sizes[0]:,} train / "
+          f"{sizes[1]:,} held-out {tokenizer} tokens", file=sys.stderr)
+    return train, heldout
 
 
 # ----------------------------------------------------------------------------- mixes and sources
