@@ -2,12 +2,14 @@
 
     python bench.py                 # tiny and wide configs, fp32 and bf16 compute, on this machine
     python bench.py --data          # data.py: tokenize MB/s and loader tokens/s
+    python bench.py --convert DIR   # convert.py's peak memory on a synthetic 1b checkpoint in DIR
 
 Each framework runs in its own process (so peak memory is its own), the two are alternated
 rep by rep (so machine drift hits both), and medians are reported. The last line is
 `worst ratio ours/pytorch: X.XX`, the minimum over configurations and dtypes.
 """
 import argparse
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -178,6 +180,34 @@ def bench_data(tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bench_convert(directory):
+    """Peak memory of `convert.py hf-to-jax` and back on a synthetic checkpoint of the 1b preset
+    (1.48B parameters, 5.9 GB in fp32), written to `directory` a weight at a time. Anonymous memory
+    is what the converter holds; the full RSS also counts memory-mapped file pages."""
+    import subprocess
+    import numpy as np
+    import convert
+    import olmo3
+    cfg, rng = olmo3.PRESETS["1b"], np.random.default_rng(0)
+    specs = olmo3.param_specs(cfg)
+
+    def synthetic(key, sub):
+        s = specs[key] if sub is None else specs[key][sub]
+        return rng.standard_normal(s.shape, np.float32) * 0.02 if s.init == "normal" else np.ones(s.shape, np.float32)
+    hf, ours, back = (os.path.join(directory, name) for name in ("hf", "ours", "back"))
+    convert.to_hf(synthetic, cfg, hf)
+    for command in (["hf-to-jax", hf, ours], ["jax-to-hf", ours, back]):
+        process, peak = subprocess.Popen([sys.executable, "convert.py", *command], cwd=os.path.dirname(__file__)), {}
+        while process.poll() is None:
+            with contextlib.suppress(OSError):
+                status = dict(line.split(":", 1) for line in open(f"/proc/{process.pid}/status"))
+                for key in ("RssAnon", "VmHWM"):
+                    peak[key] = max(peak.get(key, 0), int(status[key].split()[0]) * 1024)
+            time.sleep(0.1)
+        print(f"{command[0]}: peak anonymous memory {peak['RssAnon'] / 2**30:.2f} GiB, peak RSS with mapped "
+              f"files {peak['VmHWM'] / 2**30:.2f} GiB ({olmo3.param_count(cfg):,} parameters)", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="tiny,wide")
@@ -186,10 +216,13 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="training steps per repetition")
     ap.add_argument("--data", action="store_true", help="benchmark data.py instead")
     ap.add_argument("--tokenizer", default="dolma2", help="for --data")
+    ap.add_argument("--convert", metavar="DIR", help="benchmark convert.py's memory instead, using DIR (~18 GB)")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.data:
         return bench_data(args.tokenizer)
+    if args.convert:
+        return bench_convert(args.convert)
     print(f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows (olmo3.flops_per_token)",
           flush=True)
     rows = [compare(name, dtype, args.reps, args.steps)
