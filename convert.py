@@ -11,7 +11,6 @@ KL(HF || ours), top-1 agreement and the largest logit difference, in fp32 and wi
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -142,12 +141,10 @@ def from_hf(path, scratch: str | None = None):
 
     for name, key, sub, layer in hf_tensors(cfg):
         dest = params[key] if sub is None else params[key][sub][layer]
-        tensor = loaders[name]()
-        want = to_hf_layout(dest, key if sub is None else sub, cfg).shape
-        if tensor.shape != want:
-            raise SystemExit(f"error: {hf_dir}: {name} has shape {tuple(tensor.shape)}, expected {want}")
-        view = dest if tensor.ndim == 1 or key == "embed" else dest.T
-        view[:tensor.shape[0]] = tensor  # writes through the transposed view into our layout
+        tensor, view = loaders[name](), to_hf_layout(dest, key if sub is None else sub, cfg)
+        if tensor.shape != view.shape:
+            raise SystemExit(f"error: {hf_dir}: {name} has shape {tuple(tensor.shape)}, expected {view.shape}")
+        view[...] = tensor  # the view is transposed and cut to the real vocab: it writes into our layout
     return cfg, params
 
 
@@ -166,7 +163,7 @@ def to_hf(params, cfg, out_dir):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = [(k, None) for k in HF_TOP] + [("blocks", k) for k in HF_LAYER]
-    weight_map = {}
+    weight_map, total = {}, 0
     for n, (key, sub) in enumerate(groups):
         fname = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
         array = np.asarray(read(key, sub))
@@ -178,8 +175,8 @@ def to_hf(params, cfg, out_dir):
                 tensors[f"model.layers.{i}.{HF_LAYER[sub]}"] = np.ascontiguousarray(to_hf_layout(array[i], sub, cfg))
         save_file(tensors, out / fname, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, fname)
+        total += sum(t.nbytes for t in tensors.values())
         del array, tensors
-    total = sum(math.prod(s.shape) * 4 for s in jax.tree.leaves(olmo3.param_specs(cfg), is_leaf=olmo3.is_spec))
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1))
@@ -207,8 +204,8 @@ def load_checkpoint(ckpt_dir):
     model is read a weight at a time."""
     import orbax.checkpoint as ocp
     import train
-    directory, step = train.find_checkpoint(Path(ckpt_dir))  # a converted one, or a run directory
-    manager = ocp.CheckpointManager(directory)
+    manager = train.find_checkpoint(Path(ckpt_dir))  # a converted one, or a run directory
+    step = manager.latest_step()
     config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     cfg = olmo3.Config(**config)
 

@@ -194,13 +194,13 @@ def save(manager, state, cfg):
 
 
 def find_checkpoint(path: Path):
-    """A converted checkpoint, a run directory or its checkpoints/ folder -> (manager dir, step)."""
+    """A converted checkpoint, a run directory or its checkpoints/ folder -> its CheckpointManager."""
     import orbax.checkpoint as ocp
     for d in (path / "checkpoints", path):
         if d.is_dir():
-            step = ocp.CheckpointManager(d.absolute(), options=ocp.CheckpointManagerOptions(create=False)).latest_step()
-            if step is not None:
-                return d.absolute(), step
+            manager = ocp.CheckpointManager(d.absolute(), options=ocp.CheckpointManagerOptions(create=False))
+            if manager.latest_step() is not None:
+                return manager
     raise SystemExit(f"error: no complete checkpoint in {path}; pass a run directory or a converted checkpoint")
 
 
@@ -212,9 +212,8 @@ def restore(path: Path, target, cfg, with_optimizer: bool, fields=olmo3.MODEL_FI
     """Restore params (and the optimizer state, step and spike history) of the latest (or the
     given) step from `path` directly onto the shardings in `target`, whatever mesh wrote it."""
     import orbax.checkpoint as ocp
-    directory, latest = find_checkpoint(path)
-    step = latest if step is None else step
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    manager = find_checkpoint(path)
+    step, directory = manager.latest_step() if step is None else step, manager.directory
     try:
         saved = olmo3.Config(**manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
         check_compatible(saved, cfg, path, fields)
@@ -417,11 +416,10 @@ def check_fits(cfg, mesh):
 
 
 def evaluate(params, loader, evaluate_fn, batch_sharding, cfg):
-    ce, n = 0.0, 0
-    for i in range(min(cfg.eval_batches, loader.steps_per_epoch)):
-        inputs, labels = loader.batch(i)
-        c, k = evaluate_fn(params, global_array(inputs, batch_sharding), global_array(labels, batch_sharding))
-        ce, n = ce + float(c), n + int(k)
+    """Held-out cross-entropy over the first eval_batches batches, read back once at the end."""
+    sums = [evaluate_fn(params, *(global_array(x, batch_sharding) for x in loader.batch(i)))
+            for i in range(min(cfg.eval_batches, loader.steps_per_epoch))]
+    ce, n = (float(sum(values)) for values in zip(*sums))
     return ce / max(n, 1)
 
 
