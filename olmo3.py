@@ -1,15 +1,12 @@
-"""OLMo 3 in plain JAX: the config, the model as pure functions, and how it is sharded.
-
-The model is a pytree (nested dict) of arrays. `param_specs` gives one Spec per weight
-(shape, logical axes, init) and everything else follows from it: `init` creates the arrays
-(already sharded when given a mesh), `shardings` places them on a device mesh through the one
-table `AXIS_RULES`, and convert.py maps the same names to and from Hugging Face.
-
-OLMo 3 in one paragraph: a decoder-only transformer with the norm on each sub-block's *output*
-(h = x + norm(attn(x)); out = h + norm(mlp(h))), RMSNorm on the whole q and k projections
-before RoPE, rotate-half RoPE with theta 500k, SwiGLU, no biases, an untied lm_head, and three
-sliding-window layers for every full-attention one (the last layer is always full).
-"""
+"""OLMo 3 in plain JAX: the config, the model as pure functions, and how it is sharded."""
+# OLMo 3 in one paragraph: a decoder-only transformer with the norm on each sub-block's *output*
+# (h = x + norm(attn(x)); out = h + norm(mlp(h))), RMSNorm on the whole q and k projections
+# before RoPE, rotate-half RoPE with theta 500k, SwiGLU, no biases, an untied lm_head, and three
+# sliding-window layers for every full-attention one (the last layer is always full).
+#
+# Read in this order: Config, param_specs, forward (embed -> decoder -> block -> unembed),
+# loss_terms; then make_mesh, whose comment says what each device holds. The model is a pytree
+# (nested dict) of arrays; one Spec per weight drives `init`, `shardings` and convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -46,7 +43,7 @@ class Config:
     steps: int = 1_413_814             # ~5.93T tokens at 512 x 8192
     lr: float = 3e-4
     warmup_steps: int = 2000
-    schedule: str = "cosine"           # "cosine" (to min_lr_ratio * lr) or "linear" (to 0)
+    schedule: str = "cosine"           # "cosine" (to min_lr_ratio * lr) or "linear"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -73,7 +70,8 @@ class Config:
 
 
 MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-                "vocab_size", "sliding_window", "global_every", "rope_theta", "norm_eps", "tokenizer")
+                "vocab_size", "sliding_window", "global_every", "rope_theta", "norm_eps",
+                "tokenizer")
 
 
 def olmo_mlp_hidden(d_model: int) -> int:
@@ -92,11 +90,12 @@ PRESETS = {
     "1b": Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128,
                  mlp_hidden=8192, seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),
     "7b": Config(),
-    # MaxText's head reshape: 16 heads x 256, same parameters and FLOPs (QK-norm stays 4096 wide).
+    # MaxText's head reshape: 16 heads x 256, same parameters and FLOPs (QK-norm stays 4096).
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
 }
 # Stage 2 ("mid-training"): start from stage 1's weights *and* Adam moments, linear decay to 0.
-STAGE2 = dict(global_batch=256, lr=2.0712e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.0, steps=47_684)
+STAGE2 = dict(global_batch=256, lr=2.0712e-4, warmup_steps=0, schedule="linear",
+              min_lr_ratio=0.0, steps=47_684)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -110,8 +109,9 @@ class Spec(NamedTuple):
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    w = lambda *shape_axes: Spec(tuple(s for s, _ in shape_axes), tuple(a for _, a in shape_axes), "normal")
-    ones = lambda *shape_axes: w(*shape_axes)._replace(init="ones")
+
+    def w(*dims, init="normal"):  # dims: (size, logical axis) pairs
+        return Spec(tuple(size for size, _ in dims), tuple(axis for _, axis in dims), init)
     layers = (L, "layers")  # stacked: one array per kind of weight, whatever the depth
     return {
         "embed": w((V, "vocab"), (D, "embed")),
@@ -120,15 +120,15 @@ def param_specs(cfg: Config) -> dict:
             "k": w(layers, (D, "embed"), (KV, "kv_heads")),
             "v": w(layers, (D, "embed"), (KV, "kv_heads")),
             "o": w(layers, (Q, "heads"), (D, "embed")),
-            "q_norm": ones(layers, (Q, "heads")),
-            "k_norm": ones(layers, (KV, "kv_heads")),
-            "attn_norm": ones(layers, (D, "norm")),
+            "q_norm": w(layers, (Q, "heads"), init="ones"),
+            "k_norm": w(layers, (KV, "kv_heads"), init="ones"),
+            "attn_norm": w(layers, (D, "norm"), init="ones"),
             "gate": w(layers, (D, "embed"), (F, "mlp")),
             "up": w(layers, (D, "embed"), (F, "mlp")),
             "down": w(layers, (F, "mlp"), (D, "embed")),
-            "mlp_norm": ones(layers, (D, "norm")),
+            "mlp_norm": w(layers, (D, "norm"), init="ones"),
         },
-        "final_norm": ones((D, "norm")),
+        "final_norm": w((D, "norm"), init="ones"),
         "lm_head": w((D, "embed"), (V, "vocab")),
     }
 
@@ -138,26 +138,28 @@ def is_spec(x) -> bool:
 
 
 def param_count(cfg: Config) -> int:
+    """Every weight, the vocabulary padding included (as OLMo-core counts)."""
     return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
 
 
 def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
-    """Training FLOPs per token (3 x forward). windows=False counts every layer as full causal,
-    MaxText's convention; windows=True counts the keys a sliding-window query really sees."""
-    D, F, Dh = cfg.d_model, cfg.mlp_hidden, cfg.head_dim
-    H, K, S, W = cfg.n_heads, cfg.n_kv_heads, seq_len, cfg.sliding_window
+    """Training FLOPs per token (3 x forward)."""
+    # windows=True counts the keys a sliding-window query really sees; windows=False counts every
+    # layer as full causal, MaxText's convention.
+    D, F, Dh, H, K = cfg.d_model, cfg.mlp_hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    S, W = seq_len, cfg.sliding_window
     matmuls = 2 * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F)
     keys_full = (S + 1) / 2
     keys_window = keys_full if W >= S else W - (W * W - W) / (2 * S)  # about W - W^2/(2S)
-    keys = [keys_full if cfg.is_global(i) or not windows else keys_window for i in range(cfg.n_layers)]
+    keys = [keys_full if cfg.is_global(i) or not windows else keys_window
+            for i in range(cfg.n_layers)]
     attn = sum(4 * Dh * H * c for c in keys)
     return 3 * (cfg.n_layers * matmuls + attn + 2 * D * cfg.padded_vocab)
 
 
 def init(cfg: Config, key, mesh: Mesh | None = None) -> dict:
     """fp32 parameters, created directly with their shardings when a mesh is given."""
-    specs = param_specs(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
 
     def make(key):
         keys = jax.random.split(key, len(leaves))
@@ -165,20 +167,17 @@ def init(cfg: Config, key, mesh: Mesh | None = None) -> dict:
                   0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
                   for s, k in zip(leaves, keys)]
         return jax.tree.unflatten(treedef, arrays)
-
-    out = shardings(cfg, mesh) if mesh is not None else None
-    return jax.jit(make, out_shardings=out)(key)
+    return jax.jit(make, out_shardings=shardings(cfg, mesh) if mesh else None)(key)
 
 
 # ----------------------------------------------------------------------------- sharding
 
 MESH_AXES = ("data", "fsdp", "tensor")
-# The one table from logical axes to mesh axes. Weights are split over `fsdp` (ZeRO-3 style)
-# and `tensor` (Megatron style); the batch over `data` and `fsdp`.
+# The one table from logical axes to mesh axes: every sharding in the project comes from it.
 AXIS_RULES = {
-    "batch": ("data", "fsdp"),
-    "embed": "fsdp",
-    "heads": "tensor",
+    "batch": ("data", "fsdp"),  # sequences are split over both data-parallel axes
+    "embed": "fsdp",            # weights: ZeRO-3 style over fsdp ...
+    "heads": "tensor",          # ... and Megatron style over tensor
     "kv_heads": "tensor",
     "mlp": "tensor",
     "vocab": "tensor",
@@ -189,21 +188,37 @@ AXIS_RULES = {
 
 
 def logical_to_spec(axes) -> P:
-    """Logical axis names (None: replicated) -> a PartitionSpec; a mesh axis used twice is an error."""
+    """Logical axis names (None: replicated) -> a PartitionSpec, each mesh axis used once."""
     used, out = set(), []
     for name in axes:
         rule = AXIS_RULES[name] if name else None
-        mesh_axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        if used & set(mesh_axes):
-            raise ValueError(f"logical axes {axes} map mesh axis {used & set(mesh_axes)} twice")
-        used |= set(mesh_axes)
+        mesh_axes = set((rule,) if isinstance(rule, str) else rule or ())
+        if used & mesh_axes:
+            raise ValueError(f"logical axes {axes} map mesh axis {used & mesh_axes} twice")
+        used |= mesh_axes
         out.append(rule)
     return P(*out)
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Token batches [batch, seq]: rows over the data-parallel axes."""
+    return NamedSharding(mesh, logical_to_spec(("batch", "seq")))
+
+
+# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes; 8 devices
+# as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES cuts each weight along those axes: the q
+# weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
+# (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
+# moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp): each device holds 128
+# sequences, the same ones as its tensor partner. XLA inserts the communication: before a layer's
+# matmuls it all-gathers the fsdp shards of the weights (a device then sees q as [4096, 2048]),
+# after `o` and `down` it all-reduces over `tensor` (each partner summed half of the heads or
+# of the MLP), and in the backward pass it reduce-scatters each gradient back to its fsdp shard.
+# data=N keeps N whole copies of the weights and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh. One size may be -1: all the remaining devices. Sizes that
-    multiply to fewer devices than there are use the first ones (e.g. to resume on fewer)."""
+    """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
+    # Sizes that multiply to fewer devices than there are use the first ones (e.g. to resume on
+    # fewer).
     devices = jax.devices() if devices is None else devices
     sizes = [data, fsdp, tensor]
     known = math.prod(s for s in sizes if s != -1)
@@ -211,8 +226,9 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
         whole = sizes.count(-1) == 1 and known > 0 and len(devices) % known == 0
         sizes = [len(devices) // known if s == -1 else s for s in sizes] if whole else [0]
     if min(sizes) < 1 or math.prod(sizes) > len(devices):
-        raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit {len(devices)} "
-                         f"devices; give sizes whose product divides into {len(devices)} (one may be -1)")
+        raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
+                         f"{len(devices)} devices; give sizes whose product divides into "
+                         f"{len(devices)} (one may be -1)")
     return Mesh(np.array(devices[:math.prod(sizes)]).reshape(sizes), MESH_AXES)
 
 
@@ -221,23 +237,87 @@ def shardings(cfg: Config, mesh: Mesh) -> dict:
     def place(path, spec):
         pspec = logical_to_spec(spec.axes)
         for dim, rule in zip(spec.shape, pspec):
-            n = math.prod(mesh.shape[a] for a in ((rule,) if isinstance(rule, str) else rule or ()))
-            if dim % n:
-                raise SystemExit(f"error: weight {jax.tree_util.keystr(path)} {spec.shape}: dimension {dim} "
-                                 f"does not split over mesh axes {rule} of size {n}; choose another --mesh")
+            axes = (rule,) if isinstance(rule, str) else rule or ()
+            if dim % (n := math.prod(mesh.shape[a] for a in axes)):
+                raise SystemExit(f"error: weight {jax.tree_util.keystr(path)} {spec.shape}: "
+                                 f"dimension {dim} does not split over mesh axes {rule} of size "
+                                 f"{n}; choose another --mesh")
         return NamedSharding(mesh, pspec)
     return jax.tree_util.tree_map_with_path(place, param_specs(cfg), is_leaf=is_spec)
 
 
 def constrain(x, *axes):
     """Pin an activation's sharding (by logical axes) when running under a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
 
 
 # ----------------------------------------------------------------------------- the model
+
+def forward(params, tokens, cfg: Config):
+    """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
+    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg))
+
+
+def embed(params, tokens, cfg: Config):
+    """tokens [B, T] -> embeddings [B, T, D] in the compute dtype (OLMo 3 does not scale them)."""
+    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+    return constrain(x, "batch", "seq", None)
+
+
+def decoder(params, x, cfg: Config):
+    """Embeddings [B, T, D] -> the final normed hidden states [B, T, D]."""
+    # The layers are unrolled, so each knows its window statically (a scan was 1.5-2x slower on
+    # CPU); per-layer weights are stacked [n_layers, ...] and sliced here.
+    rope = rope_tables(jnp.arange(x.shape[1]), cfg.head_dim, cfg.rope_theta)
+    layer = jax.checkpoint(block, static_argnums=(2, 4)) if cfg.remat else block
+    for i in range(cfg.n_layers):
+        p = jax.tree.map(lambda w: w[i], params["blocks"])
+        x = layer(p, x, None if cfg.is_global(i) else cfg.sliding_window, rope, cfg)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def block(p, x, window, rope, cfg: Config):
+    """One OLMo 3 layer; window: None (full attention) or the sliding window, static."""
+    # The norms sit on each sub-block's output, not its input.
+    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)  # rms_norm upcasts its weight
+    h = x + rms_norm(attention_block(p, x, window, rope, cfg), p["attn_norm"], cfg.norm_eps)
+    h = constrain(h, "batch", "seq", None)
+    out = h + rms_norm(mlp_block(p, h), p["mlp_norm"], cfg.norm_eps)
+    return constrain(out, "batch", "seq", None)
+
+
+def attention_block(p, x_BTD, window, rope, cfg: Config):
+    B, T, _ = x_BTD.shape
+    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    # QK-norm over the whole projection, before splitting heads and before RoPE
+    q_BTQ = rms_norm(dense(x_BTD, p["q"]), p["q_norm"], cfg.norm_eps)
+    k_BTK = rms_norm(dense(x_BTD, p["k"]), p["k_norm"], cfg.norm_eps)
+    q_BTHD = apply_rope(q_BTQ.reshape(B, T, H, Dh), *rope)
+    k_BTKD = apply_rope(k_BTK.reshape(B, T, K, Dh), *rope)
+    v_BTKD = dense(x_BTD, p["v"]).reshape(B, T, K, Dh)
+    out_BTHD = attention(q_BTHD, k_BTKD, v_BTKD, window, cfg)
+    return dense(out_BTHD.reshape(B, T, H * Dh), p["o"])
+
+
+def mlp_block(p, x):
+    return dense(jax.nn.silu(dense(x, p["gate"])) * dense(x, p["up"]), p["down"])
+
+
+def unembed(params, h):
+    """Hidden states -> fp32 logits over the padded vocabulary (matmul in h's dtype)."""
+    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return constrain(logits, "batch", "seq", "vocab")
+
+
+def dense(x, w):
+    """x [..., in] @ w [in, out] in x's dtype, accumulating in fp32."""
+    # One 2-D matmul: XLA:CPU runs the batched 3-D form about a quarter slower.
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+
 
 def rms_norm(x, weight, eps):
     """Statistics and the weight multiply in fp32 (as OLMo-core and HF do), cast back after."""
@@ -246,112 +326,44 @@ def rms_norm(x, weight, eps):
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos and sin [T, head_dim] for the given positions, in the rotate-half layout."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # rotate-half layout: [T, head_dim]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x, cos, sin):
-    """x: [B, T, heads, head_dim]; rotation in fp32, result in x's dtype."""
-    x32 = x.astype(jnp.float32)
+def apply_rope(x_BTHD, cos_TD, sin_TD):
+    """Rotation in fp32, result in x's dtype."""
+    x32 = x_BTHD.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+    return (x32 * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]).astype(x_BTHD.dtype)
 
+
+def loss_terms(logits, labels, z_loss: float):
+    """(cross-entropy, z-loss, count), summed over the positions whose label is not -100."""
+    # Sums, not means, so micro-batches and data-parallel shards combine exactly.
+    valid = labels >= 0
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = jnp.sum(jnp.where(valid, lse - target, 0.0))
+    z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0))
+    return ce, z, jnp.sum(valid)
+
+
+# ----------------------------------------------------------------------------- attention
 
 def visible(q_pos, k_pos, window: int | None):
     """Key j is visible to query i iff j <= i and, in a sliding layer, i - j < window."""
     return (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
 
 
-def attention_reference(q, k, v, window: int | None):
-    """Plain softmax attention over the whole [T, T] score matrix: the definition, and fastest on
-    CPU for short sequences. q: [B, T, H, Dh]; k, v: [B, T, K, Dh] with H a multiple of K.
-    Heads go first so that both products are plain batched matmuls."""
-    B, T, H, Dh = q.shape
-    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # [B, heads, T, Dh]
-    k, v = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k, v))  # head h reads kv head h // (H/K)
-    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32) * Dh ** -0.5
-    mask = visible(jnp.arange(T)[:, None], jnp.arange(T)[None, :], window)
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhts,bhsd->bhtd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
-    return out.transpose(0, 2, 1, 3)
-
-
-def attention_blockwise(q, k, v, window: int | None, block: int = 512):
-    """Memory-efficient attention in pure JAX. Queries go in blocks of c; each query block runs an
-    online softmax over only the key blocks it can see (causal: blocks 0..i; sliding window: the
-    1 + ceil((W-1)/c) blocks the window reaches), so work and memory are O(T x visible keys).
-    Each query block is rematerialised in the backward pass, like flash attention."""
-    B, T, H, Dh = q.shape
-    K, G = k.shape[2], H // k.shape[2]
-    c = math.gcd(T, block)
-    n = T // c
-    reach = n if window is None else min(n, 1 + -(-(window - 1) // c))
-    qb = q.reshape(B, n, c, K, G, Dh).transpose(1, 0, 3, 4, 2, 5)  # [n, B, K, G, c, Dh]
-    kb, vb = (x.reshape(B, n, c, K, Dh).transpose(1, 0, 3, 2, 4) for x in (k, v))  # [n, B, K, c, Dh]
-    offsets = jnp.arange(c)
-
-    def query_block(i, q_i):
-        def visit(carry, t):
-            j = i - reach + 1 + t  # the key block; < 0 means before the sequence start
-
-            def attend(carry):
-                m, l, acc = carry
-                s = jnp.einsum("bkgqd,bksd->bkgqs", q_i, kb[j], preferred_element_type=jnp.float32) * Dh ** -0.5
-                mask = visible(i * c + offsets[:, None], j * c + offsets[None, :], window)
-                s = jnp.where(mask, s, -1e30)  # finite, so a row with nothing visible yet stays NaN-free
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-                scale = jnp.exp(m - m_new)
-                pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vb[j], preferred_element_type=jnp.float32)
-                return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
-            return jax.lax.cond(j >= 0, attend, lambda carry: carry, carry), None
-        init = (jnp.full(q_i.shape[:-1], -1e30), jnp.zeros(q_i.shape[:-1]), jnp.zeros(q_i.shape, jnp.float32))
-        (_, l, acc), _ = jax.lax.scan(visit, init, jnp.arange(reach))
-        return (acc / l[..., None]).astype(q.dtype)
-    out = jax.lax.map(lambda args: jax.checkpoint(query_block)(*args), (jnp.arange(n), qb))
-    return out.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
-
-
-def attention_cudnn(q, k, v, window: int | None):
-    """NVIDIA: cuDNN's fused flash attention with a causal local window (bf16/fp16 only)."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
-                                        local_window_size=None if window is None else (window - 1, 0))
-
-
-def attention_splash(q, k, v, window: int | None, interpret: bool = False):
-    """TPU: the Pallas splash-attention kernel with a causal or local mask, run per device under
-    shard_map (batch over data/fsdp, heads over tensor). interpret=True runs it on CPU, for tests."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-    T, Dh = q.shape[1], q.shape[3]
-    mask = masks.CausalMask((T, T)) if window is None else masks.LocalMask((T, T), (window - 1, 0), 0)
-    block = math.gcd(T, 512)
-    sizes = splash.BlockSizes(block, block, block, block, block, block, block, block)
-
-    def local(q, k, v):  # one device's shard: [b, T, h, Dh] -> the kernel's [h, T, Dh], vmapped over b
-        kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * q.shape[2]), block_sizes=sizes,
-                                        head_shards=1, q_seq_shards=1, interpret=interpret)
-        heads_first = lambda x: x.transpose(0, 2, 1, 3)
-        return heads_first(jax.vmap(kernel)(heads_first(q * Dh ** -0.5), heads_first(k), heads_first(v)))
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return local(q, k, v)
-    spec = logical_to_spec(("batch", None, "heads", None))
-    return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
-
-
-ATTENTION = {"reference": attention_reference, "blockwise": attention_blockwise,
-             "cudnn": attention_cudnn, "splash": attention_splash}
-
-
 def attention(q, k, v, window: int | None, cfg: Config):
-    """cfg.attention picks the implementation; "auto" takes the maintained kernel of the backend
-    (cuDNN on NVIDIA GPUs with bf16, splash on TPU), else the reference for short sequences and
-    the blockwise path for long ones."""
+    """q [B, T, H, Dh], k and v [B, T, K, Dh] -> [B, T, H, Dh], by cfg.attention's kernel."""
+    # "auto" takes the maintained kernel of the backend (cuDNN on NVIDIA GPUs with bf16, splash
+    # on TPU), else the reference for short sequences and blockwise for long ones.
     name = cfg.attention
     if name == "auto":
         backend = jax.default_backend()
@@ -363,101 +375,92 @@ def attention(q, k, v, window: int | None, cfg: Config):
     return ATTENTION[name](q, k, v, window)
 
 
-@jax.custom_vjp
-def dense(x, w):
-    """x [..., in] @ w [in, out]: one 2-D matmul on compute-dtype inputs accumulating in fp32,
-    forward and backward (autodiff alone would run the backward matmuls in fp32). On CPU both
-    matter: 3-D matmuls run at half speed and only bf16 -> fp32 dots use the AMX units."""
-    return _matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+def attention_reference(q, k, v, window: int | None):
+    """Softmax attention over the whole [T, T] score matrix: the definition."""
+    # The fastest on CPU for short sequences. Heads go first so that both products are plain
+    # batched matmuls; query head h reads kv head h // (H / K).
+    B, T, H, Dh = q.shape
+    q_BHTD, k_BKTD, v_BKTD = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    k_BHTD, v_BHTD = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKTD, v_BKTD))
+    scores_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD, k_BHTD,
+                             preferred_element_type=jnp.float32) * Dh ** -0.5
+    mask_TS = visible(jnp.arange(T)[:, None], jnp.arange(T)[None, :], window)
+    probs_BHTS = jax.nn.softmax(jnp.where(mask_TS, scores_BHTS, -jnp.inf), axis=-1)
+    out_BHTD = jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(v.dtype), v_BHTD,
+                          preferred_element_type=jnp.float32).astype(q.dtype)
+    return out_BHTD.transpose(0, 2, 1, 3)
 
 
-def _matmul(a, b, contract=(1, 0), out_dtype=None):
-    """a @ b (or a @ b.T with contract=(1, 1), without materialising the transpose) in fp32."""
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype or a.dtype)
+def attention_blockwise(q, k, v, window: int | None, block: int = 512):
+    """Memory-efficient attention in pure JAX: O(T x visible keys) work and memory."""
+    # Queries go in n blocks of c; each query block runs an online softmax over only the key
+    # blocks it can see (causal: blocks 0..i; a window: the 1 + ceil((W-1)/c) blocks it reaches),
+    # and is rematerialised in the backward pass, like flash attention. G = H / K query heads
+    # share each kv head.
+    B, T, H, Dh = q.shape
+    K, G = k.shape[2], H // k.shape[2]
+    c = math.gcd(T, block)
+    n = T // c
+    reach = n if window is None else min(n, 1 + -(-(window - 1) // c))
+    q_nBKGcD = q.reshape(B, n, c, K, G, Dh).transpose(1, 0, 3, 4, 2, 5)
+    k_nBKcD, v_nBKcD = (x.reshape(B, n, c, K, Dh).transpose(1, 0, 3, 2, 4) for x in (k, v))
+    offsets = jnp.arange(c)
+
+    def query_block(i, q_BKGcD):
+        def visit(carry, t):
+            j = i - reach + 1 + t  # the key block; < 0 means before the sequence start
+
+            def attend(carry):
+                m, l, acc = carry  # running max, softmax denominator and output
+                s = jnp.einsum("bkgqd,bksd->bkgqs", q_BKGcD, k_nBKcD[j],
+                               preferred_element_type=jnp.float32) * Dh ** -0.5
+                mask = visible(i * c + offsets[:, None], j * c + offsets[None, :], window)
+                s = jnp.where(mask, s, -1e30)  # finite: a row that sees nothing yet stays NaN-free
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                scale = jnp.exp(m - m_new)
+                pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v_nBKcD[j],
+                                preferred_element_type=jnp.float32)
+                return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
+            return jax.lax.cond(j >= 0, attend, lambda carry: carry, carry), None
+        rows = q_BKGcD.shape[:-1]
+        init = (jnp.full(rows, -1e30), jnp.zeros(rows), jnp.zeros(q_BKGcD.shape, jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(visit, init, jnp.arange(reach))
+        return (acc / l[..., None]).astype(q.dtype)
+    out_nBKGcD = jax.lax.map(lambda args: jax.checkpoint(query_block)(*args),
+                             (jnp.arange(n), q_nBKGcD))
+    return out_nBKGcD.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
 
 
-def _dense_fwd(x, w):
-    return dense(x, w), (x, w)
+def attention_cudnn(q, k, v, window: int | None):
+    """NVIDIA: cuDNN's fused flash attention with a causal local window (bf16/fp16 only)."""
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0))
 
 
-def _dense_bwd(saved, dy):
-    x, w = saved
-    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]).astype(x.dtype)
-    return _matmul(dy2, w, (1, 1)).reshape(x.shape), _matmul(x2, dy2, (0, 0), w.dtype)
+def attention_splash(q, k, v, window: int | None, interpret: bool = False):
+    """TPU: the Pallas splash-attention kernel (interpret=True runs it on CPU)."""
+    # Causal or local mask, run per device under shard_map: batch over data/fsdp, heads over
+    # tensor.
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash, splash_attention_mask as masks)
+    T, Dh = q.shape[1], q.shape[3]
+    mask = (masks.CausalMask((T, T)) if window is None else
+            masks.LocalMask((T, T), (window - 1, 0), 0))
+    sizes = splash.BlockSizes(*[math.gcd(T, 512)] * 8)
+
+    def local(q, k, v):  # one device's shard [b, T, h, Dh] -> the kernel's [h, T, Dh], vmapped
+        kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * q.shape[2]), block_sizes=sizes,
+                                        head_shards=1, q_seq_shards=1, interpret=interpret)
+        heads_first = lambda x: x.transpose(0, 2, 1, 3)
+        out = jax.vmap(kernel)(heads_first(q * Dh ** -0.5), heads_first(k), heads_first(v))
+        return heads_first(out)
+    if jax.sharding.get_abstract_mesh().empty:
+        return local(q, k, v)
+    spec = logical_to_spec(("batch", None, "heads", None))
+    return jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q, k, v)
 
 
-dense.defvjp(_dense_fwd, _dense_bwd)
-
-
-def attention_block(p, x, window, rope, cfg: Config):
-    B, T, _ = x.shape
-    q = rms_norm(dense(x, p["q"]), p["q_norm"], cfg.norm_eps)   # QK-norm over the whole projection,
-    k = rms_norm(dense(x, p["k"]), p["k_norm"], cfg.norm_eps)   # before splitting heads and before RoPE
-    v = dense(x, p["v"])
-    q = apply_rope(q.reshape(B, T, cfg.n_heads, cfg.head_dim), *rope)
-    k = apply_rope(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), *rope)
-    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    return dense(attention(q, k, v, window, cfg).reshape(B, T, -1), p["o"])
-
-
-def mlp_block(p, x):
-    return dense(jax.nn.silu(dense(x, p["gate"])) * dense(x, p["up"]), p["down"])
-
-
-def block(p, x, window, rope, cfg: Config):
-    """One OLMo 3 layer: the norms sit on each sub-block's output, not its input.
-    window: None for a full-attention layer, else the sliding window (a static number)."""
-    dtype = jnp.dtype(cfg.compute_dtype)
-    p = jax.tree.map(lambda w: w.astype(dtype), p)  # bf16 matmuls; rms_norm upcasts its weight
-    h = x + rms_norm(attention_block(p, x, window, rope, cfg), p["attn_norm"], cfg.norm_eps)
-    h = constrain(h, "batch", "seq", None)
-    out = h + rms_norm(mlp_block(p, h), p["mlp_norm"], cfg.norm_eps)
-    return constrain(out, "batch", "seq", None)
-
-
-def embed(params, tokens, cfg: Config):
-    """tokens [B, T] int -> embeddings [B, T, D] in the compute dtype (OLMo 3 does not scale them)."""
-    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    return constrain(x, "batch", "seq", None)
-
-
-def decoder(params, x, cfg: Config):
-    """Embeddings [B, T, D] -> final normed hidden states. The layers are unrolled (each knows
-    its window statically); per-layer weights are stacked [n_layers, ...] and sliced here."""
-    rope = rope_tables(x.shape[1], cfg.head_dim, cfg.rope_theta)
-    layer = jax.checkpoint(block, static_argnums=(2, 4)) if cfg.remat else block
-    for i in range(cfg.n_layers):
-        p = jax.tree.map(lambda w: w[i], params["blocks"])
-        x = layer(p, x, None if cfg.is_global(i) else cfg.sliding_window, rope, cfg)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
-
-
-def unembed(params, h):
-    """Hidden states -> fp32 logits over the padded vocabulary (matmul in h's dtype, fp32 out)."""
-    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
-                        preferred_element_type=jnp.float32)
-    return constrain(logits, "batch", "seq", "vocab")
-
-
-def forward(params, tokens, cfg: Config):
-    """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
-    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg))
-
-
-def loss_terms(logits, labels, z_loss: float):
-    """Sums over the positions whose label is not -100: (cross-entropy, z-loss, count).
-    Sums, not means, so micro-batches and data-parallel shards combine exactly."""
-    valid = labels >= 0
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-    ce = jnp.sum(jnp.where(valid, lse - target, 0.0))
-    z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0))
-    return ce, z, jnp.sum(valid)
-
-
-def loss_fn(params, tokens, labels, cfg: Config):
-    """Mean cross-entropy plus z-loss (z_loss * logsumexp^2) over non-ignored positions."""
-    ce, z, n = loss_terms(forward(params, tokens, cfg), labels, cfg.z_loss)
-    n = jnp.maximum(n, 1)
-    return (ce + z) / n, {"ce": ce / n, "z_loss": z / n}
+ATTENTION = {"reference": attention_reference, "blockwise": attention_blockwise,
+             "cudnn": attention_cudnn, "splash": attention_splash}

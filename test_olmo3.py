@@ -127,7 +127,7 @@ def test_sliding_window_forgets_tokens_more_than_w_back():
     params = olmo3.init(cfg, jax.random.key(0))
     layer = jax.tree.map(lambda w: w[0], params["blocks"])
     x = jax.random.normal(jax.random.key(1), (1, 48, cfg.d_model))
-    rope = olmo3.rope_tables(48, cfg.head_dim, cfg.rope_theta)
+    rope = olmo3.rope_tables(jnp.arange(48), cfg.head_dim, cfg.rope_theta)
     t, W = 40, cfg.sliding_window
 
     def influence(window):
@@ -269,7 +269,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_bytes_tokenizer_round_trip_with_specials():
     tok = data.get_tokenizer("bytes")
-    assert (tok.name, tok.vocab_size, tok.eos_id, tok.pad_id) == ("bytes", 258, 256, 257)
+    assert (tok.name, tok.vocab_size, tok.eos_id) == ("bytes", 258, 256)
     text = "héllo, wörld ✓"
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text
@@ -290,7 +290,7 @@ def test_dolma2_matches_cl100k_and_knows_olmo_specials(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     cl100k = tiktoken.Encoding(**tiktoken_ext.openai_public.cl100k_base())
     tok = data.get_tokenizer("dolma2")
-    assert (tok.vocab_size, tok.eos_id, tok.pad_id) == (100278, 100257, 100277)
+    assert (tok.vocab_size, tok.eos_id) == (100278, 100257)
     texts = ["Hello world!", "def f(x):\n    return x ** 2  # square\n", "naïve café 数学 🙂", "  spaces\t\ttabs\r\n",
              play_text()[:5000], "'s 'LL 12345 x  \n\n  y"]
     for text in texts:
@@ -395,7 +395,6 @@ def test_is_heldout_is_a_stable_content_hash():
 
 
 def test_tokenize_is_deterministic_across_process_counts(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_BYTES", 20_000)  # many chunks per input, so order across workers matters
     inputs, _ = make_inputs(tmp_path, n=3000)
     outs = []
     for processes in (1, 2):
@@ -664,6 +663,81 @@ def test_find_periodic_sequences_matches_reference_cases():
         list(data.find_periodic_sequences(np.array([1, -1, 2]), 3))
 
 
+# A faithful port of OLMo-core's find_periodic_sequences and its helpers (src/olmo_core/data/
+# utils.py, from dolma's repetition tagger): the reference for data.py's vectorised form.
+
+def _find_end_first_consecutive_true(arr):
+    if not arr[0]:
+        return 0
+    prog = np.cumsum(arr)
+    if prog[-1] == len(arr):
+        return len(arr)
+    return np.where(prog[:-1:] == prog[1::])[0][0] + 1
+
+
+def _find_start_last_consecutive_true(arr):
+    reverse = _find_end_first_consecutive_true(arr[::-1])
+    return len(arr) - reverse if reverse > 0 else -1
+
+
+def olmo_core_find_periodic_sequences(arr, max_period, min_period=1, mask_value=-1):
+    if (arr == mask_value).sum() > 0:
+        raise ValueError("`mask_value` is in the array")
+    max_period = min(max_period, len(arr) // 3)
+    for period in range(min_period, max_period + 1):
+        padded_arr = np.pad(arr, (0, period - (len(arr) % period)), constant_values=mask_value)
+        shaped_arr = padded_arr.reshape(-1, period)
+        is_equal_to_prev_row = shaped_arr == np.roll(shaped_arr, shift=1, axis=0)
+        rows_with_period, *_ = np.where(is_equal_to_prev_row.all(axis=1))
+        if len(rows_with_period) == 0:
+            continue
+        for sequence in np.split(rows_with_period, np.where(np.diff(rows_with_period) != 1)[0] + 1):
+            start_row, end_row = sequence[0], sequence[-1]
+            start_offset = _find_start_last_consecutive_true(is_equal_to_prev_row[start_row - 1])
+            start_offset = period - start_offset if start_offset > 0 else 0
+            end_offset = _find_end_first_consecutive_true(is_equal_to_prev_row[end_row + 1])
+            start_pos = (start_row - 1) * period - start_offset
+            end_pos = ((end_row + 1) * period) + end_offset
+            out = (start_pos, end_pos, period, (end_pos - start_pos) // period)
+            if out[3] > 2:
+                yield out
+
+
+def repetition_cases(n_random=3000, seed=0):
+    """Random arrays over small alphabets, planted runs (at the start, inside, at the end, of
+    every period and about the 32-repeat threshold) and the wrap-around corner: OLMo-core
+    compares the first row with the padded last one."""
+    rng = np.random.default_rng(seed)
+    for i in range(n_random):
+        n = int(rng.integers(1, 300))
+        arr = rng.integers(0, int(rng.choice([1, 2, 3, 7, 1000])), n)
+        if i % 2 and n > 4:
+            p = int(rng.integers(1, 16))
+            run = np.tile(rng.integers(0, 5, p), int(rng.integers(2, 40)))[: int(rng.integers(1, n))]
+            at = int(rng.choice([0, n - len(run), int(rng.integers(0, n - len(run) + 1))]))
+            arr[at: at + len(run)] = run
+        yield arr
+    for p in range(1, 15):
+        for repeats in (30, 31, 32, 33):
+            for extra in range(p + 1):  # every length modulo p
+                pattern = np.arange(1, p + 1)
+                yield np.tile(pattern, repeats + 1)[: p * repeats + extra]
+                head = np.concatenate([np.tile(pattern, repeats), [99] * extra, pattern[:extra]])
+                yield head  # the last row's real tokens equal the first row's
+
+
+def test_vectorised_repetition_filter_decides_like_olmo_core():
+    cases = 0
+    for arr in repetition_cases():
+        for lo, hi in ((1, 13), (2, 5), (13, 13)):
+            want = list(olmo_core_find_periodic_sequences(arr, hi, lo))
+            assert [tuple(r) for r in data.find_periodic_sequences(arr, hi, lo)] == want, (arr, lo, hi)
+        want = any(r[3] >= 32 for r in olmo_core_find_periodic_sequences(arr, 13))
+        assert data.has_repetition(arr) == want
+        cases += 1
+    assert cases > 3000
+
+
 def planted(period, repeats, length=600, seed=0):
     rng = np.random.default_rng(seed + 1000 * period + repeats)
     tokens = rng.integers(1000, 100_000, size=length)  # random background: no accidental repeats
@@ -776,9 +850,9 @@ def test_spike_guard_follows_olmo_core():
             loss += 1.0  # a loss spike: ignored before 64 steps of history, skipped after
         if i == 90:
             gn += 1.0    # a grad-norm spike alone also skips (OLMo-core needs both within 6 sigma)
-        skip, history = train.spike_guard(history, i, jnp.float32(loss), jnp.float32(gn))
-        skips.append(bool(skip))
-    assert [i for i, s in enumerate(skips) if s] == [80, 90]
+        spikes, history = train.spike_guard(history, i, jnp.float32(loss), jnp.float32(gn))
+        skips.append({k for k, v in spikes.items() if v})
+    assert [(i, s) for i, s in enumerate(skips) if s] == [(80, {"loss_spike"}), (90, {"grad_spike"})]
 
 
 def test_exact_resume_and_run_outputs(tmp_path, token_files):
