@@ -42,7 +42,8 @@ def jax_worker(conn, name, dtype):
     mesh = olmo3.make_mesh(fsdp=1)
     with jax.set_mesh(mesh):
         state = train.init_state(cfg, mesh)
-        step, _, batch_sharding = train.compile_steps(cfg, mesh, train.abstract_state(cfg, mesh))
+        step, _ = train.compile_steps(cfg, mesh, train.abstract_state(cfg, mesh))
+        batch_sharding = olmo3.batch_sharding(mesh)
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len), dtype=np.int32)
         x = jax.device_put(tokens, batch_sharding)
         labels = jax.device_put(np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1), batch_sharding)

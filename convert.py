@@ -11,19 +11,16 @@
 import argparse
 import dataclasses
 import json
-import logging
 import math
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 import olmo3
-
-logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on its type handlers
+import train  # its checkpoints(); importing it also quiets Orbax's notes
 
 # Our weight -> Hugging Face tensor. Torch Linear weights are [out, in], ours are [in, out], so
 # every matrix except the embedding is transposed. Per-layer names get "model.layers.{i}.".
@@ -35,6 +32,12 @@ HF_LAYER = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
             "attn_norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weight",
             "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
             "mlp_norm": "post_feedforward_layernorm.weight"}
+# Our Config field -> its config.json key.
+HF_CONFIG = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+             "head_dim": "head_dim", "mlp_hidden": "intermediate_size", "vocab_size": "vocab_size",
+             "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps",
+             "seq_len": "max_position_embeddings"}  # seq_len kept, so an export writes it back
 
 
 def hf_tensors(cfg):
@@ -64,20 +67,17 @@ def config_from_hf(hf: dict) -> olmo3.Config:
          "biases or tied embeddings")
     need(hf.get("hidden_act", "silu") == "silu", f"activation {hf.get('hidden_act')!r} is not silu")
     rope = hf.get("rope_parameters") or {}
-    thetas = ({p.get("rope_theta", hf.get("rope_theta")) for p in rope.values()}
-              or {hf.get("rope_theta")})
-    need(len(thetas) == 1 and all(p.get("rope_type", "default") == "default" for p in rope.values()),
+    thetas = {p.get("rope_theta", hf.get("rope_theta")) for p in rope.values()} or {
+        hf.get("rope_theta")}
+    plain = all(p.get("rope_type", "default") == "default" for p in rope.values())
+    need(len(thetas) == 1 and plain,
          f"RoPE {rope} is not one plain theta (YaRN / long-context checkpoints are not supported)")
-    heads = hf["num_attention_heads"]
-    cfg = olmo3.Config(
-        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        mlp_hidden=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        sliding_window=hf.get("sliding_window") or 4096, rope_theta=float(thetas.pop() or 5e5),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2",
-        seq_len=hf.get("max_position_embeddings") or 8192)  # kept, so an export writes it back
+    heads = hf["num_attention_heads"]  # the defaults of keys a config.json may leave out:
+    defaults = {"num_key_value_heads": heads, "head_dim": hf["hidden_size"] // heads,
+                "sliding_window": 4096, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192}
+    cfg = olmo3.Config(**{ours: hf.get(key) or defaults[key] for ours, key in HF_CONFIG.items()},
+                       rope_theta=float(thetas.pop() or 5e5),
+                       tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")
     need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
          "layer_types differ from OLMo 3's 3 sliding : 1 full pattern")
     return cfg
@@ -92,47 +92,37 @@ def config_to_hf(cfg) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]
-    return {
-        "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.mlp_hidden, "vocab_size": cfg.vocab_size, "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps, "sliding_window": cfg.sliding_window,
-        "layer_types": layer_types(cfg),
-        "rope_parameters": {"full_attention": rope, "sliding_attention": dict(rope)},
-        "max_position_embeddings": cfg.seq_len, "attention_bias": False,
-        "tie_word_embeddings": False,
-        "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "dtype": "float32",
-    }
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
+            **{key: getattr(cfg, ours) for ours, key in HF_CONFIG.items()},
+            "layer_types": layer_types(cfg), "attention_bias": False, "tie_word_embeddings": False,
+            "rope_parameters": {"full_attention": rope, "sliding_attention": dict(rope)},
+            "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "dtype": "float32"}
 
 
 # ----------------------------------------------------------------------------- reading HF
 
 def open_hf_weights(hf_dir: Path):
     """name -> loader for every tensor of a HF checkpoint: safetensors or .bin, sharded or not."""
-    for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
-        if (hf_dir / index).exists():
-            files = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
-        elif (hf_dir / single).exists():
-            files = [single]
+    single = next((f for f in ("model.safetensors", "pytorch_model.bin")
+                   if (hf_dir / f).exists() or (hf_dir / f"{f}.index.json").exists()), None)
+    if single is None:
+        raise SystemExit(f"error: no model.safetensors or pytorch_model.bin (or index) in {hf_dir}")
+    index = hf_dir / f"{single}.index.json"  # a sharded checkpoint lists its files there
+    files = json.loads(index.read_text())["weight_map"].values() if index.exists() else [single]
+    loaders = {}
+    for f in sorted(set(files)):
+        if not (hf_dir / f).exists():
+            raise SystemExit(f"error: {hf_dir / f} is listed in {index.name} but missing; "
+                             "download it again")
+        if f.endswith(".bin"):  # needs torch; mmap leaves a tensor on disk until it is read
+            import torch
+            state = torch.load(hf_dir / f, map_location="cpu", weights_only=True, mmap=True)
+            loaders |= {n: (lambda t=t: t.float().numpy()) for n, t in state.items()}
         else:
-            continue
-        loaders = {}
-        for f in files:
-            if not (hf_dir / f).exists():
-                raise SystemExit(f"error: {hf_dir / f} is listed in {index} but missing; "
-                                 "download it again")
-            if f.endswith(".safetensors"):
-                from safetensors import safe_open
-                handle = safe_open(hf_dir / f, framework="np")
-                loaders |= {n: (lambda h=handle, n=n: h.get_tensor(n)) for n in handle.keys()}
-            else:
-                import torch  # .bin needs torch; mmap keeps them on disk until a tensor is read
-                state = torch.load(hf_dir / f, map_location="cpu", weights_only=True, mmap=True)
-                loaders |= {n: (lambda t=t: t.float().numpy()) for n, t in state.items()}
-        return loaders
-    raise SystemExit(f"error: no model.safetensors or pytorch_model.bin (or index) in {hf_dir}")
+            from safetensors import safe_open
+            handle = safe_open(hf_dir / f, framework="np")
+            loaders |= {n: (lambda h=handle, n=n: h.get_tensor(n)) for n in handle.keys()}
+    return loaders
 
 
 def from_hf(path, scratch: str | None = None):
@@ -142,11 +132,9 @@ def from_hf(path, scratch: str | None = None):
     if not (hf_dir / "config.json").exists():
         raise SystemExit(f"error: {hf_dir}/config.json not found; pass a Hugging Face model folder")
     cfg = config_from_hf(json.loads((hf_dir / "config.json").read_text()))
-    loaders = open_hf_weights(hf_dir)
-    expected = {name for name, *_ in hf_tensors(cfg)}
+    loaders, expected = open_hf_weights(hf_dir), {name for name, *_ in hf_tensors(cfg)}
     if missing := sorted(expected - loaders.keys()):
-        raise SystemExit(f"error: {hf_dir}: tensor {missing[0]} is missing ({len(missing)} "
-                         "missing in all)")
+        raise SystemExit(f"error: {hf_dir}: tensor {missing[0]} is missing ({len(missing)} in all)")
     if extra := sorted(loaders.keys() - expected):
         raise SystemExit(f"error: {hf_dir}: unexpected tensor {extra[0]} ({len(extra)} extra); "
                          "not plain OLMo 3?")
@@ -154,14 +142,13 @@ def from_hf(path, scratch: str | None = None):
     def allocate(path, spec):  # zeros, so the vocabulary padding rows stay zero
         if scratch is None:
             return np.zeros(spec.shape, np.float32)
-        file = os.path.join(scratch, jax.tree_util.keystr(path, simple=True, separator=".") + ".npy")
-        return np.lib.format.open_memmap(file, "w+", np.float32, spec.shape)
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        return np.lib.format.open_memmap(f"{scratch}/{name}.npy", "w+", np.float32, spec.shape)
     params = jax.tree_util.tree_map_with_path(allocate, olmo3.param_specs(cfg),
                                               is_leaf=olmo3.is_spec)
-
     for name, key, sub, layer in hf_tensors(cfg):
         dest = params[key] if sub is None else params[key][sub][layer]
-        tensor, view = loaders[name](), to_hf_layout(dest, key if sub is None else sub, cfg)
+        tensor, view = loaders[name](), to_hf_layout(dest, sub or key, cfg)
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {hf_dir}: {name} has shape {tuple(tensor.shape)}, "
                              f"expected {view.shape}")
@@ -172,29 +159,26 @@ def from_hf(path, scratch: str | None = None):
 # ----------------------------------------------------------------------------- writing HF
 
 def to_hf(read, cfg, out_dir, max_shard_size="5GB"):
-    """A folder that transformers' from_pretrained loads: safetensors shards (split by size as
-    save_pretrained does), config.json and generation_config.json."""
+    """A folder from_pretrained loads: safetensors shards, config.json, generation_config.json."""
+    # The shards are split by size as save_pretrained does.
     # read(key, sub) returns one of our weight kinds, so a large model is read a kind at a time.
     from huggingface_hub import split_state_dict_into_shards_factory
     from safetensors.numpy import save_file
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # kind by kind, so that a shard needs only one or two of our arrays in memory
     tensors = {name: (key, sub, layer) for name, key, sub, layer in hf_tensors(cfg)}
-    split = split_state_dict_into_shards_factory(
+    split = split_state_dict_into_shards_factory(  # kind by kind: a shard needs a kind or two
         tensors, get_storage_size=lambda t: 4 * math.prod(hf_shape(t[1] or t[0], cfg)),
         filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    cache = {}
+    kind = array = None  # the one weight kind in memory: the tensors come kind by kind
     for fname, names in split.filename_to_tensors.items():
-        kinds = {tensors[n][:2] for n in names}
-        cache = {k: v for k, v in cache.items() if k in kinds}  # earlier kinds are done
         shard = {}
         for name in names:
             key, sub, layer = tensors[name]
-            if (key, sub) not in cache:
-                cache[key, sub] = np.asarray(read(key, sub))
-            array = cache[key, sub] if layer is None else cache[key, sub][layer]
-            shard[name] = np.ascontiguousarray(to_hf_layout(array, key if sub is None else sub, cfg))
+            if kind != (key, sub):
+                kind, array = (key, sub), np.asarray(read(key, sub))
+            hf = to_hf_layout(array if layer is None else array[layer], sub or key, cfg)
+            shard[name] = np.ascontiguousarray(hf)
         save_file(shard, out / fname, metadata={"format": "pt"})
     if split.is_sharded:
         (out / "model.safetensors.index.json").write_text(json.dumps(
@@ -208,8 +192,8 @@ def to_hf(read, cfg, out_dir, max_shard_size="5GB"):
 
 def hf_shape(key, cfg):
     """The shape of one HF tensor of our weight kind `key` (a layer's, for block weights)."""
-    spec = olmo3.param_specs(cfg)[key] if key in HF_TOP else olmo3.param_specs(cfg)["blocks"][key]
-    shape = spec.shape[1:] if key in HF_LAYER else spec.shape
+    specs = olmo3.param_specs(cfg)
+    shape = specs[key].shape if key in HF_TOP else specs["blocks"][key].shape[1:]
     return (cfg.vocab_size, cfg.d_model) if key in ("embed", "lm_head") else shape[::-1]
 
 
@@ -217,12 +201,10 @@ def hf_shape(key, cfg):
 
 def save_checkpoint(params, cfg, out_dir):
     """An Orbax checkpoint (step 0: params + config) that `train.py --init-from` starts from."""
-    import orbax.checkpoint as ocp
-    from orbax.checkpoint import type_handlers
-    # Streaming needs two changes to Orbax's defaults: no defensive copy of host arrays (ours are
-    # memory-mapped and nobody changes them), no compression (zstd holds every compressed chunk).
-    type_handlers.register_type_handler(
-        np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
+    # Streaming needs two changes to Orbax's defaults: no defensive copy of host arrays (ours
+    # are memory-mapped and nobody changes them), no compression (zstd holds every chunk).
+    ocp.type_handlers.register_type_handler(
+        np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
     handlers = {"params": ocp.PyTreeCheckpointHandler(use_compression=False),
                 "config": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(Path(out_dir).absolute(), item_handlers=handlers) as manager:
@@ -233,12 +215,9 @@ def save_checkpoint(params, cfg, out_dir):
 def load_checkpoint(ckpt_dir):
     """A checkpoint of ours (converted, or a run's latest) -> (Config, read(key, sub=None))."""
     # read restores one weight kind as numpy, e.g. read("blocks", "q"): a weight at a time.
-    import orbax.checkpoint as ocp
-    import train
     manager = train.checkpoints(ckpt_dir)  # a converted one, or a run directory
     step = manager.latest_step()
-    config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    cfg = olmo3.Config(**config)
+    config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
 
     def read(key, sub=None):
         item = {key: np.zeros(0) if sub is None else {sub: np.zeros(0)}}
@@ -246,7 +225,7 @@ def load_checkpoint(ckpt_dir):
         out = manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
             item=item, restore_args=restore_args, partial_restore=True)))["params"][key]
         return out if sub is None else out[sub]
-    return cfg, read
+    return olmo3.Config(**config["config"]), read
 
 
 # ----------------------------------------------------------------------------- verification
@@ -269,17 +248,16 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2, seed=0):
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len))
     results = {}
     for dtype in ("float32", "bfloat16"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir,
+                                                                  dtype=getattr(torch, dtype))
         with torch.no_grad():
             theirs = model(torch.from_numpy(tokens)).logits.float().numpy()
-        del model
         ours = jax.jit(olmo3.forward, static_argnums=2)(
             params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="reference"))
-        results[dtype] = compare(theirs, ours, cfg.vocab_size)
-        r = results[dtype]
+        r = results[dtype] = compare(theirs, ours, cfg.vocab_size)
         print(f"verify {dtype:8s}: KL(HF||ours) {r['kl']:.3e}  top-1 agreement "
-              f"{100 * r['top1']:.2f}%  max |logit diff| {r['max_abs']:.3e}  ({batch} x {seq_len} "
-              "tokens)")
+              f"{100 * r['top1']:.2f}%  max |logit diff| {r['max_abs']:.3e}  ({batch} x "
+              f"{seq_len} tokens)")
     return results
 
 
@@ -296,19 +274,18 @@ def main(argv=None):
         raise SystemExit(f"error: {args.out} exists and is not empty; choose a new output folder")
     if args.direction == "hf-to-jax":
         Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
-        scratch = tempfile.mkdtemp(prefix=".convert-", dir=Path(args.out).absolute().parent)
-        try:
+        with tempfile.TemporaryDirectory(prefix=".convert-",
+                                         dir=Path(args.out).absolute().parent) as scratch:
             cfg, params = from_hf(args.src, scratch)
             save_checkpoint(params, cfg, args.out)
             if args.verify:
                 verify(args.src, cfg, params, seq_len=args.verify_seq)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
     else:
         cfg, read = load_checkpoint(args.src)
         to_hf(read, cfg, args.out)
         if args.verify:
-            params = {k: read(k) for k in HF_TOP} | {"blocks": {k: read("blocks", k) for k in HF_LAYER}}
+            params = {k: read(k) for k in HF_TOP} | {"blocks": {k: read("blocks", k)
+                                                                for k in HF_LAYER}}
             verify(args.out, cfg, params, seq_len=args.verify_seq)
     unpadded = olmo3.param_count(cfg) - 2 * (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model
     print(f"wrote {args.out}: {cfg.n_layers} layers, d_model {cfg.d_model}, {unpadded:,} "

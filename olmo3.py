@@ -74,15 +74,10 @@ MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp
                 "tokenizer")
 
 
-def olmo_mlp_hidden(d_model: int) -> int:
-    """OLMo-core's SwiGLU width: 8/3 of d_model, rounded up to a multiple of 256."""
-    return -(-int(8 * d_model / 3) // 256) * 256
-
-
 PRESETS = {
     # Laptop CPU, minutes. Byte-level vocab; window 64 < seq 256 so both layer kinds matter.
     "tiny": Config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64,
-                   mlp_hidden=olmo_mlp_hidden(256), vocab_size=258, sliding_window=64,
+                   mlp_hidden=768, vocab_size=258, sliding_window=64,
                    tokenizer="bytes", compute_dtype="float32", seq_len=256, global_batch=16,
                    steps=500, lr=3e-3, warmup_steps=50, log_every=25, eval_every=100,
                    eval_batches=8, save_every=100),
@@ -157,17 +152,13 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     return 3 * (cfg.n_layers * matmuls + attn + 2 * D * cfg.padded_vocab)
 
 
-def init(cfg: Config, key, mesh: Mesh | None = None) -> dict:
-    """fp32 parameters, created directly with their shardings when a mesh is given."""
+def init(cfg: Config, key) -> dict:
+    """fp32 parameters (train.init_state calls this under jit, creating them sharded)."""
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
-
-    def make(key):
-        keys = jax.random.split(key, len(leaves))
-        arrays = [jnp.ones(s.shape, jnp.float32) if s.init == "ones" else
-                  0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
-                  for s, k in zip(leaves, keys)]
-        return jax.tree.unflatten(treedef, arrays)
-    return jax.jit(make, out_shardings=shardings(cfg, mesh) if mesh else None)(key)
+    arrays = [jnp.ones(s.shape, jnp.float32) if s.init == "ones" else
+              0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
+              for s, k in zip(leaves, jax.random.split(key, len(leaves)))]
+    return jax.tree.unflatten(treedef, arrays)
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -188,16 +179,9 @@ AXIS_RULES = {
 
 
 def logical_to_spec(axes) -> P:
-    """Logical axis names (None: replicated) -> a PartitionSpec, each mesh axis used once."""
-    used, out = set(), []
-    for name in axes:
-        rule = AXIS_RULES[name] if name else None
-        mesh_axes = set((rule,) if isinstance(rule, str) else rule or ())
-        if used & mesh_axes:
-            raise ValueError(f"logical axes {axes} map mesh axis {used & mesh_axes} twice")
-        used |= mesh_axes
-        out.append(rule)
-    return P(*out)
+    """Logical axis names (None: replicated) -> a PartitionSpec."""
+    # JAX's NamedSharding itself rejects a spec that uses a mesh axis twice.
+    return P(*(AXIS_RULES[name] if name else None for name in axes))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -219,17 +203,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # Sizes that multiply to fewer devices than there are use the first ones (e.g. to resume on
     # fewer).
-    devices = jax.devices() if devices is None else devices
-    sizes = [data, fsdp, tensor]
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:  # the devices the other axes leave, if they leave a whole number
-        whole = sizes.count(-1) == 1 and known > 0 and len(devices) % known == 0
-        sizes = [len(devices) // known if s == -1 else s for s in sizes] if whole else [0]
-    if min(sizes) < 1 or math.prod(sizes) > len(devices):
+    devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
+    n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
+    valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
+    if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
-                         f"{len(devices)} devices; give sizes whose product divides into "
-                         f"{len(devices)} (one may be -1)")
-    return Mesh(np.array(devices[:math.prod(sizes)]).reshape(sizes), MESH_AXES)
+                         f"{len(devices)} devices; their product must divide it (one may be -1)")
+    return Mesh(devices[:n].reshape(sizes), MESH_AXES)
 
 
 def shardings(cfg: Config, mesh: Mesh) -> dict:

@@ -26,7 +26,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils, topologies
@@ -47,25 +46,24 @@ HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 def train(run):
     """Step from the run's start to cfg.steps -> (the state, why it stopped early or None)."""
     # The host never waits for the device here: a step's metrics are read once the next step has
-    # been dispatched (while it runs), and the loader's thread prepares batches ahead.
+    # been dispatched (while it runs), and the loader's thread reads batches ahead.
     cfg, state, previous = run.cfg, run.state, None
-    with contextlib.closing(run.loader.iterate(int(state["step"]), cfg.steps)) as batches:
-        for step, inputs, labels in batches:
-            run.step = step  # for the messages of a failure or an interrupt
-            run.inject_fault(step + 1)
-            state, metrics = run.step_fn(state, *run.on_devices(inputs, labels))
-            if previous:
-                run.report(*previous)
-            previous, done = (step + 1, metrics), step + 1
-            stop = done == run.args.stop_at and "--stop-at"
-            if done % cfg.save_every == 0 or done == cfg.steps or stop:
-                run.report(*previous)  # never checkpoint a state whose loss was not checked
-                previous = None
-                save(run.manager, state, cfg)
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                run.evaluate(state["params"], done)
-            if stop:
-                return state, stop
+    for step, inputs, labels in run.loader.iterate(int(state["step"]), cfg.steps):
+        run.step = step  # for the messages of a failure or an interrupt
+        run.inject_fault(step + 1)
+        state, metrics = run.step_fn(state, *run.on_devices(inputs, labels))
+        if previous:
+            run.report(*previous)
+        previous, done = (step + 1, metrics), step + 1
+        stop = done == run.args.stop_at and "--stop-at"
+        if done % cfg.save_every == 0 or done == cfg.steps or stop:
+            run.report(*previous)  # never checkpoint a state whose loss was not checked
+            previous = None
+            save(run.manager, state, cfg)
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            run.evaluate(state["params"], done)
+        if stop:
+            return state, stop
     if previous:
         run.report(*previous)
     return state, None
@@ -172,7 +170,8 @@ def train_step(state, inputs, labels, cfg, accum):
     lr = schedule(cfg)(state["step"])
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(skip, b, a), new, old)
-    new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
+    new_state = {"params": keep(new_params, params),
+                 "opt_state": keep(opt_state, state["opt_state"]),
                  "step": state["step"] + 1, "history": history}
     return new_state, {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, **spikes}
 
@@ -196,11 +195,10 @@ def eval_step(params, inputs, labels, cfg, accum):
 def compile_steps(cfg, mesh, target):
     """(the training step compiled for the abstract state `target`, the eval step, jitted)."""
     # Ahead of time, so that --dry-run compiles exactly what training runs.
-    micro = cfg.micro_batch or cfg.global_batch
-    if cfg.global_batch % micro or micro % (mesh.shape["data"] * mesh.shape["fsdp"]):
-        raise SystemExit(f"error: global batch {cfg.global_batch} / micro batch {micro} / "
-                         f"{mesh.shape['data'] * mesh.shape['fsdp']} data-parallel devices do not "
-                         "divide; pick multiples of each other")
+    micro, dp = cfg.micro_batch or cfg.global_batch, mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.global_batch % micro or micro % dp:
+        raise SystemExit(f"error: global batch {cfg.global_batch} / micro batch {micro} / {dp} "
+                         "data-parallel devices do not divide; pick multiples of each other")
     accum = cfg.global_batch // micro
     tokens = jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len), jnp.int32,
                                   sharding=olmo3.batch_sharding(mesh))
@@ -220,10 +218,9 @@ class Run:
         self.cfg, self.args, self.mesh, self.faults = cfg, args, mesh, faults
         self.started, self.skipped, self.eval_loss = started or time.time(), 0, None
         self.loader, self.eval_loader = loaders(cfg, args)
-        self.run_dir = args.out or f"runs/{args.preset}"
+        self.run_dir = args.out
         os.makedirs(self.run_dir, exist_ok=True)
         self.manager = checkpoints(self.run_dir, cfg)
-        self.log = Log(self.run_dir, lead=jax.process_index() == 0)
         target = abstract_state(cfg, mesh)
         self.state, note = self.initial_state(target)
         self.step_fn, self.eval_fn = compile_steps(cfg, mesh, target)
@@ -246,12 +243,12 @@ class Run:
         state = init_state(self.cfg, self.mesh)
         if not self.args.init_from:
             return state, "fresh start"
-        restored, step, has_opt, _ = restore(self.args.init_from, target, self.cfg, True)
-        state["params"] = restored["params"]
-        if has_opt:  # "warm Adam": the moments carry over, the schedule starts again
-            state["opt_state"] = restored["train_state"]["opt_state"]
-        moments = " and Adam moments" if has_opt else ""
-        return state, f"weights{moments} from {self.args.init_from} (step {step})"
+        init = checkpoints(self.args.init_from)
+        restored, _ = restore(init, init.latest_step(), target, self.cfg, olmo3.MODEL_FIELDS)
+        # "warm Adam": the moments carry over (when saved), the schedule starts again
+        state |= {k: restored[k] for k in ("params", "opt_state") if k in restored}
+        moments = " and Adam moments" if "opt_state" in restored else ""
+        return state, f"weights{moments} from {self.args.init_from} (step {init.latest_step()})"
 
     def banner(self, note):
         cfg, mesh, loader, held = self.cfg, self.mesh, self.loader, self.eval_loader
@@ -262,6 +259,14 @@ class Run:
                  f"{f'{held.num_instances:,} sequences' if held else 'none (--eval-data)'}, "
                  f"{cfg.global_batch * cfg.seq_len:,} tokens/step | steps {self.start} -> "
                  f"{cfg.steps} | run dir {self.run_dir}")
+
+    def log(self, text=None, **record):
+        """A console line and a metrics.jsonl record, written by process 0 only."""
+        if jax.process_index() == 0 and text:
+            print(text, flush=True)
+        if jax.process_index() == 0 and record:
+            with open(f"{self.run_dir}/metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def on_devices(self, *local_rows):
         """This process's rows of the global batch -> global arrays over every device."""
@@ -294,7 +299,8 @@ class Run:
         rate = self.t_log and (step - self.step_log) * tokens / (now - self.t_log)
         self.t_log, self.step_log = now, step
         tflops = rate and rate * olmo3.flops_per_token(cfg, cfg.seq_len) / self.mesh.size / 1e12
-        peak = peak_tflops(self.mesh.devices.flat[0])
+        kind = self.mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
+        peak = next((tflops for name, tflops in PEAK_TFLOPS if name in kind), None)
         line = [f"step {step:>6}/{cfg.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}", f"skipped {self.skipped}"]
         if rate:
@@ -334,18 +340,26 @@ class Run:
                  f"{self.run_dir}/loss.png")
 
     def samples(self, params):
-        """Continue a few held-out prompts, greedily and at temperature 0.8."""
+        """Continue a few held-out prompts by 128 tokens, greedily and at temperature 0.8."""
         # Every process takes part (the weights may span hosts), with the same prompts: the first
-        # tokens of whole rows of the first batch.
+        # tokens of whole rows of the first batch. Each new token recomputes the whole window:
+        # slow, but it is the training forward pass, compiled once. Causal attention: the rows'
+        # own tokens after position i - 1 do not change the logits there.
         cfg, loader = self.cfg, self.eval_loader or self.loader
         rows = data.Loader(loader.files, cfg.seq_len, cfg.global_batch, cfg.data_seed).batch(0)[0]
-        prompts = rows[:self.args.samples, :min(32, cfg.seq_len // 4)]
-        decode = data.get_tokenizer(cfg.tokenizer).decode
-        self.log(f"samples: {prompts.shape[1]} held-out tokens, then >>> and the model's text")
+        P, decode = min(32, cfg.seq_len // 4), data.get_tokenizer(cfg.tokenizer).decode
+        logits_at = jax.jit(lambda p, t, i: olmo3.forward(p, t, cfg)[:, i, :cfg.vocab_size])
+        self.log(f"samples: {P} held-out tokens, then >>> and the model's text")
         for temperature in (0.0, 0.8):
-            texts = sample(params, cfg, prompts, 128, temperature)
-            for i, (prompt, text) in enumerate(zip(prompts, texts), 1):
-                self.log(f"--- sample {i}, temperature {temperature} ---\n{decode(prompt)}>>>{text}")
+            tokens, key = rows[:self.args.samples, :P + 128].copy(), jax.random.key(0)
+            for i in range(P, tokens.shape[1]):
+                key, sub = jax.random.split(key)
+                logits = logits_at(params, tokens, i - 1)
+                tokens[:, i] = (jnp.argmax(logits, -1) if temperature == 0 else
+                                jax.random.categorical(sub, logits / temperature))
+            for n, row in enumerate(tokens, 1):
+                self.log(f"--- sample {n}, temperature {temperature} ---\n"
+                         f"{decode(row[:P])}>>>{decode(row[P:])}")
 
     def last_checkpoint(self):
         self.manager.wait_until_finished()
@@ -375,14 +389,12 @@ def loaders(cfg, args):
 
 def check_fits(cfg, mesh):
     """Fail now, not after minutes of swapping, if weights, moments and grads cannot fit."""
-    device = jax.local_devices()[0]
-    pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    per_device = (device.memory_stats() or {}).get("bytes_limit") or pages / mesh.size
-    if (need := 16 * olmo3.param_count(cfg) / mesh.size) > per_device:
+    device, ram = jax.local_devices()[0], os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    have = ((device.memory_stats() or {}).get("bytes_limit") or ram / mesh.size) / 2**30
+    if (need := 16 * olmo3.param_count(cfg) / mesh.size / 2**30) > have:
         raise SystemExit(f"error: this {olmo3.param_count(cfg) / 1e9:.1f}B-parameter model needs "
-                         f"{need / 2**30:.0f} GiB per device for weights, Adam moments and grads, "
-                         f"but {device.platform} devices here have {per_device / 2**30:.0f} GiB; "
-                         "use more devices (see --dry-run)")
+                         f"{need:.0f} GiB per device for weights, Adam moments and grads, but "
+                         f"{device.platform} devices here have {have:.0f}; see --dry-run")
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -413,20 +425,18 @@ class Unreadable(SystemExit):
     """A checkpoint that exists but cannot be read: files missing or truncated, another format."""
 
 
-def restore(path, target, cfg, with_optimizer, fields=olmo3.MODEL_FIELDS, step=None):
-    """(restored items, step, had an optimizer state, saved Config) of a checkpoint."""
-    # The params (and the optimizer state, step and spike history) of the latest or the given
-    # step of `path` (a folder or a manager), onto the shardings in `target`, whatever mesh
-    # wrote them.
-    manager = checkpoints(path) if isinstance(path, str) else path
-    step = manager.latest_step() if step is None else step
+def restore(manager, step, target, cfg, fields):
+    """(The state in checkpoint `step`, its Config), on `target`'s shardings whatever the mesh."""
+    # The state: params, and opt_state, step and history when the checkpoint has them.
     try:
         config = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         saved = olmo3.Config(**config["config"])
-        check_compatible(saved, cfg, path if isinstance(path, str) else manager.directory, fields)
+        if diff := [f"{f}={getattr(saved, f)!r} (command line: {getattr(cfg, f)!r})"
+                    for f in fields if getattr(saved, f) != getattr(cfg, f)]:
+            raise SystemExit(f"error: checkpoint in {manager.directory} has {', '.join(diff)}; "
+                             "use a new --out, or the settings it was made with")
         items = {"params": ocp.args.StandardRestore(target["params"])}
-        has_optimizer = "train_state" in (manager.item_metadata(step) or {})
-        if with_optimizer and has_optimizer:
+        if "train_state" in (manager.item_metadata(step) or {}):
             train_state = {k: target[k] for k in ("opt_state", "step", "history")}
             items["train_state"] = ocp.args.StandardRestore(train_state)
         restored = manager.restore(step, args=ocp.args.Composite(**items))
@@ -436,7 +446,7 @@ def restore(path, target, cfg, with_optimizer, fields=olmo3.MODEL_FIELDS, step=N
         raise Unreadable(f"error: checkpoint {manager.directory}/{step} could not be read "
                          f"({str(e).splitlines()[0][:200]}); it may be incomplete or from "
                          "another config") from None
-    return restored, step, has_optimizer, saved
+    return {"params": restored["params"], **restored.get("train_state", {})}, saved
 
 
 def resume(manager, target, cfg, log):
@@ -446,7 +456,7 @@ def resume(manager, target, cfg, log):
     bad = []
     for step in sorted(manager.all_steps(), reverse=True):
         try:
-            restored, _, _, saved = restore(manager, target, cfg, True, RESUME_FIELDS, step)
+            state, saved = restore(manager, step, target, cfg, RESUME_FIELDS)
         except Unreadable as e:
             log(f"{e}; trying the one before")
             bad.append(step)
@@ -456,26 +466,19 @@ def resume(manager, target, cfg, log):
         multihost_utils.sync_global_devices("unreadable checkpoints renamed")
         manager.reload()
         note_schedule_change(saved, cfg, step, log)
-        return {"params": restored["params"], **restored["train_state"]}
+        return state
     raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (steps "
                      f"{sorted(bad)}, see above); restore one from a copy, or move them away to "
                      "start this run from scratch")
-
-
-def check_compatible(saved, cfg, where, fields):
-    diff = [f"{f}={getattr(saved, f)!r} (command line: {getattr(cfg, f)!r})"
-            for f in fields if getattr(saved, f) != getattr(cfg, f)]
-    if diff:
-        raise SystemExit(f"error: checkpoint in {where} has {', '.join(diff)}; use a new --out, "
-                         "or the settings it was made with")
 
 
 def note_schedule_change(saved, cfg, step, log):
     """A resume with another --steps (or LR schedule) is allowed, but said out loud."""
     if changes := [f"--{f.replace('_', '-')} {getattr(saved, f)} -> {getattr(cfg, f)}"
                    for f in SCHEDULE_FIELDS if getattr(saved, f) != getattr(cfg, f)]:
+        lrs = [f"{float(schedule(c)(step)):.2e}" for c in (saved, cfg)]
         log(f"note: {', '.join(changes)} since the checkpoint: the LR schedule changes (the LR of "
-            f"step {step + 1}: {float(schedule(saved)(step)):.2e} -> {float(schedule(cfg)(step)):.2e})")
+            f"step {step + 1}: {lrs[0]} -> {lrs[1]})")
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -486,38 +489,16 @@ PEAK_TFLOPS = [  # dense bf16 TFLOP/s per JAX device (Ironwood has two devices p
     ("a100", 312)]
 
 
-def peak_tflops(device):
-    kind = device.device_kind.lower()
-    if device.platform != "cpu":
-        return next((tflops for name, tflops in PEAK_TFLOPS if name in kind), None)
-
-
 def fmt_time(seconds):
     s = int(seconds)
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-class Log:
-    """Console lines and metrics.jsonl records, written by process 0 only."""
-
-    def __init__(self, run_dir, lead: bool):
-        self.lead = lead
-        self.file = open(f"{run_dir}/metrics.jsonl", "a") if lead else None
-
-    def __call__(self, text=None, **record):
-        if self.lead and text:
-            print(text, flush=True)
-        if self.lead and record:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-
 def plot(run_dir):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
     records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for name, key, style in (("train", "loss", "-"), ("held-out", "eval_loss", "o-")):
         if points := sorted({r["step"]: r[key] for r in records if key in r}.items()):
             ax.plot(*zip(*points), style, label=name, lw=1)
@@ -525,24 +506,6 @@ def plot(run_dir):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(f"{run_dir}/loss.png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
-def sample(params, cfg, prompts, n_new=64, temperature=0.0, seed=0):
-    """Continue prompts of one length [B, P] by up to n_new tokens (greedy at temperature 0)."""
-    # Recomputes the whole window per token: slow, but it is the training forward pass, compiled
-    # once for a [B, seq_len] buffer.
-    B, P = prompts.shape
-    tokens = np.zeros((B, cfg.seq_len), np.int32)
-    tokens[:, :P] = prompts
-    logits_at = jax.jit(lambda p, t, i: olmo3.forward(p, t, cfg)[:, i, :cfg.vocab_size])
-    key, end = jax.random.key(seed), min(P + n_new, cfg.seq_len)
-    for i in range(P, end):
-        key, sub = jax.random.split(key)
-        logits = logits_at(params, tokens, i - 1)
-        tokens[:, i] = (jnp.argmax(logits, -1) if temperature == 0 else
-                        jax.random.categorical(sub, logits / temperature))
-    return [data.get_tokenizer(cfg.tokenizer).decode(row[P:end].tolist()) for row in tokens]
 
 
 # ----------------------------------------------------------------------------- recovery
@@ -566,9 +529,8 @@ def parse_faults(text, n_devices):
                          "comma-separated (5,12:2,20)") from None
     for step, n in faults:
         if n is not None and not 0 < n < n_devices:
-            raise SystemExit(f"error: --inject-faults {step}:{n} would continue on {n} of the "
-                             f"{n_devices} devices here; that must be 1 to {n_devices - 1} "
-                             "(--devices N fakes N CPU devices)")
+            raise SystemExit(f"error: --inject-faults {step}:{n}: keep 1 to {n_devices - 1} of the "
+                             f"{n_devices} devices here (--devices N fakes N CPU devices)")
     return faults
 
 
@@ -590,8 +552,8 @@ def recovery_mesh(sizes, devices):
 
 
 def main(argv=None):
-    """Parse, start JAX and run. A failed step restarts the run in-process from the last
-    checkpoint, on the devices that still work (the elastic retry)."""
+    """Parse, start JAX and train, restarting in-process after a failed step (elastic retry)."""
+    # The retry resumes from the last checkpoint, on the devices that still work.
     cfg, args = parse_args(argv)
     start_jax(args)
     sizes = parse_mesh(args.mesh)
@@ -599,8 +561,8 @@ def main(argv=None):
         devices = args.topology and topologies.get_topology_desc(
             platform="tpu", topology_name=args.topology).devices
         return dry_run(cfg, olmo3.make_mesh(**sizes, devices=devices or None))
-    devices, started, failed, recovering = jax.devices(), time.time(), [], None
-    faults, mesh, run = parse_faults(args.inject_faults, len(devices)), olmo3.make_mesh(**sizes), None
+    devices, started, failed, recovering, run = jax.devices(), time.time(), [], None, None
+    faults, mesh = parse_faults(args.inject_faults, len(devices)), olmo3.make_mesh(**sizes)
     while True:
         try:
             with jax.set_mesh(mesh):
@@ -609,15 +571,14 @@ def main(argv=None):
         except (StepFailed, jax.errors.JaxRuntimeError) as e:
             if not isinstance(e, StepFailed):  # a device failed: the step, or reading its results
                 e = StepFailed(run.step + 1 if run else 0, str(e).splitlines()[0][:200])
-            rerun = (f"rerun the same command to resume from the last checkpoint in "
-                     f"{run.run_dir if run else args.out}/checkpoints")
-            if jax.process_count() > 1:  # other hosts cannot be rebuilt from here
-                raise SystemExit(f"error: {e} on a multi-host run; {rerun} (with a new --mesh if "
-                                 "hosts are gone)") from None
-            if failed[-1:] == [e.step] or len(failed) == args.max_retries:
-                why = ("again at the same step" if failed[-1:] == [e.step] else
-                       f"failure {len(failed) + 1}, --max-retries {args.max_retries}")
-                raise SystemExit(f"error: {e}, {why}; stopped: {rerun}") from None
+            why = ("on a multi-host run (other hosts cannot be rebuilt from here; give a new "
+                   "--mesh if hosts are gone)" if jax.process_count() > 1 else
+                   "again at the same step" if failed[-1:] == [e.step] else
+                   f"failure {len(failed) + 1}, --max-retries {args.max_retries}"
+                   if len(failed) == args.max_retries else None)
+            if why:
+                raise SystemExit(f"error: {e}, {why}; stopped: rerun the same command to resume "
+                                 f"from the last checkpoint in {args.out}/checkpoints") from None
             failed.append(e.step)
             devices = devices[:e.devices] if e.devices else usable_devices(devices)  # lost: lost
             mesh, recovering = recovery_mesh(sizes, devices), (e.step, time.time())
@@ -660,6 +621,7 @@ def parse_args(argv=None):
         add("--" + field.name.replace("_", "-"), dest="cfg_" + field.name,
             metavar=type(field.default).__name__.upper())
     args = ap.parse_args(argv)
+    args.out = args.out or f"runs/{args.preset}"
     cfg = olmo3.PRESETS[args.preset]
     if args.stage2:
         cfg = dataclasses.replace(cfg, **olmo3.STAGE2)
@@ -709,8 +671,8 @@ def dry_run(cfg, mesh):
     t, target = time.time(), abstract_state(cfg, mesh)
     with jax.set_mesh(mesh):
         m = compile_steps(cfg, mesh, target)[0].memory_analysis()
-    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-             + m.temp_size_in_bytes)
+    outputs = m.output_size_in_bytes - m.alias_size_in_bytes  # beyond the donated state
+    total = m.argument_size_in_bytes + outputs + m.temp_size_in_bytes
     micro, gib = cfg.micro_batch or cfg.global_batch, lambda b: f"{b / 2**30:.2f} GiB"
     flops = [olmo3.flops_per_token(cfg, cfg.seq_len, windows) / 1e9 for windows in (True, False)]
     fits = " | ".join(f"{name} {cap} GiB: {'fits' if total <= cap * 2**30 else 'does NOT fit'}"
@@ -721,7 +683,7 @@ def dry_run(cfg, mesh):
           f"in {time.time() - t:.0f}s\n{olmo3.param_count(cfg):,} parameters | training "
           f"FLOPs/token {flops[0]:.4g}G with sliding windows, {flops[1]:.4g}G counting all "
           f"layers full\nper device: arguments {gib(m.argument_size_in_bytes)}, temporaries "
-          f"{gib(m.temp_size_in_bytes)}, outputs {gib(m.output_size_in_bytes - m.alias_size_in_bytes)}"
+          f"{gib(m.temp_size_in_bytes)}, outputs {gib(outputs)}"
           f" (beyond the donated state), total {gib(total)}\n{fits}")
     return m
 
