@@ -8,6 +8,7 @@ Each framework runs in its own process (so peak memory is its own), the two are 
 rep by rep (so machine drift hits both), and medians are reported. The last line is
 `worst ratio ours/pytorch: X.XX`, the minimum over configurations and dtypes.
 """
+
 import argparse
 import contextlib
 import dataclasses
@@ -20,15 +21,29 @@ import time
 
 CONFIGS = {  # name -> (Config overrides of the tiny preset, batch)
     "tiny": ({}, 32),
-    "wide": (dict(d_model=1024, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=128, mlp_hidden=2816,
-                  seq_len=1024, sliding_window=256), 4),
+    "wide": (
+        dict(
+            d_model=1024,
+            n_layers=8,
+            n_heads=8,
+            n_kv_heads=8,
+            head_dim=128,
+            mlp_hidden=2816,
+            seq_len=1024,
+            sliding_window=256,
+        ),
+        4,
+    ),
 }
 
 
 def model_config(name, dtype):
     import olmo3
+
     overrides, batch = CONFIGS[name]
-    return dataclasses.replace(olmo3.PRESETS["tiny"], compute_dtype=dtype, global_batch=batch, **overrides)
+    return dataclasses.replace(
+        olmo3.PRESETS["tiny"], compute_dtype=dtype, global_batch=batch, **overrides
+    )
 
 
 def jax_worker(conn, name, dtype):
@@ -36,17 +51,23 @@ def jax_worker(conn, name, dtype):
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     import olmo3
     import train
+
     cfg = model_config(name, dtype)
     mesh = olmo3.make_mesh(fsdp=1)
     with jax.set_mesh(mesh):
         state = train.init_state(cfg, mesh)
         step, _ = train.compile_steps(cfg, mesh, train.abstract_state(cfg, mesh))
         batch_sharding = olmo3.batch_sharding(mesh)
-        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len), dtype=np.int32)
+        tokens = np.random.default_rng(0).integers(
+            0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len), dtype=np.int32
+        )
         x = jax.device_put(tokens, batch_sharding)
-        labels = jax.device_put(np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1), batch_sharding)
+        labels = jax.device_put(
+            np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1), batch_sharding
+        )
         state, metrics = step(state, x, labels)
         jax.block_until_ready(metrics)
         n = 4096  # this machine's matmul peak in this dtype (bf16 inputs accumulate in fp32)
@@ -62,7 +83,7 @@ def jax_worker(conn, name, dtype):
             step_time = (time.perf_counter() - start) / k
             start = time.perf_counter()
             matmul(a).block_until_ready()
-            conn.send((step_time, 2 * n ** 3 / (time.perf_counter() - start)))
+            conn.send((step_time, 2 * n**3 / (time.perf_counter() - start)))
     conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
@@ -72,13 +93,26 @@ def torch_worker(conn, name, dtype):
     Both attention implementations are tried and the faster one is used."""
     import torch
     import transformers
+
     import convert
+
     cfg = model_config(name, dtype)
     torch.manual_seed(0)
-    hf = {k: v for k, v in convert.config_to_hf(cfg).items() if k not in ("architectures", "model_type", "dtype")}
-    model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**hf | {"vocab_size": cfg.padded_vocab}))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
+    hf = {
+        k: v
+        for k, v in convert.config_to_hf(cfg).items()
+        if k not in ("architectures", "model_type", "dtype")
+    }
+    model = transformers.Olmo3ForCausalLM(
+        transformers.Olmo3Config(**hf | {"vocab_size": cfg.padded_vocab})
+    )
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+    )
     x = torch.randint(0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len))
 
     def step():
@@ -108,17 +142,22 @@ def torch_worker(conn, name, dtype):
 
 def start(worker, *args):
     parent, child = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(target=worker, args=(child, *args), daemon=True)
+    process = multiprocessing.get_context("spawn").Process(
+        target=worker, args=(child, *args), daemon=True
+    )
     process.start()
     while not parent.poll(1):
         if not process.is_alive():
-            raise SystemExit(f"error: {worker.__name__} died while starting (its traceback is above)")
+            raise SystemExit(
+                f"error: {worker.__name__} died while starting (its traceback is above)"
+            )
     parent.recv()
     return parent, process
 
 
 def compare(name, dtype, reps, steps):
     import olmo3
+
     cfg = model_config(name, dtype)
     ours, _ = start(jax_worker, name, dtype)
     theirs, _ = start(torch_worker, name, dtype)
@@ -136,47 +175,87 @@ def compare(name, dtype, reps, steps):
         conn.send(None)
         memory.append(conn.recv())
     tokens = cfg.global_batch * cfg.seq_len
-    ours_s, theirs_s, peak = statistics.median(ours_t), statistics.median(theirs_t), statistics.median(peak_t)
+    ours_s, theirs_s, peak = (
+        statistics.median(ours_t),
+        statistics.median(theirs_t),
+        statistics.median(peak_t),
+    )
     flops = olmo3.flops_per_token(cfg, cfg.seq_len) * tokens / ours_s
-    row = dict(config=name, dtype=dtype, ours=tokens / ours_s, theirs=tokens / theirs_s, ratio=theirs_s / ours_s,
-               flops=flops, peak=peak, fraction=flops / peak, ours_mem=memory[0], theirs_mem=memory[1],
-               attention=attention)
-    print(f"{name:5s} {dtype:9s} | ours {row['ours']:9,.0f} tok/s | pytorch {row['theirs']:9,.0f} tok/s "
-          f"({attention}) | ratio {row['ratio']:.2f} | ours {flops / 1e9:6.1f} GFLOP/s = "
-          f"{100 * row['fraction']:4.1f}% of matmul peak {peak / 1e9:.0f} GFLOP/s | peak RSS ours "
-          f"{memory[0] / 2**30:.2f} GiB, pytorch {memory[1] / 2**30:.2f} GiB", flush=True)
+    row = dict(
+        config=name,
+        dtype=dtype,
+        ours=tokens / ours_s,
+        theirs=tokens / theirs_s,
+        ratio=theirs_s / ours_s,
+        flops=flops,
+        peak=peak,
+        fraction=flops / peak,
+        ours_mem=memory[0],
+        theirs_mem=memory[1],
+        attention=attention,
+    )
+    print(
+        f"{name:5s} {dtype:9s} | ours {row['ours']:9,.0f} tok/s | "
+        f"pytorch {row['theirs']:9,.0f} tok/s "
+        f"({attention}) | ratio {row['ratio']:.2f} | ours {flops / 1e9:6.1f} GFLOP/s = "
+        f"{100 * row['fraction']:4.1f}% of matmul peak {peak / 1e9:.0f} GFLOP/s | peak RSS ours "
+        f"{memory[0] / 2**30:.2f} GiB, pytorch {memory[1] / 2**30:.2f} GiB",
+        flush=True,
+    )
     return row
 
 
 def bench_data(tokenizer):
-    """Tokenize throughput (the stdlib's source as JSON lines, all cores) and loader throughput up to
+    """Tokenize throughput (the stdlib's source as JSON lines, all cores) and loader throughput
+    up to
     a 7b-shaped per-host batch (64 x 8192) over 384 MB of synthetic token files."""
     import json
     import shutil
     import tempfile
+
     import numpy as np
+
     import data
+
     tmp = tempfile.mkdtemp(prefix="olmo3-bench-")
     try:
         with open(os.path.join(tmp, "stdlib.jsonl"), "w") as f:
             for path in data._stdlib_files():
-                f.write(json.dumps({"text": open(path, "rb").read().decode("utf-8", "replace")}) + "\n")
+                f.write(
+                    json.dumps({"text": open(path, "rb").read().decode("utf-8", "replace")}) + "\n"
+                )
         size, start = os.path.getsize(f.name), time.perf_counter()
         data.tokenize_files([f.name], os.path.join(tmp, "out"), tokenizer)
-        print(f"tokenize: {size / 1e6:.1f} MB of JSON lines, {tokenizer}, {os.cpu_count()} cores: "
-              f"{size / 1e6 / (time.perf_counter() - start):.1f} MB/s")
-        rng, paths = np.random.default_rng(0), [os.path.join(tmp, f"synthetic-{i}.npy") for i in range(3)]
+        print(
+            f"tokenize: {size / 1e6:.1f} MB of JSON lines, {tokenizer}, {os.cpu_count()} cores: "
+            f"{size / 1e6 / (time.perf_counter() - start):.1f} MB/s"
+        )
+        rng, paths = (
+            np.random.default_rng(0),
+            [os.path.join(tmp, f"synthetic-{i}.npy") for i in range(3)],
+        )
         for path in paths:
             rng.integers(0, 100278, size=32 << 20, dtype=np.uint32).tofile(path)
-        for seq_len, batch, repetition_filter in ((2048, 16, False), (8192, 64, False), (8192, 64, True)):
-            loader = data.Loader(paths, seq_len, batch, 34521, repetition_filter=repetition_filter, vocab_size=100278)
-            steps = rng.integers(0, 50 * loader.steps_per_epoch, size=20)  # random steps over many epochs
+        for seq_len, batch, repetition_filter in (
+            (2048, 16, False),
+            (8192, 64, False),
+            (8192, 64, True),
+        ):
+            loader = data.Loader(
+                paths, seq_len, batch, 34521, repetition_filter=repetition_filter, vocab_size=100278
+            )
+            steps = rng.integers(
+                0, 50 * loader.steps_per_epoch, size=20
+            )  # random steps over many epochs
             start = time.perf_counter()
             for step in steps:
                 loader.batch(int(step))
             seconds = (time.perf_counter() - start) / len(steps)
-            print(f"loader: {batch} x {seq_len}{' + repetition filter' if repetition_filter else ''}: "
-                  f"{seconds * 1e3:.1f} ms/batch = {batch * seq_len / seconds / 1e6:.1f} M tokens/s")
+            print(
+                f"loader: {batch} x {seq_len}"
+                f"{' + repetition filter' if repetition_filter else ''}: "
+                f"{seconds * 1e3:.1f} ms/batch = {batch * seq_len / seconds / 1e6:.1f} M tokens/s"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -186,48 +265,77 @@ def bench_convert(directory):
     (1.48B parameters, 5.9 GB in fp32), written to `directory` a weight at a time. Anonymous memory
     is what the converter holds; the full RSS also counts memory-mapped file pages."""
     import subprocess
+
     import numpy as np
+
     import convert
     import olmo3
+
     cfg, rng = olmo3.PRESETS["1b"], np.random.default_rng(0)
     specs = olmo3.param_specs(cfg)
 
     def synthetic(key, sub):
         s = specs[key] if sub is None else specs[key][sub]
-        return rng.standard_normal(s.shape, np.float32) * 0.02 if s.init == "normal" else np.ones(s.shape, np.float32)
+        return (
+            rng.standard_normal(s.shape, np.float32) * 0.02
+            if s.init == "normal"
+            else np.ones(s.shape, np.float32)
+        )
+
     hf, ours, back = (os.path.join(directory, name) for name in ("hf", "ours", "back"))
     convert.to_hf(synthetic, cfg, hf)
     for command in (["hf-to-jax", hf, ours], ["jax-to-hf", ours, back]):
-        process, peak = subprocess.Popen([sys.executable, "convert.py", *command], cwd=os.path.dirname(__file__)), {}
+        process, peak = (
+            subprocess.Popen(
+                [sys.executable, "convert.py", *command], cwd=os.path.dirname(__file__)
+            ),
+            {},
+        )
         while process.poll() is None:
             with contextlib.suppress(OSError):
                 status = dict(line.split(":", 1) for line in open(f"/proc/{process.pid}/status"))
                 for key in ("RssAnon", "VmHWM"):
                     peak[key] = max(peak.get(key, 0), int(status[key].split()[0]) * 1024)
             time.sleep(0.1)
-        print(f"{command[0]}: peak anonymous memory {peak['RssAnon'] / 2**30:.2f} GiB, peak RSS with mapped "
-              f"files {peak['VmHWM'] / 2**30:.2f} GiB ({olmo3.param_count(cfg):,} parameters)", flush=True)
+        print(
+            f"{command[0]}: peak anonymous memory {peak['RssAnon'] / 2**30:.2f} GiB, "
+            "peak RSS with mapped "
+            f"files {peak['VmHWM'] / 2**30:.2f} GiB ({olmo3.param_count(cfg):,} parameters)",
+            flush=True,
+        )
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--configs", default="tiny,wide")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--reps", type=int, default=5, help="alternating repetitions (medians reported)")
+    ap.add_argument(
+        "--reps", type=int, default=5, help="alternating repetitions (medians reported)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="training steps per repetition")
     ap.add_argument("--data", action="store_true", help="benchmark data.py instead")
     ap.add_argument("--tokenizer", default="dolma2", help="for --data")
-    ap.add_argument("--convert", metavar="DIR", help="benchmark convert.py's memory instead, using DIR (~18 GB)")
+    ap.add_argument(
+        "--convert", metavar="DIR", help="benchmark convert.py's memory instead, using DIR (~18 GB)"
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.data:
         return bench_data(args.tokenizer)
     if args.convert:
         return bench_convert(args.convert)
-    print(f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows (olmo3.flops_per_token)",
-          flush=True)
-    rows = [compare(name, dtype, args.reps, args.steps)
-            for name in args.configs.split(",") for dtype in args.dtypes.split(",")]
+    print(
+        f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows "
+        "(olmo3.flops_per_token)",
+        flush=True,
+    )
+    rows = [
+        compare(name, dtype, args.reps, args.steps)
+        for name in args.configs.split(",")
+        for dtype in args.dtypes.split(",")
+    ]
     print(f"worst ratio ours/pytorch: {min(r['ratio'] for r in rows):.2f}")
 
 

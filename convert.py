@@ -121,7 +121,8 @@ def open_hf_weights(hf_dir: Path):
         else:
             from safetensors import safe_open
             handle = safe_open(hf_dir / f, framework="np")
-            loaders |= {n: (lambda h=handle, n=n: h.get_tensor(n)) for n in handle.keys()}
+            names = handle.keys()  # noqa: SIM118 (a safetensors file, not a dict)
+            loaders |= {n: (lambda h=handle, n=n: h.get_tensor(n)) for n in names}
     return loaders
 
 

@@ -29,7 +29,7 @@ import sys
 import sysconfig
 import time
 import urllib.request
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +212,7 @@ CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3
 Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id encode decode")
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_tokenizer(name):
     """"dolma2" (OLMo 3's tokenizer) or "bytes" (UTF-8 bytes; tiny and offline)."""
     import tiktoken

