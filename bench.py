@@ -2,6 +2,7 @@
 
     python bench.py                 # tiny and wide configs, fp32 and bf16 compute, on this machine
     python bench.py --data          # data.py: tokenize MB/s and loader tokens/s
+    python bench.py --remote        # the loader from local HTTP and S3 servers (7B batch shape)
     python bench.py --convert DIR   # convert.py's peak memory on a synthetic 1b checkpoint in DIR
 
 Each framework runs in its own process (so peak memory is its own), the two are alternated
@@ -260,6 +261,68 @@ def bench_data(tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bench_remote(steps=10):
+    """Loader throughput at the 7B per-host batch shape (32 x 8192) from a local HTTP range
+    server and a local S3 server (moto), against what one 7B step needs per host."""
+    import contextlib
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    import fsspec
+    import numpy as np
+
+    import data
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    @contextlib.contextmanager
+    def started(command, port, cwd=None):
+        proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while socket.socket().connect_ex(("127.0.0.1", port)):
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+        proc.terminate()
+
+    tmp, rng = tempfile.mkdtemp(prefix="olmo3-bench-"), np.random.default_rng(0)
+    names = [f"tokens-{i}.npy" for i in range(4)]
+    for name in names:  # 4 files of 16M tokens (64 MB each)
+        rng.integers(0, 100278, size=16 << 20, dtype=np.uint32).tofile(os.path.join(tmp, name))
+    # v5p-64 (16 hosts of 4 chips) at 40% MFU: 16.6 s a step of 512 x 8192 tokens (README)
+    need = 512 * 8192 / 16 / 16.6
+    http_port, s3_port = free_port(), free_port()
+    # RangeHTTPServer with a listen backlog of 128 (nginx: 511); Python's default of 5 drops a
+    # batch's 32 simultaneous connections and makes them wait a second to retry
+    http = [sys.executable, "-c", "import http.server as s, runpy, sys; sys.argv[1:] = "
+            f"['{http_port}', '--bind', '127.0.0.1']; s.ThreadingHTTPServer.request_queue_size"
+            " = 128; runpy.run_module('RangeHTTPServer', run_name='__main__')"]
+    s3 = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)]
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{s3_port}", AWS_ACCESS_KEY_ID="x",
+                      AWS_SECRET_ACCESS_KEY="x", AWS_REGION="us-east-1")
+    try:
+        with started(http, http_port, tmp) as http_address, started(s3, s3_port):
+            fs = fsspec.filesystem("s3")
+            fs.mkdir("bench")
+            fs.put([os.path.join(tmp, n) for n in names], [f"bench/{n}" for n in names])
+            for root in (f"http://{http_address}", "s3://bench"):
+                loader = data.Loader([f"{root}/{n}" for n in names], 8192, 32, 34521)
+                loader.batch(0)  # connections opened
+                start = time.perf_counter()
+                for step in range(1, steps + 1):
+                    loader.batch(step)
+                rate = steps * 32 * 8192 / (time.perf_counter() - start)
+                print(f"loader from {root.split(':')[0]}: 32 x 8192 per host: {rate / 1e6:.2f}M "
+                      f"tokens/s = {rate / need:.0f}x what a 7B step needs per host on v5p-64 "
+                      f"({need / 1e3:.1f}K tokens/s)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def bench_convert(directory):
     """Peak memory of `convert.py hf-to-jax` and back on a synthetic checkpoint of the 1b preset
     (1.48B parameters, 5.9 GB in fp32), written to `directory` a weight at a time. Anonymous memory
@@ -317,6 +380,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="training steps per repetition")
     ap.add_argument("--data", action="store_true", help="benchmark data.py instead")
     ap.add_argument("--tokenizer", default="dolma2", help="for --data")
+    ap.add_argument("--remote", action="store_true", help="loader speed from HTTP and S3 servers")
     ap.add_argument(
         "--convert", metavar="DIR", help="benchmark convert.py's memory instead, using DIR (~18 GB)"
     )
@@ -326,6 +390,8 @@ def main(argv=None):
         return bench_data(args.tokenizer)
     if args.convert:
         return bench_convert(args.convert)
+    if args.remote:
+        return bench_remote()
     print(
         f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows "
         "(olmo3.flops_per_token)",

@@ -12,9 +12,11 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 
+import fsspec
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -208,7 +210,9 @@ def save_checkpoint(params, cfg, out_dir):
         np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
     handlers = {"params": ocp.PyTreeCheckpointHandler(use_compression=False),
                 "config": ocp.JsonCheckpointHandler()}
-    with ocp.CheckpointManager(Path(out_dir).absolute(), item_handlers=handlers) as manager:
+    out_dir = os.fspath(out_dir)
+    with ocp.CheckpointManager(train.orbax_path(out_dir), item_handlers=handlers,
+                               options=train.orbax_options(out_dir)) as manager:
         manager.save(0, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
                                                 config=ocp.args.JsonSave(dataclasses.asdict(cfg))))
 
@@ -271,23 +275,31 @@ def main(argv=None):
     ap.add_argument("--verify", action="store_true", help="compare logits with transformers")
     ap.add_argument("--verify-seq", type=int, default=256)
     args = ap.parse_args(argv)
-    if Path(args.out).exists() and any(Path(args.out).iterdir()):
+    out_fs, remote = fsspec.core.url_to_fs(args.out)[0], lambda path: "://" in path
+    if out_fs.exists(args.out) and out_fs.ls(args.out):
         raise SystemExit(f"error: {args.out} exists and is not empty; choose a new output folder")
-    if args.direction == "hf-to-jax":
-        Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".convert-",
-                                         dir=Path(args.out).absolute().parent) as scratch:
-            cfg, params = from_hf(args.src, scratch)
+    beside = os.getcwd() if remote(args.out) else Path(args.out).absolute().parent
+    os.makedirs(beside, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".convert-", dir=beside) as scratch:
+        if args.direction == "hf-to-jax":
+            src = args.src
+            if remote(src):  # safetensors and transformers read local files: fetch them once
+                fsspec.core.url_to_fs(src)[0].get(f"{src.rstrip('/')}/", src := f"{scratch}/hf",
+                                                   recursive=True)
+            cfg, params = from_hf(src, scratch)
             save_checkpoint(params, cfg, args.out)
             if args.verify:
-                verify(args.src, cfg, params, seq_len=args.verify_seq)
-    else:
-        cfg, read = load_checkpoint(args.src)
-        to_hf(read, cfg, args.out)
-        if args.verify:
-            params = {k: read(k) for k in HF_TOP} | {"blocks": {k: read("blocks", k)
-                                                                for k in HF_LAYER}}
-            verify(args.out, cfg, params, seq_len=args.verify_seq)
+                verify(src, cfg, params, seq_len=args.verify_seq)
+        else:
+            cfg, read = load_checkpoint(args.src)
+            out = f"{scratch}/hf" if remote(args.out) else args.out
+            to_hf(read, cfg, out)
+            if args.verify:
+                params = {k: read(k) for k in HF_TOP} | {"blocks": {k: read("blocks", k)
+                                                                    for k in HF_LAYER}}
+                verify(out, cfg, params, seq_len=args.verify_seq)
+            if remote(args.out):
+                out_fs.put(f"{out}/", args.out, recursive=True)
     unpadded = olmo3.param_count(cfg) - 2 * (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model
     print(f"wrote {args.out}: {cfg.n_layers} layers, d_model {cfg.d_model}, {unpadded:,} "
           f"parameters ({olmo3.param_count(cfg):,} with the vocabulary padded to "

