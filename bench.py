@@ -3,6 +3,7 @@
     python bench.py                 # tiny and wide configs, fp32 and bf16 compute, on this machine
     python bench.py --data          # data.py: tokenize MB/s and loader tokens/s
     python bench.py --remote        # the loader from local HTTP and S3 servers (7B batch shape)
+    python bench.py --generate      # generation tokens/s: KV cache against recomputing
     python bench.py --convert DIR   # convert.py's peak memory on a synthetic 1b checkpoint in DIR
 
 Each framework runs in its own process (so peak memory is its own), the two are alternated
@@ -323,6 +324,38 @@ def bench_remote(steps=10):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bench_generate(n_new=128, prompts=3, prompt_len=32):
+    """Tokens/s of train.generate (a KV cache, one scan) against recomputing the whole window
+    for every new token (the forward pass, compiled once), on the tiny preset."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import olmo3
+    import train
+
+    cfg = olmo3.PRESETS["tiny"]
+    params = olmo3.init(cfg, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, 256, (prompts, prompt_len))
+    logits_at = jax.jit(lambda p, t, i: olmo3.forward(p, t, cfg)[:, i, : cfg.vocab_size])
+
+    def recompute():
+        buffer = np.zeros((prompts, cfg.seq_len), np.int32)
+        buffer[:, :prompt_len] = tokens
+        for i in range(prompt_len, prompt_len + n_new):
+            buffer[:, i] = np.asarray(jnp.argmax(logits_at(params, buffer, i - 1), -1))
+        return buffer[:, prompt_len : prompt_len + n_new]
+
+    cached = lambda: train.generate(params, cfg, tokens, n_new)
+    assert (cached() == recompute()).all(), "the two paths disagree"  # and both are compiled
+    for name, run in (("KV cache", cached), ("recompute", recompute)):
+        start = time.perf_counter()
+        run()
+        rate = prompts * n_new / (time.perf_counter() - start)
+        print(f"generate, tiny preset, {prompts} prompts x {n_new} new tokens, {name}: "
+              f"{rate:,.0f} tokens/s")
+
+
 def bench_convert(directory):
     """Peak memory of `convert.py hf-to-jax` and back on a synthetic checkpoint of the 1b preset
     (1.48B parameters, 5.9 GB in fp32), written to `directory` a weight at a time. Anonymous memory
@@ -381,6 +414,7 @@ def main(argv=None):
     ap.add_argument("--data", action="store_true", help="benchmark data.py instead")
     ap.add_argument("--tokenizer", default="dolma2", help="for --data")
     ap.add_argument("--remote", action="store_true", help="loader speed from HTTP and S3 servers")
+    ap.add_argument("--generate", action="store_true", help="generation: KV cache vs recompute")
     ap.add_argument(
         "--convert", metavar="DIR", help="benchmark convert.py's memory instead, using DIR (~18 GB)"
     )
@@ -392,6 +426,8 @@ def main(argv=None):
         return bench_convert(args.convert)
     if args.remote:
         return bench_remote()
+    if args.generate:
+        return bench_generate()
     print(
         f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows "
         "(olmo3.flops_per_token)",

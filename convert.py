@@ -68,17 +68,29 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     need(not hf.get("attention_bias") and not hf.get("tie_word_embeddings"),
          "biases or tied embeddings")
     need(hf.get("hidden_act", "silu") == "silu", f"activation {hf.get('hidden_act')!r} is not silu")
+    # RoPE per layer type: the rope_parameters form, or the legacy rope_scaling key, which
+    # transformers applies to the full-attention layers only (as AI2's released config has it)
     rope = hf.get("rope_parameters") or {}
-    thetas = {p.get("rope_theta", hf.get("rope_theta")) for p in rope.values()} or {
-        hf.get("rope_theta")}
-    plain = all(p.get("rope_type", "default") == "default" for p in rope.values())
-    need(len(thetas) == 1 and plain,
-         f"RoPE {rope} is not one plain theta (YaRN / long-context checkpoints are not supported)")
+    full = {**rope.get("full_attention", {}), **(hf.get("rope_scaling") or {})}
+    sliding, theta = rope.get("sliding_attention", {}), hf.get("rope_theta") or 5e5
+    need(sliding.get("rope_type", "default") == "default",
+         f"RoPE scaling {sliding} on the sliding-window layers is not OLMo 3's")
+    need(full.get("rope_theta", theta) == sliding.get("rope_theta", theta),
+         f"RoPE thetas differ by layer type ({rope})")
+    yarn = full.get("rope_type", "default") == "yarn"
+    need(yarn or full.get("rope_type", "default") == "default", f"RoPE {full} is not yarn")
+    factor = full.get("factor", 0.0) if yarn else 0.0
+    need(not yarn or full.get("attention_factor", 0.1 * math.log(factor) + 1) == 0.1 * math.log(
+        factor) + 1 and not {"mscale", "mscale_all_dim"} & full.keys() and full.get(
+        "truncate", True), f"YaRN {full}: only OLMo 3's form (attention factor 0.1 ln f + 1)")
     heads = hf["num_attention_heads"]  # the defaults of keys a config.json may leave out:
     defaults = {"num_key_value_heads": heads, "head_dim": hf["hidden_size"] // heads,
                 "sliding_window": 4096, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192}
     cfg = olmo3.Config(**{ours: hf.get(key) or defaults[key] for ours, key in HF_CONFIG.items()},
-                       rope_theta=float(thetas.pop() or 5e5),
+                       rope_theta=float(full.get("rope_theta", theta)), yarn_factor=float(factor),
+                       yarn_beta_fast=float(full.get("beta_fast") or 32),
+                       yarn_beta_slow=float(full.get("beta_slow") or 1),
+                       yarn_original_context=int(full.get("original_max_position_embeddings", 8192)),
                        tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")
     need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
          "layer_types differ from OLMo 3's 3 sliding : 1 full pattern")
@@ -92,12 +104,16 @@ def layer_types(cfg):
 
 def config_to_hf(cfg) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    yarn = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
+            "beta_slow": cfg.yarn_beta_slow, "attention_factor": 0.1 * math.log(cfg.yarn_factor or 1)
+            + 1, "original_max_position_embeddings": cfg.yarn_original_context}
     specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
             **{key: getattr(cfg, ours) for ours, key in HF_CONFIG.items()},
             "layer_types": layer_types(cfg), "attention_bias": False, "tie_word_embeddings": False,
-            "rope_parameters": {"full_attention": rope, "sliding_attention": dict(rope)},
+            "rope_parameters": {"full_attention": rope | (yarn if cfg.yarn_factor else {}),
+                                "sliding_attention": rope},
             "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None, "dtype": "float32"}
 
 

@@ -30,6 +30,10 @@ class Config:
     sliding_window: int = 4096         # keys a sliding layer sees, the current token included
     global_every: int = 4              # layers 3, 7, 11, ... (and the last) attend to everything
     rope_theta: float = 500_000.0
+    yarn_factor: float = 0.0           # YaRN RoPE scaling on full-attention layers (0: none)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_original_context: int = 8192
     norm_eps: float = 1e-6
     tokenizer: str = "dolma2"          # "dolma2" (cl100k + OLMo specials) or "bytes"
     # --- numerics and memory ---
@@ -43,7 +47,7 @@ class Config:
     steps: int = 1_413_814             # ~5.93T tokens at 512 x 8192
     lr: float = 3e-4
     warmup_steps: int = 2000
-    schedule: str = "cosine"           # "cosine" (to min_lr_ratio * lr) or "linear"
+    schedule: str = "cosine"           # "cosine" (to min_lr_ratio * lr), "linear" or "olmo3"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -70,7 +74,8 @@ class Config:
 
 
 MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-                "vocab_size", "sliding_window", "global_every", "rope_theta", "norm_eps",
+                "vocab_size", "sliding_window", "global_every", "rope_theta", "yarn_factor",
+                "yarn_beta_fast", "yarn_beta_slow", "yarn_original_context", "norm_eps",
                 "tokenizer")
 
 
@@ -84,13 +89,16 @@ PRESETS = {
     # One accelerator: OLMo's 1B shape with the 7B recipe.
     "1b": Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128,
                  mlp_hidden=8192, seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),
-    "7b": Config(),
+    "7b": Config(schedule="olmo3"),  # AI2's two-part stage-1 LR (train.schedule)
     # MaxText's head reshape: 16 heads x 256, same parameters and FLOPs (QK-norm stays 4096).
-    "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
+    "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256, schedule="olmo3"),
+    # AI2's released model, stage 3's shape: YaRN x8 on the full layers, 65,536 tokens of context
+    "7b-long": Config(yarn_factor=8.0, seq_len=65536, global_batch=64, lr=2.0712e-4,
+                      warmup_steps=200, schedule="linear", min_lr_ratio=0.0, steps=11_921),
 }
 # Stage 2 ("mid-training"): start from stage 1's weights *and* Adam moments, linear decay to 0.
 STAGE2 = dict(global_batch=256, lr=2.0712e-4, warmup_steps=0, schedule="linear",
-              min_lr_ratio=0.0, steps=47_684)
+              min_lr_ratio=0.0, steps=47_684, data_seed=1337)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -237,7 +245,7 @@ def constrain(x, *axes):
 
 def forward(params, tokens, cfg: Config):
     """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
-    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg))
+    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg)[0])
 
 
 def embed(params, tokens, cfg: Config):
@@ -246,29 +254,37 @@ def embed(params, tokens, cfg: Config):
     return constrain(x, "batch", "seq", None)
 
 
-def decoder(params, x, cfg: Config):
-    """Embeddings [B, T, D] -> the final normed hidden states [B, T, D]."""
+def decoder(params, x, cfg: Config, cache=None, start=0):
+    """Embeddings [B, T, D] at positions start.. -> (final normed hidden states, KV cache)."""
     # The layers are unrolled, so each knows its window statically (a scan was 1.5-2x slower on
-    # CPU); per-layer weights are stacked [n_layers, ...] and sliced here.
-    rope = rope_tables(jnp.arange(x.shape[1]), cfg.head_dim, cfg.rope_theta)
+    # CPU); per-layer weights are stacked [n_layers, ...] and sliced here. With a cache (see
+    # init_cache), each layer also stores its keys and values and, one token at a time, reads
+    # them back.
+    positions = start + jnp.arange(x.shape[1])
+    ropes = {full: rope_tables(positions, cfg, full) for full in (False, True)}
     layer = jax.checkpoint(block, static_argnums=(2, 4)) if cfg.remat else block
+    caches = []
     for i in range(cfg.n_layers):
         p = jax.tree.map(lambda w: w[i], params["blocks"])
-        x = layer(p, x, None if cfg.is_global(i) else cfg.sliding_window, rope, cfg)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+        window = None if cfg.is_global(i) else cfg.sliding_window
+        x, layer_cache = layer(p, x, window, ropes[cfg.is_global(i)], cfg, cache and cache[i],
+                               start)
+        caches.append(layer_cache)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), cache and caches
 
 
-def block(p, x, window, rope, cfg: Config):
-    """One OLMo 3 layer; window: None (full attention) or the sliding window, static."""
+def block(p, x, window, rope, cfg: Config, cache=None, start=0):
+    """One OLMo 3 layer -> (output, its KV cache); window: None (full attention) or the
+    sliding window, static."""
     # The norms sit on each sub-block's output, not its input.
     p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)  # rms_norm upcasts its weight
-    h = x + rms_norm(attention_block(p, x, window, rope, cfg), p["attn_norm"], cfg.norm_eps)
-    h = constrain(h, "batch", "seq", None)
+    attended, cache = attention_block(p, x, window, rope, cfg, cache, start)
+    h = constrain(x + rms_norm(attended, p["attn_norm"], cfg.norm_eps), "batch", "seq", None)
     out = h + rms_norm(mlp_block(p, h), p["mlp_norm"], cfg.norm_eps)
-    return constrain(out, "batch", "seq", None)
+    return constrain(out, "batch", "seq", None), cache
 
 
-def attention_block(p, x_BTD, window, rope, cfg: Config):
+def attention_block(p, x_BTD, window, rope, cfg: Config, cache=None, start=0):
     B, T, _ = x_BTD.shape
     H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # QK-norm over the whole projection, before splitting heads and before RoPE
@@ -277,8 +293,12 @@ def attention_block(p, x_BTD, window, rope, cfg: Config):
     q_BTHD = apply_rope(q_BTQ.reshape(B, T, H, Dh), *rope)
     k_BTKD = apply_rope(k_BTK.reshape(B, T, K, Dh), *rope)
     v_BTKD = dense(x_BTD, p["v"]).reshape(B, T, K, Dh)
-    out_BTHD = attention(q_BTHD, k_BTKD, v_BTKD, window, cfg)
-    return dense(out_BTHD.reshape(B, T, H * Dh), p["o"])
+    if cache is None or T > 1:  # training, or a prompt (from position 0)
+        out_BTHD = attention(q_BTHD, k_BTKD, v_BTKD, window, cfg)
+    if cache is not None:
+        cache = cache_write(cache, k_BTKD, v_BTKD, start)
+        out_BTHD = attention_cached(q_BTHD, cache, start, window) if T == 1 else out_BTHD
+    return dense(out_BTHD.reshape(B, T, H * Dh), p["o"]), cache
 
 
 def mlp_block(p, x):
@@ -306,11 +326,26 @@ def rms_norm(x, weight, eps):
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def rope_tables(positions, head_dim: int, theta: float):
-    """cos and sin [T, head_dim] for the given positions, in the rotate-half layout."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_tables(positions, cfg: Config, full: bool):
+    """cos and sin [T, head_dim] at `positions`, in the rotate-half layout; YaRN, when set,
+    on full-attention layers only (as transformers' Olmo3 and OLMo-core apply it)."""
+    Dh, theta = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
+    if full and cfg.yarn_factor:
+        # YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than
+        # beta_slow times over the original context are divided by the factor, more than
+        # beta_fast kept, with a linear ramp between; cos and sin grow by 0.1 ln(factor) + 1.
+        dim = lambda turns: Dh * math.log(cfg.yarn_original_context / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+        low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
+        high = min(math.ceil(dim(cfg.yarn_beta_slow)), Dh - 1)
+        ramp = jnp.clip((jnp.arange(Dh // 2, dtype=jnp.float32) - low) / max(high - low, 1e-3), 0, 1)
+        inv_freq = inv_freq / cfg.yarn_factor * ramp + inv_freq * (1 - ramp)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
+    if full and cfg.yarn_factor:
+        scale = 0.1 * math.log(cfg.yarn_factor) + 1
+        return jnp.cos(angles) * scale, jnp.sin(angles) * scale
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -442,6 +477,41 @@ def attention_splash(q, k, v, window: int | None, interpret: bool = False):
         return local(q, k, v)
     spec = logical_to_spec(("batch", None, "heads", None))
     return jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q, k, v)
+
+
+def init_cache(cfg: Config, batch: int, length: int):
+    """An empty KV cache for `length` positions: per layer keys and values [B, C, K, Dh] and
+    each slot's position (-1: empty); C is `length`, or a sliding layer's window."""
+    def layer(i):
+        C = length if cfg.is_global(i) else min(length, cfg.sliding_window)
+        kv = jnp.zeros((batch, C, cfg.n_kv_heads, cfg.head_dim), cfg.compute_dtype)
+        return {"k": kv, "v": kv, "pos": jnp.full((C,), -1)}
+    return [layer(i) for i in range(cfg.n_layers)]
+
+
+def cache_write(cache, k_BTKD, v_BTKD, start):
+    """Keys and values of positions start.. into slots position % C: a window is a ring."""
+    C, T = cache["pos"].shape[0], k_BTKD.shape[1]
+    keep = min(T, C)  # of a long prompt, a sliding layer keeps its last window
+    positions = start + jnp.arange(T - keep, T)
+    slots = positions % C
+    return {"k": cache["k"].at[:, slots].set(k_BTKD[:, T - keep:].astype(cache["k"].dtype)),
+            "v": cache["v"].at[:, slots].set(v_BTKD[:, T - keep:].astype(cache["v"].dtype)),
+            "pos": cache["pos"].at[slots].set(positions)}
+
+
+def attention_cached(q_B1HD, cache, position, window):
+    """One query at `position` over the cached keys it can see -> [B, 1, H, Dh]."""
+    B, _, H, Dh = q_B1HD.shape
+    K = cache["k"].shape[2]
+    q_BKGD = q_B1HD.reshape(B, K, H // K, Dh)
+    scores_BKGC = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, cache["k"],
+                             preferred_element_type=jnp.float32) * Dh ** -0.5
+    seen_C = (cache["pos"] >= 0) & visible(position, cache["pos"], window)
+    probs = jax.nn.softmax(jnp.where(seen_C, scores_BKGC, -jnp.inf), axis=-1)
+    out_BKGD = jnp.einsum("bkgc,bckd->bkgd", probs.astype(cache["v"].dtype), cache["v"],
+                          preferred_element_type=jnp.float32)
+    return out_BKGD.astype(q_B1HD.dtype).reshape(B, 1, H, Dh)
 
 
 ATTENTION = {"reference": attention_reference, "blockwise": attention_blockwise,

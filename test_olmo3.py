@@ -141,7 +141,7 @@ def test_causality_through_gradients():
     t = 23
 
     def loss_at_t(x):
-        return jax.nn.logsumexp(olmo3.unembed(params, olmo3.decoder(params, x, cfg))[0, t])
+        return jax.nn.logsumexp(olmo3.unembed(params, olmo3.decoder(params, x, cfg)[0])[0, t])
 
     grads = np.abs(np.asarray(jax.grad(loss_at_t)(x)[0])).sum(-1)
     assert np.all(grads[t + 1 :] == 0.0) and np.all(grads[: t + 1] > 0)
@@ -152,11 +152,11 @@ def test_sliding_window_forgets_tokens_more_than_w_back():
     params = olmo3.init(cfg, jax.random.key(0))
     layer = jax.tree.map(lambda w: w[0], params["blocks"])
     x = jax.random.normal(jax.random.key(1), (1, 48, cfg.d_model))
-    rope = olmo3.rope_tables(jnp.arange(48), cfg.head_dim, cfg.rope_theta)
+    rope = olmo3.rope_tables(jnp.arange(48), cfg, full=False)
     t, W = 40, cfg.sliding_window
 
     def influence(window):
-        out_t = lambda x: olmo3.block(layer, x, window, rope, cfg)[0, t].sum()
+        out_t = lambda x: olmo3.block(layer, x, window, rope, cfg)[0][0, t].sum()
         return np.abs(np.asarray(jax.grad(out_t)(x)[0])).sum(-1)
 
     local, full = influence(W), influence(None)
@@ -2104,3 +2104,111 @@ def test_wandb_offline_keeps_one_run_across_resumes(tmp_path, token_files, monke
     run_train(tmp_path / "r", token_files, "--steps", "4", "--wandb", "olmo3-test")
     assert (tmp_path / "r" / "wandb-id.txt").read_text() == run_id
     assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
+
+
+# ----------------------------------------------------------------------------- OLMo 3 as AI2 ran it
+
+
+def olmo_core_halfcos_lr(initial_lr, current, t_max, warmup, alpha_f=0.1):
+    """OLMo-core's HalfCosWithWarmup.get_lr (src/olmo_core/optim/scheduler.py), restated: the
+    package (ai2-olmo-core 3.0.0) pins huggingface_hub below the converter's, so it is not
+    installed beside this project."""
+    eta_min = initial_lr * alpha_f
+    if current < warmup:
+        return (eta_min + (initial_lr - eta_min) / 2) * min(current, warmup) / warmup
+    if current >= t_max:
+        return eta_min
+    current, t_max = current - warmup, t_max - warmup
+    current, t_max = current + t_max, t_max * 2
+    return eta_min + (initial_lr - eta_min) * (1 + np.cos(np.pi * current / t_max)) / 2
+
+
+def test_olmo3_schedule_is_stage_1_as_ai2_ran_it():
+    """OLMo-3-1025-7B-pretrain-1.py: CosWithWarmup(warmup 2000), t_max from 5e12 tokens; -2.py,
+    from the step-596,047 checkpoint: HalfCosWithWarmup(warmup 5e12 // B // 2 + 1000), t_max
+    from 7e12 tokens. Update k is OLMo-core's step k."""
+    cfg = olmo3.PRESETS["7b"]
+    assert cfg.schedule == "olmo3" and olmo3.PRESETS["7b-wide"].schedule == "olmo3"
+    B = cfg.global_batch * cfg.seq_len
+    assert (-(-int(5e12) // B), -(-int(7e12) // B), int(5e12) // B // 2 + 1000) == (
+        1_192_093,
+        1_668_931,
+        597_046,
+    )
+    lr = train.schedule(cfg)
+    for k in [1, 2, 1999, 2000, 2001, 300_000, 596_046, 596_047]:
+        want = olmo_core_lr(3e-4, k, 1_192_093, 2000, 0.1, "cosine")
+        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6), k
+    for k in [596_048, 596_500, 597_045, 597_046, 597_047, 1_000_000, 1_413_813, 1_413_814]:
+        want = olmo_core_halfcos_lr(3e-4, k, 1_668_931, 597_046)
+        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6), k
+    assert float(lr(597_046 - 1)) / 3e-4 == pytest.approx(0.55, rel=1e-6)
+    assert float(lr(1_413_814 - 1)) / 3e-4 == pytest.approx(0.131084, abs=2e-6)
+    assert float(lr(596_048 - 1)) < float(lr(596_047 - 1))  # part 2's "warmup" dip
+
+
+def test_stage2_data_seed_is_1337():
+    cfg, _ = train.parse_args(["--preset", "7b", "--stage2"])
+    assert cfg.data_seed == 1337 and cfg.schedule == "linear"
+
+
+def yarn_config(**overrides):
+    """YaRN x4 over an original context of 16, run at 64: past it, on both layer kinds."""
+    base = dict(yarn_factor=4.0, yarn_original_context=16, seq_len=64, n_kv_heads=2)
+    return small_config(**base | overrides)
+
+
+def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
+    from safetensors.numpy import load_file
+
+    cfg = yarn_config()
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
+    loaded, params = convert.from_hf(hf_dir)
+    assert all(getattr(loaded, f) == getattr(cfg, f) for f in olmo3.MODEL_FIELDS)
+    results = convert.verify(hf_dir, loaded, params, seq_len=64)
+    assert results["float32"]["max_abs"] <= 1e-5, results
+    plain = convert.verify(hf_dir, dataclasses.replace(loaded, yarn_factor=0.0), params, 64)
+    assert plain["float32"]["max_abs"] > 1e-3  # YaRN matters at this length
+    # AI2's config.json form: the legacy rope_scaling key, applied to the full layers only
+    config = json.loads((hf_dir / "config.json").read_text())
+    yarn = config["rope_parameters"]["full_attention"]
+    legacy = config | {"rope_parameters": None, "rope_theta": cfg.rope_theta, "rope_scaling": yarn}
+    assert convert.config_from_hf(legacy) == loaded
+    convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
+    convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")])
+    original, back = (
+        load_file(hf_dir / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    assert (
+        all(np.array_equal(original[k], back[k]) for k in original)
+        and original.keys() == back.keys()
+    )
+    import transformers
+
+    again = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert again.rope_parameters == transformers.AutoConfig.from_pretrained(hf_dir).rope_parameters
+    with pytest.raises(SystemExit, match="error: config.json: YaRN .*only OLMo 3's form"):
+        convert.config_from_hf(legacy | {"rope_scaling": yarn | {"attention_factor": 2.0}})
+    assert olmo3.PRESETS["7b-long"].yarn_factor == 8 and olmo3.PRESETS["7b-long"].seq_len == 65536
+
+
+@pytest.mark.parametrize("prompt_len", [10, 24])  # a prompt shorter and longer than the window
+def test_generate_with_kv_cache_equals_hugging_face_greedy(tmp_path, prompt_len):
+    """Greedy, 30 new tokens past the 16-token window, GQA and YaRN; on a 2 x 2 mesh too."""
+    import torch
+    import transformers
+
+    cfg = yarn_config(tokenizer="bytes", vocab_size=258, sliding_window=16)
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf", std=0.3)
+    _, params = convert.from_hf(hf_dir)
+    prompts = np.random.default_rng(prompt_len).integers(0, 258, (2, prompt_len))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    want = model.generate(
+        torch.tensor(prompts), max_new_tokens=30, do_sample=False, min_new_tokens=30
+    ).numpy()[:, prompt_len:]
+    np.testing.assert_array_equal(train.generate(params, cfg, prompts, 30), want)
+    mesh = olmo3.make_mesh(fsdp=2, tensor=2)
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(params, olmo3.shardings(cfg, mesh))
+        np.testing.assert_array_equal(train.generate(sharded, cfg, prompts, 30), want)

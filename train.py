@@ -18,6 +18,7 @@ any mesh (another --mesh resizes it)."""
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -81,6 +82,8 @@ def schedule(cfg):
     """count (updates done) -> the LR of the next update."""
     # OLMo-core numbers that update count + 1: this is its CosWithWarmup / LinearWithWarmup there
     peak, warmup, total, floor = cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "olmo3":
+        return olmo3_stage1_schedule(cfg)
 
     def lr(count):
         step = jnp.asarray(count, jnp.float32) + 1
@@ -89,6 +92,28 @@ def schedule(cfg):
         decay = (floor + (peak - floor) * (1 + jnp.cos(jnp.pi * frac)) / 2
                  if cfg.schedule == "cosine" else peak - (peak - floor) * frac)
         return jnp.where(step < warmup, warm, decay)
+    return lr
+
+
+def olmo3_stage1_schedule(cfg):
+    """Stage 1 as AI2 ran it (OLMo-3-1025-7B-pretrain-1.py and -2.py): CosWithWarmup aimed at
+    5T tokens, then, from the checkpoint of step 596,047, HalfCosWithWarmup aimed at 7T."""
+    # t_max comes from the trainer's token duration: ceil(tokens / tokens per step).
+    peak, floor, batch = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.global_batch * cfg.seq_len
+    t_max1, t_max2 = -(-int(5e12) // batch), -(-int(7e12) // batch)
+    warmup2 = int(5e12) // batch // 2 + cfg.warmup_steps // 2  # pretrain-2's own arithmetic
+    cosine = lambda frac: floor + (peak - floor) * (1 + jnp.cos(jnp.pi * frac)) / 2
+
+    def lr(count):
+        k = jnp.asarray(count, jnp.float32) + 1  # OLMo-core's step of this update
+        part1 = jnp.where(k < cfg.warmup_steps, peak * k / cfg.warmup_steps,
+                          cosine(jnp.clip((k - cfg.warmup_steps) / (t_max1 - cfg.warmup_steps),
+                                          0, 1)))
+        # HalfCosWithWarmup: a "warmup" to half the peak, then the second half of a cosine
+        half = (k - warmup2 + t_max2 - warmup2) / (2 * (t_max2 - warmup2))
+        part2 = jnp.where(k < warmup2, (floor + (peak - floor) / 2) * k / warmup2,
+                          cosine(jnp.clip(half, 0, 1)))
+        return jnp.where(k <= 596_047, part1, part2)
     return lr
 
 
@@ -354,27 +379,20 @@ class Run:
                  f"{self.run_dir}/loss.png")
 
     def samples(self, params):
-        """Continue a few held-out prompts by 128 tokens, greedily and at temperature 0.8."""
+        """Continue a few training prompts by 128 tokens, greedily and at temperature 0.8."""
         # Every process takes part (the weights may span hosts), with the same prompts: the first
-        # tokens of whole rows of the first batch. Each new token recomputes the whole window:
-        # slow, but it is the training forward pass, compiled once. Causal attention: the rows'
-        # own tokens after position i - 1 do not change the logits there.
+        # tokens of whole rows of the first batch.
         cfg = self.cfg
         rows = data.Loader(self.loader.files, cfg.seq_len, cfg.global_batch,
                            cfg.data_seed).batch(0)[0]
-        P, decode = min(32, cfg.seq_len // 4), data.get_tokenizer(cfg.tokenizer).decode
-        logits_at = jax.jit(lambda p, t, i: olmo3.forward(p, t, cfg)[:, i, :cfg.vocab_size])
-        self.log(f"samples: {P} held-out tokens, then >>> and the model's text")
+        prompts, decode = rows[:self.args.samples, :min(32, cfg.seq_len // 4)], data.get_tokenizer(
+            cfg.tokenizer).decode
+        self.log(f"samples: {prompts.shape[1]} tokens of training text, then >>> and the model's")
         for temperature in (0.0, 0.8):
-            tokens, key = rows[:self.args.samples, :P + 128].copy(), jax.random.key(0)
-            for i in range(P, tokens.shape[1]):
-                key, sub = jax.random.split(key)
-                logits = logits_at(params, tokens, i - 1)
-                tokens[:, i] = (jnp.argmax(logits, -1) if temperature == 0 else
-                                jax.random.categorical(sub, logits / temperature))
-            for n, row in enumerate(tokens, 1):
+            texts = generate(params, cfg, prompts, 128, temperature, jax.random.key(0))
+            for n, (prompt, text) in enumerate(zip(prompts, texts), 1):
                 self.log(f"--- sample {n}, temperature {temperature} ---\n"
-                         f"{decode(row[:P])}>>>{decode(row[P:])}")
+                         f"{decode(prompt)}>>>{decode(text)}")
 
     def last_checkpoint(self):
         self.manager.wait_until_finished()
@@ -420,18 +438,31 @@ def trackers(run_dir, args):
     return writers and (lambda *record: [write(*record) for write in writers])
 
 
-def eval_only(cfg, args, mesh):
-    """--eval-only: evaluate --init-from's weights, print a table, write OUT/eval.json."""
-    if not args.init_from or not (args.eval_data or args.eval_tasks):
-        raise SystemExit("error: --eval-only needs --init-from CKPT and --eval-data or "
-                         "--eval-tasks")
-    manager = checkpoints(args.init_from)  # the model comes from it, the rest from the flags
+def load_weights(cfg, args, mesh):
+    """(Config, params) of --init-from: the model comes from the checkpoint, the rest (compute
+    dtype, seq_len, ...) from the command line."""
+    if not args.init_from:
+        raise SystemExit("error: --eval-only and --generate need --init-from CKPT")
+    manager = checkpoints(args.init_from)
     saved = manager.restore(manager.latest_step(), args=ocp.args.Composite(
         config=ocp.args.JsonRestore()))["config"]
     cfg = dataclasses.replace(cfg, **{f: saved[f] for f in olmo3.MODEL_FIELDS})
+    target = {"params": abstract_state(cfg, mesh)["params"]}  # no optimizer state: 4 B a weight
+    return cfg, restore(manager, manager.latest_step(), target, cfg, ())[0]["params"]
+
+
+def eval_only(cfg, args, mesh):
+    """--eval-only: evaluate --init-from's weights, print a table, write OUT/eval.json;
+    --generate: continue a text."""
+    if args.eval_only and not (args.eval_data or args.eval_tasks):
+        raise SystemExit("error: --eval-only needs --eval-data or --eval-tasks")
     with jax.set_mesh(mesh):
-        target = {"params": abstract_state(cfg, mesh)["params"]}
-        params = restore(manager, manager.latest_step(), target, cfg, ())[0]["params"]
+        cfg, params = load_weights(cfg, args, mesh)
+        if args.generate is not None:
+            tokenizer = data.get_tokenizer(cfg.tokenizer)
+            new = generate(params, cfg, [tokenizer.encode(args.generate)], args.max_new_tokens,
+                           args.temperature, jax.random.key(cfg.seed))
+            return print(args.generate + tokenizer.decode(new[0]))
         results = evaluate.evaluate(params, cfg, mesh, *evaluate.load(
             cfg, args.eval_data, args.eval_tasks, args.data_root))
     for name, metrics in results.items():
@@ -639,6 +670,33 @@ def plot(run_dir):
     data.write_bytes(f"{run_dir}/loss.png", png.getvalue())
 
 
+def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
+    """Prompts of one length [B, P] -> n_new more tokens each [B, n_new], through a KV cache:
+    the prompt is read once, then a token at a time (greedy at temperature 0)."""
+    key = jax.random.key(0) if key is None else key
+    return np.asarray(_generate(params, jnp.asarray(prompts, jnp.int32), key, cfg, n_new,
+                                float(temperature)))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _generate(params, prompts, key, cfg, n_new, temperature):
+    # One program: the prompt, then a scan over the new tokens (nothing recompiles per token).
+    cache = olmo3.init_cache(cfg, prompts.shape[0], prompts.shape[1] + n_new)
+    x = olmo3.embed(params, prompts, cfg)
+    h, cache = olmo3.decoder(params, x, cfg, cache)
+
+    def step(carry, key):
+        h, cache, position = carry  # h: the last position's hidden state [B, 1, D]
+        logits = olmo3.unembed(params, h)[:, 0, :cfg.vocab_size]
+        token = (jnp.argmax(logits, -1) if temperature == 0 else
+                 jax.random.categorical(key, logits / temperature))
+        x = olmo3.embed(params, token[:, None], cfg)
+        h, cache = olmo3.decoder(params, x, cfg, cache, position)
+        return (h, cache, position + 1), token
+    carry = (h[:, -1:], cache, jnp.int32(prompts.shape[1]))
+    return jax.lax.scan(step, carry, jax.random.split(key, n_new))[1].T
+
+
 # ----------------------------------------------------------------------------- recovery
 
 class StepFailed(Exception):
@@ -692,7 +750,7 @@ def main(argv=None):
         devices = args.topology and topologies.get_topology_desc(
             platform="tpu", topology_name=args.topology).devices
         return dry_run(cfg, olmo3.make_mesh(**sizes, devices=devices or None))
-    if args.eval_only:
+    if args.eval_only or args.generate is not None:
         return eval_only(cfg, args, olmo3.make_mesh(**sizes))
     devices, started, failed, recovering, run = jax.devices(), time.time(), [], None, None
     if jax.process_count() == 1:  # multi-host runs leave SIGTERM to JAX's preemption notifier
@@ -745,6 +803,9 @@ def parse_args(argv=None):
     add("--eval-only", action="store_true", help="evaluate --init-from's weights, write eval.json")
     add("--wandb", metavar="PROJECT", help="also log to Weights & Biases (pip install wandb)")
     add("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
+    add("--generate", metavar="TEXT", help="continue TEXT with --init-from's weights, and exit")
+    add("--max-new-tokens", type=int, default=256)
+    add("--temperature", type=float, default=0.0, help="for --generate (0: greedy)")
     add("--init-from", help="start from a checkpoint's weights (and Adam moments if it has them)")
     add("--mesh", default="fsdp=-1", help="data=N,fsdp=N,tensor=N (one may be -1: the rest)")
     add("--samples", type=int, default=3, help="prompts to continue at the end")
