@@ -90,7 +90,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
                        rope_theta=float(full.get("rope_theta", theta)), yarn_factor=float(factor),
                        yarn_beta_fast=float(full.get("beta_fast") or 32),
                        yarn_beta_slow=float(full.get("beta_slow") or 1),
-                       yarn_original_context=int(full.get("original_max_position_embeddings", 8192)),
+                       yarn_original_context=int(full.get("original_max_position_embeddings",
+                                                          8192)),
                        tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")
     need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
          "layer_types differ from OLMo 3's 3 sliding : 1 full pattern")
@@ -105,8 +106,8 @@ def layer_types(cfg):
 def config_to_hf(cfg) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     yarn = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
-            "beta_slow": cfg.yarn_beta_slow, "attention_factor": 0.1 * math.log(cfg.yarn_factor or 1)
-            + 1, "original_max_position_embeddings": cfg.yarn_original_context}
+            "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
+            cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor or 1) + 1}
     specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",

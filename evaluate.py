@@ -23,6 +23,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 import data
 import olmo3
@@ -57,7 +58,8 @@ def score(params, cfg, mesh, rows, vocab):
         for r, i in enumerate(chunk):
             x[r, :len(rows[i][0])], y[r, :len(rows[i][1])] = rows[i]
         put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-        out[chunk] = np.asarray(logprobs(params, put(x), put(y), cfg, vocab))[:len(chunk)]
+        sums = logprobs(params, put(x), put(y), cfg, vocab)  # rows on every host's devices
+        out[chunk] = np.asarray(multihost_utils.process_allgather(sums, tiled=True))[:len(chunk)]
     return out
 
 

@@ -339,7 +339,8 @@ def rope_tables(positions, cfg: Config, full: bool):
             2 * math.log(theta))
         low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
         high = min(math.ceil(dim(cfg.yarn_beta_slow)), Dh - 1)
-        ramp = jnp.clip((jnp.arange(Dh // 2, dtype=jnp.float32) - low) / max(high - low, 1e-3), 0, 1)
+        ramp = jnp.arange(Dh // 2, dtype=jnp.float32)
+        ramp = jnp.clip((ramp - low) / max(high - low, 1e-3), 0, 1)
         inv_freq = inv_freq / cfg.yarn_factor * ramp + inv_freq * (1 - ramp)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
