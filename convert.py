@@ -227,9 +227,7 @@ def save_checkpoint(params, cfg, out_dir):
         np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
     handlers = {"params": ocp.PyTreeCheckpointHandler(use_compression=False),
                 "config": ocp.JsonCheckpointHandler()}
-    out_dir = os.fspath(out_dir)
-    with ocp.CheckpointManager(train.orbax_path(out_dir), item_handlers=handlers,
-                               options=train.orbax_options(out_dir)) as manager:
+    with train.orbax_manager(os.fspath(out_dir), handlers) as manager:
         manager.save(0, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
                                                 config=ocp.args.JsonSave(dataclasses.asdict(cfg))))
 

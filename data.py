@@ -106,12 +106,15 @@ class Loader:
         # A background thread reads `prefetch` batches ahead (slow storage, retries); its
         # errors are raised here.
         steps = range(start_step, sys.maxsize if stop_step is None else stop_step)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
             ahead = collections.deque(pool.submit(self.batch, s) for s in steps[:prefetch])
             for step in steps:
                 if step + prefetch in steps:
                     ahead.append(pool.submit(self.batch, step + prefetch))
                 yield step, *ahead.popleft().result()
+        finally:  # an error, or a consumer that stopped: drop the batches not begun
+            pool.shutdown(cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- sources and mixes
@@ -183,17 +186,20 @@ def read_text(path):
 
 
 def write_bytes(path, data):
-    """Write a whole file: a local one atomically (a temporary name, then renamed); an object
-    store's upload is atomic by itself."""
+    """Write a whole file: a local one atomically (a temporary name, then renamed), its folder
+    made if need be; an object store's upload is atomic by itself."""
     if "://" in path:
         return fsspec.core.url_to_fs(path)[0].pipe_file(path, data)
-    Path(path + ".tmp").write_bytes(data)
-    os.replace(path + ".tmp", path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"  # hosts sharing a home folder do not collide
+    Path(temporary).write_bytes(data)
+    os.replace(temporary, path)
 
 
 def append_text(path, text):
-    """Append to a file; on an object store, which cannot append, rewrite it whole."""
+    """Append to a file, making its folder; an object store cannot append: rewrite it whole."""
     if "://" not in path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             return f.write(text)
     fs = fsspec.core.url_to_fs(path)[0]
@@ -214,8 +220,7 @@ def file_sizes(paths, where=None):
 
     def size(path):
         try:
-            fs = fsspec.core.url_to_fs(path)[0] if "://" in path else os.path
-            return fs.getsize(path) if fs is os.path else fs.size(path)
+            return fsspec.core.url_to_fs(path)[0].size(path)
         except FileNotFoundError:
             named = (where or {}).get(path, "named on the command line")
             raise SystemExit(f"error: token file {path} does not exist ({named}); check the "
@@ -223,39 +228,28 @@ def file_sizes(paths, where=None):
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         found = dict(zip(todo, pool.map(size, todo)))
     if remote := {p: n for p, n in found.items() if "://" in p}:
-        os.makedirs(cache_dir(), exist_ok=True)
         write_bytes(cache_file, json.dumps(cache | remote).encode())
     return [cache[p] if p in cache else found[p] for p in paths]
 
 
 def read_ranges(paths, offsets, count, retries=5):
-    """[len(paths), count] tokens, each from its file at its byte offset."""
-    # Local files are read directly; remote ones by one range request each (as OLMo-core's
-    # get_bytes_range), all of a batch at once, retried with backoff on transient errors.
-    out = np.empty((len(paths), count), TOKEN_DTYPE)
-    local = [i for i, p in enumerate(paths) if "://" not in p]
-    for i in local:
-        out[i] = np.fromfile(paths[i], TOKEN_DTYPE, count, offset=int(offsets[i]))
-    if len(remote := [i for i in range(len(paths)) if i not in set(local)]) == 0:
-        return out
-    fs, n = fsspec.core.url_to_fs(paths[remote[0]])[0], count * TOKEN_DTYPE.itemsize
-    starts = [int(offsets[i]) for i in remote]
+    """[len(paths), count] tokens, each from its file (all on one store) at its byte offset."""
+    # One range request each (as OLMo-core's get_bytes_range), all of a batch at once, retried
+    # with backoff on transient errors; local files take the same road.
+    fs, n = fsspec.core.url_to_fs(paths[0])[0], count * TOKEN_DTYPE.itemsize
+    starts = [int(offset) for offset in offsets]
     for attempt in range(retries):
-        chunks = fs.cat_ranges([paths[i] for i in remote], starts, [s + n for s in starts])
-        failed = [c for c in chunks if isinstance(c, Exception) or len(c) != n]
-        if not failed:
-            break
+        chunks = fs.cat_ranges(list(paths), starts, [s + n for s in starts])
+        bad = [(path, start, c) for path, start, c in zip(paths, starts, chunks)
+               if isinstance(c, Exception) or len(c) != n]
+        if not bad:
+            return np.frombuffer(b"".join(chunks), TOKEN_DTYPE).reshape(len(paths), count)
         time.sleep(min(2 ** attempt / 2, 8))
-    else:
-        i, c = next((i, c) for i, c in zip(remote, chunks) if isinstance(c, Exception) or
-                    len(c) != n)
-        got = f"{type(c).__name__}: {str(c)[:100]}" if isinstance(c, Exception) else (
-            f"a short read of {len(c)} bytes")
-        raise SystemExit(f"error: reading bytes {offsets[i]}-{offsets[i] + n} of {paths[i]} "
-                         f"failed {retries} times ({got}); check the server or the network")
-    for i, chunk in zip(remote, chunks):
-        out[i] = np.frombuffer(chunk, TOKEN_DTYPE)
-    return out
+    path, start, c = bad[0]
+    got = f"{type(c).__name__}: {str(c)[:100]}" if isinstance(c, Exception) else (
+        f"a short read of {len(c)} bytes")
+    raise SystemExit(f"error: reading bytes {start}-{start + n} of {path} failed {retries} times "
+                     f"({got}); check the server or the network")
 
 
 # ----------------------------------------------------------------------------- repetition filter
@@ -362,7 +356,6 @@ def tokenize_files(inputs, out_dir, tokenizer="dolma2", heldout=0.0,
     # shard names: the input's name and a hash of its path, so inputs of the same name stay apart
     names = [os.path.basename(p).split(".")[0] + "-" +
              hashlib.sha1(os.path.abspath(p).encode()).hexdigest()[:8] for p in inputs]
-    os.makedirs(out_dir, exist_ok=True)
     get_tokenizer(tokenizer)  # fail early (e.g. offline), not in every worker
     jobs = [(path, name, out_dir, tokenizer, heldout, shard_tokens)
             for path, name in zip(inputs, names)]
@@ -477,9 +470,7 @@ def corpus(name, tokenizer):
     out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{key}")
     documents = os.path.join(out_dir, f"{name}.jsonl")
     if not os.path.exists(documents):
-        os.makedirs(out_dir, exist_ok=True)
-        lines = "".join(json.dumps({"text": t}) + "\n" for t in texts())
-        write_bytes(documents, lines.encode())
+        write_bytes(documents, "".join(json.dumps({"text": t}) + "\n" for t in texts()).encode())
     # one process: a few seconds at most, and no new processes beside a caller's running JAX
     mixes = tokenize_files([documents], os.path.join(out_dir, tokenizer), tokenizer,
                            CORPUS_HELDOUT, processes=1)
@@ -514,7 +505,6 @@ def _fetch_shakespeare():
         except OSError as e:
             raise SystemExit(f"error: could not download TinyShakespeare from {SHAKESPEARE_URL} "
                              f"({type(e).__name__}); connect, or put the file at {path}") from None
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         write_bytes(path, text)
     return path
 

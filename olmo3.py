@@ -73,10 +73,8 @@ class Config:
         return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
 
 
-MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-                "vocab_size", "sliding_window", "global_every", "rope_theta", "yarn_factor",
-                "yarn_beta_fast", "yarn_beta_slow", "yarn_original_context", "norm_eps",
-                "tokenizer")
+_FIELDS = [field.name for field in dataclasses.fields(Config)]
+MODEL_FIELDS = tuple(_FIELDS[:_FIELDS.index("compute_dtype")])  # Config's "model" section
 
 
 PRESETS = {
@@ -274,13 +272,13 @@ def decoder(params, x, cfg: Config, cache=None, start=0):
 
 
 def block(p, x, window, rope, cfg: Config, cache=None, start=0):
-    """One OLMo 3 layer -> (output, its KV cache); window: None (full attention) or the
-    sliding window, static."""
+    """One OLMo 3 layer -> (output, its KV cache); window: None (full attention) or W, static."""
     # The norms sit on each sub-block's output, not its input.
     p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)  # rms_norm upcasts its weight
     attended, cache = attention_block(p, x, window, rope, cfg, cache, start)
     h = constrain(x + rms_norm(attended, p["attn_norm"], cfg.norm_eps), "batch", "seq", None)
-    out = h + rms_norm(mlp_block(p, h), p["mlp_norm"], cfg.norm_eps)
+    mlp = dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])  # SwiGLU
+    out = h + rms_norm(mlp, p["mlp_norm"], cfg.norm_eps)
     return constrain(out, "batch", "seq", None), cache
 
 
@@ -293,16 +291,14 @@ def attention_block(p, x_BTD, window, rope, cfg: Config, cache=None, start=0):
     q_BTHD = apply_rope(q_BTQ.reshape(B, T, H, Dh), *rope)
     k_BTKD = apply_rope(k_BTK.reshape(B, T, K, Dh), *rope)
     v_BTKD = dense(x_BTD, p["v"]).reshape(B, T, K, Dh)
-    if cache is None or T > 1:  # training, or a prompt (from position 0)
-        out_BTHD = attention(q_BTHD, k_BTKD, v_BTKD, window, cfg)
     if cache is not None:
         cache = cache_write(cache, k_BTKD, v_BTKD, start)
-        out_BTHD = attention_cached(q_BTHD, cache, start, window) if T == 1 else out_BTHD
+    if cache is None or T > 1:  # training, or a prompt (from position 0)
+        out_BTHD = attention(q_BTHD, k_BTKD, v_BTKD, window, cfg)
+    else:  # one new token over the cached keys it can see
+        positions = (start + jnp.arange(1), cache["pos"])
+        out_BTHD = attention_reference(q_BTHD, cache["k"], cache["v"], window, positions)
     return dense(out_BTHD.reshape(B, T, H * Dh), p["o"]), cache
-
-
-def mlp_block(p, x):
-    return dense(jax.nn.silu(dense(x, p["gate"])) * dense(x, p["up"]), p["down"])
 
 
 def unembed(params, h):
@@ -329,7 +325,7 @@ def rms_norm(x, weight, eps):
 def rope_tables(positions, cfg: Config, full: bool):
     """cos and sin [T, head_dim] at `positions`, in the rotate-half layout; YaRN, when set,
     on full-attention layers only (as transformers' Olmo3 and OLMo-core apply it)."""
-    Dh, theta = cfg.head_dim, cfg.rope_theta
+    Dh, theta, scale = cfg.head_dim, cfg.rope_theta, 1.0
     inv_freq = 1.0 / (theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
     if full and cfg.yarn_factor:
         # YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than
@@ -342,12 +338,10 @@ def rope_tables(positions, cfg: Config, full: bool):
         ramp = jnp.arange(Dh // 2, dtype=jnp.float32)
         ramp = jnp.clip((ramp - low) / max(high - low, 1e-3), 0, 1)
         inv_freq = inv_freq / cfg.yarn_factor * ramp + inv_freq * (1 - ramp)
+        scale = 0.1 * math.log(cfg.yarn_factor) + 1
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    if full and cfg.yarn_factor:
-        scale = 0.1 * math.log(cfg.yarn_factor) + 1
-        return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-    return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x_BTHD, cos_TD, sin_TD):
@@ -358,15 +352,15 @@ def apply_rope(x_BTHD, cos_TD, sin_TD):
     return (x32 * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]).astype(x_BTHD.dtype)
 
 
-def loss_terms(logits, labels, z_loss: float):
-    """(cross-entropy, z-loss, count), summed over the positions whose label is not -100."""
+def loss_terms(logits, labels, z_loss: float, axis=None):
+    """(cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows)."""
     # Sums, not means, so micro-batches and data-parallel shards combine exactly.
     valid = labels >= 0
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-    ce = jnp.sum(jnp.where(valid, lse - target, 0.0))
-    z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0))
-    return ce, z, jnp.sum(valid)
+    ce = jnp.sum(jnp.where(valid, lse - target, 0.0), axis)
+    z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0), axis)
+    return ce, z, jnp.sum(valid, axis)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -391,16 +385,18 @@ def attention(q, k, v, window: int | None, cfg: Config):
     return ATTENTION[name](q, k, v, window)
 
 
-def attention_reference(q, k, v, window: int | None):
-    """Softmax attention over the whole [T, T] score matrix: the definition."""
+def attention_reference(q, k, v, window: int | None, positions=None):
+    """Softmax attention over the whole [T, S] score matrix: the definition."""
     # The fastest on CPU for short sequences. Heads go first so that both products are plain
-    # batched matmuls; query head h reads kv head h // (H / K).
+    # batched matmuls; query head h reads kv head h // (H / K). `positions`: (the queries' [T],
+    # the keys' [S]), 0.. by default; a KV cache passes its slots'.
     B, T, H, Dh = q.shape
+    q_pos, k_pos = (jnp.arange(T), jnp.arange(T)) if positions is None else positions
     q_BHTD, k_BKTD, v_BKTD = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     k_BHTD, v_BHTD = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKTD, v_BKTD))
     scores_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD, k_BHTD,
                              preferred_element_type=jnp.float32) * Dh ** -0.5
-    mask_TS = visible(jnp.arange(T)[:, None], jnp.arange(T)[None, :], window)
+    mask_TS = visible(q_pos[:, None], k_pos[None, :], window)
     probs_BHTS = jax.nn.softmax(jnp.where(mask_TS, scores_BHTS, -jnp.inf), axis=-1)
     out_BHTD = jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(v.dtype), v_BHTD,
                           preferred_element_type=jnp.float32).astype(q.dtype)
@@ -482,11 +478,11 @@ def attention_splash(q, k, v, window: int | None, interpret: bool = False):
 
 def init_cache(cfg: Config, batch: int, length: int):
     """An empty KV cache for `length` positions: per layer keys and values [B, C, K, Dh] and
-    each slot's position (-1: empty); C is `length`, or a sliding layer's window."""
+    each slot's position; C is `length`, or a sliding layer's window."""
     def layer(i):
         C = length if cfg.is_global(i) else min(length, cfg.sliding_window)
         kv = jnp.zeros((batch, C, cfg.n_kv_heads, cfg.head_dim), cfg.compute_dtype)
-        return {"k": kv, "v": kv, "pos": jnp.full((C,), -1)}
+        return {"k": kv, "v": kv, "pos": jnp.full((C,), 2**31 - 1)}  # empty: after every query
     return [layer(i) for i in range(cfg.n_layers)]
 
 
@@ -499,20 +495,6 @@ def cache_write(cache, k_BTKD, v_BTKD, start):
     return {"k": cache["k"].at[:, slots].set(k_BTKD[:, T - keep:].astype(cache["k"].dtype)),
             "v": cache["v"].at[:, slots].set(v_BTKD[:, T - keep:].astype(cache["v"].dtype)),
             "pos": cache["pos"].at[slots].set(positions)}
-
-
-def attention_cached(q_B1HD, cache, position, window):
-    """One query at `position` over the cached keys it can see -> [B, 1, H, Dh]."""
-    B, _, H, Dh = q_B1HD.shape
-    K = cache["k"].shape[2]
-    q_BKGD = q_B1HD.reshape(B, K, H // K, Dh)
-    scores_BKGC = jnp.einsum("bkgd,bckd->bkgc", q_BKGD, cache["k"],
-                             preferred_element_type=jnp.float32) * Dh ** -0.5
-    seen_C = (cache["pos"] >= 0) & visible(position, cache["pos"], window)
-    probs = jax.nn.softmax(jnp.where(seen_C, scores_BKGC, -jnp.inf), axis=-1)
-    out_BKGD = jnp.einsum("bkgc,bckd->bkgd", probs.astype(cache["v"].dtype), cache["v"],
-                          preferred_element_type=jnp.float32)
-    return out_BKGD.astype(q_B1HD.dtype).reshape(B, 1, H, Dh)
 
 
 ATTENTION = {"reference": attention_reference, "blockwise": attention_blockwise,

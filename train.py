@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import time
 
@@ -71,49 +70,39 @@ def train(run):
             run.evaluate(state["params"], done)
         if stop:
             return state, stop
-    if previous:
-        run.report(*previous)
-    return state, None
+    return state, None  # the last step saved, so its metrics were reported
 
 
 # ----------------------------------------------------------------------------- the recipe
 
 def schedule(cfg):
-    """count (updates done) -> the LR of the next update."""
-    # OLMo-core numbers that update count + 1: this is its CosWithWarmup / LinearWithWarmup there
-    peak, warmup, total, floor = cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "olmo3":
-        return olmo3_stage1_schedule(cfg)
-
-    def lr(count):
-        step = jnp.asarray(count, jnp.float32) + 1
-        warm = peak * jnp.minimum(step, warmup) / max(warmup, 1)
-        frac = jnp.clip((step - warmup) / max(total - warmup, 1), 0.0, 1.0)
-        decay = (floor + (peak - floor) * (1 + jnp.cos(jnp.pi * frac)) / 2
-                 if cfg.schedule == "cosine" else peak - (peak - floor) * frac)
-        return jnp.where(step < warmup, warm, decay)
-    return lr
-
-
-def olmo3_stage1_schedule(cfg):
-    """Stage 1 as AI2 ran it (OLMo-3-1025-7B-pretrain-1.py and -2.py): CosWithWarmup aimed at
-    5T tokens, then, from the checkpoint of step 596,047, HalfCosWithWarmup aimed at 7T."""
-    # t_max comes from the trainer's token duration: ceil(tokens / tokens per step).
+    """count (updates done) -> the LR of the next update, OLMo-core's update count + 1."""
+    # "cosine" and "linear" are OLMo-core's CosWithWarmup and LinearWithWarmup over cfg.steps.
     peak, floor, batch = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.global_batch * cfg.seq_len
-    t_max1, t_max2 = -(-int(5e12) // batch), -(-int(7e12) // batch)
-    warmup2 = int(5e12) // batch // 2 + cfg.warmup_steps // 2  # pretrain-2's own arithmetic
     cosine = lambda frac: floor + (peak - floor) * (1 + jnp.cos(jnp.pi * frac)) / 2
+    linear = lambda frac: peak - (peak - floor) * frac
+    decay = cosine if cfg.schedule in ("cosine", "olmo3") else linear
+
+    def warmup_then_decay(k, total):
+        warm = peak * jnp.minimum(k, cfg.warmup_steps) / max(cfg.warmup_steps, 1)
+        frac = jnp.clip((k - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1), 0.0, 1.0)
+        return jnp.where(k < cfg.warmup_steps, warm, decay(frac))
+    if cfg.schedule != "olmo3":
+        return lambda count: warmup_then_decay(jnp.asarray(count, jnp.float32) + 1, cfg.steps)
+    # "olmo3": stage 1 as AI2 ran it (OLMo-3-1025-7B-pretrain-1.py and -2.py): CosWithWarmup
+    # aimed at 5T tokens, then, from the checkpoint of step 596,047, HalfCosWithWarmup aimed at
+    # 7T. t_max comes from the trainer's token duration: ceil(tokens / tokens per step).
+    # floats: as Python ints they would overflow int32 for a small batch (ceil: -(-a // b))
+    t_max1, t_max2 = float(-(-int(5e12) // batch)), float(-(-int(7e12) // batch))
+    warmup2 = int(5e12) // batch // 2 + cfg.warmup_steps // 2  # pretrain-2's own arithmetic
 
     def lr(count):
-        k = jnp.asarray(count, jnp.float32) + 1  # OLMo-core's step of this update
-        part1 = jnp.where(k < cfg.warmup_steps, peak * k / cfg.warmup_steps,
-                          cosine(jnp.clip((k - cfg.warmup_steps) / (t_max1 - cfg.warmup_steps),
-                                          0, 1)))
+        k = jnp.asarray(count, jnp.float32) + 1
         # HalfCosWithWarmup: a "warmup" to half the peak, then the second half of a cosine
         half = (k - warmup2 + t_max2 - warmup2) / (2 * (t_max2 - warmup2))
         part2 = jnp.where(k < warmup2, (floor + (peak - floor) / 2) * k / warmup2,
                           cosine(jnp.clip(half, 0, 1)))
-        return jnp.where(k <= 596_047, part1, part2)
+        return jnp.where(k <= 596_047, warmup_then_decay(k, t_max1), part2)
     return lr
 
 
@@ -241,8 +230,6 @@ class Run:
         self.loader, held_out = loaders(cfg, args)
         self.sets, self.tasks = evaluate.load(cfg, held_out, args.eval_tasks, args.data_root)
         self.run_dir = args.out
-        if "://" not in self.run_dir:
-            os.makedirs(self.run_dir, exist_ok=True)
         check_shared(self.run_dir)
         self.manager = checkpoints(self.run_dir, cfg)
         self.trackers = trackers(self.run_dir, args) if jax.process_index() == 0 else None
@@ -287,8 +274,7 @@ class Run:
                  f"{cfg.steps} | run dir {self.run_dir}")
 
     def log(self, text=None, **record):
-        """A console line and a metrics record (metrics.jsonl, TensorBoard, wandb), from process
-        0 only."""
+        """A console line and a metrics record (metrics.jsonl, TensorBoard, wandb); process 0's."""
         if jax.process_index() == 0 and text:
             print(text, flush=True)
         if jax.process_index() == 0 and record:
@@ -363,10 +349,9 @@ class Run:
         self.manager.wait_until_finished()
         step = int(state["step"])
         if stopped:
-            again = "the same command without --stop-at" if stopped == "--stop-at" else (
-                "the same command")
-            return self.log(f"stopped after step {step} ({stopped}), checkpointed: {again} "
-                            "resumes")
+            again = " without --stop-at" if stopped == "--stop-at" else ""
+            return self.log(f"stopped after step {step} ({stopped}), checkpointed: the same "
+                            f"command{again} resumes")
         if not self.results:
             self.evaluate(state["params"], step)
         if self.args.samples:
@@ -382,14 +367,12 @@ class Run:
         """Continue a few training prompts by 128 tokens, greedily and at temperature 0.8."""
         # Every process takes part (the weights may span hosts), with the same prompts: the first
         # tokens of whole rows of the first batch.
-        cfg = self.cfg
-        rows = data.Loader(self.loader.files, cfg.seq_len, cfg.global_batch,
-                           cfg.data_seed).batch(0)[0]
-        prompts, decode = rows[:self.args.samples, :min(32, cfg.seq_len // 4)], data.get_tokenizer(
-            cfg.tokenizer).decode
+        cfg, decode = self.cfg, data.get_tokenizer(self.cfg.tokenizer).decode
+        whole = data.Loader(self.loader.files, cfg.seq_len, cfg.global_batch, cfg.data_seed)
+        prompts = whole.batch(0)[0][:self.args.samples, :min(32, cfg.seq_len // 4)]
         self.log(f"samples: {prompts.shape[1]} tokens of training text, then >>> and the model's")
         for temperature in (0.0, 0.8):
-            texts = generate(params, cfg, prompts, 128, temperature, jax.random.key(0))
+            texts = np.asarray(generate(params, cfg, prompts, 128, temperature))
             for n, (prompt, text) in enumerate(zip(prompts, texts), 1):
                 self.log(f"--- sample {n}, temperature {temperature} ---\n"
                          f"{decode(prompt)}>>>{decode(text)}")
@@ -408,14 +391,13 @@ def loaders(cfg, args):
         raise SystemExit(f"error: --data is required for tokenizer {cfg.tokenizer!r}: a mix file, "
                          "token files, or a `python data.py tokenize` folder (or shakespeare)")
     if name in ("stdlib", "shakespeare"):
-        train_files, heldout = data.corpus(name, cfg.tokenizer)
+        source, heldout = data.corpus(name, cfg.tokenizer)
     else:  # a tokenize output folder brings its held-out split
-        split = f"{name.rstrip('/')}/heldout.txt"
-        train_files = data.resolve_source(name, cfg.tokenizer, args.data_root)
+        source, split = name, f"{name.rstrip('/')}/heldout.txt"
         heldout = data.resolve_source(split, cfg.tokenizer) if data.exists(split) else None
-    loader = data.Loader(train_files, cfg.seq_len, cfg.global_batch, cfg.data_seed,
+    loader = data.Loader(source, cfg.seq_len, cfg.global_batch, cfg.data_seed,
                          jax.process_index(), jax.process_count(), cfg.repetition_filter,
-                         cfg.vocab_size)
+                         cfg.vocab_size, cfg.tokenizer, args.data_root)
     return loader, args.eval_data or (heldout and {"held-out": heldout})
 
 
@@ -460,16 +442,14 @@ def eval_only(cfg, args, mesh):
         cfg, params = load_weights(cfg, args, mesh)
         if args.generate is not None:
             tokenizer = data.get_tokenizer(cfg.tokenizer)
-            new = generate(params, cfg, [tokenizer.encode(args.generate)], args.max_new_tokens,
-                           args.temperature, jax.random.key(cfg.seed))
-            return print(args.generate + tokenizer.decode(new[0]))
+            new = generate(params, cfg, np.array([tokenizer.encode(args.generate)]),
+                           args.max_new_tokens, args.temperature, jax.random.key(cfg.seed))
+            return print(args.generate + tokenizer.decode(np.asarray(new[0])))
         results = evaluate.evaluate(params, cfg, mesh, *evaluate.load(
             cfg, args.eval_data, args.eval_tasks, args.data_root))
     for name, metrics in results.items():
-        print(f"{name:40s} " + "  ".join(f"{m} {v:.4f}" if isinstance(v, float) else f"{m} {v}"
-                                         for m, v in metrics.items()))
+        print(f"{name:40s} " + "  ".join(f"{m} {round(v, 4)}" for m, v in metrics.items()))
     if jax.process_index() == 0:
-        os.makedirs(args.out, exist_ok=True) if "://" not in args.out else None
         data.write_bytes(f"{args.out}/eval.json", json.dumps(results, indent=1).encode())
         print(f"wrote {args.out}/eval.json")
     return results
@@ -513,26 +493,25 @@ def check_fits(cfg, mesh):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def orbax_path(path):
-    """A path as Orbax takes it: a URL, or an absolute local path."""
+def orbax_manager(path, item_handlers=None, **options):
+    """An Orbax CheckpointManager at `path`: a local folder, gs://... or s3://..."""
     if path.startswith("s3://"):
         route_s3_to_tensorstore()
-    return path if "://" in path else os.path.abspath(path)
-
-
-def orbax_options(path, **options):
     # On gs:// and s3://, a step is committed by a marker file rather than renamed into place.
     commit = atomicity.CommitFileTemporaryPath if "://" in path else None
-    return ocp.CheckpointManagerOptions(temporary_path_class=commit, **options)
+    options = ocp.CheckpointManagerOptions(temporary_path_class=commit, **options)
+    return ocp.CheckpointManager(path if "://" in path else os.path.abspath(path),
+                                 options=options, item_handlers=item_handlers)
 
 
+@functools.cache  # once per process
 def route_s3_to_tensorstore():
     """Orbax 0.12 hands gs:// to tensorstore's GCS driver but has no route for s3:// (it even
     normalises s3:// to s3:/); this gives s3:// tensorstore's S3 driver, configured by the
     standard AWS_ENDPOINT_URL, AWS_REGION and AWS_ACCESS_KEY_ID variables."""
     from orbax.checkpoint._src.path import gcs_utils
     from orbax.checkpoint._src.serialization import tensorstore_utils
-    gcs = getattr(gcs_utils.get_kvstore_for_gcs, "__wrapped__", gcs_utils.get_kvstore_for_gcs)
+    gcs = gcs_utils.get_kvstore_for_gcs
 
     def kvstore(path):
         if not path.startswith("s3://"):
@@ -544,25 +523,20 @@ def route_s3_to_tensorstore():
                 **({"endpoint": env("AWS_ENDPOINT_URL")} if env("AWS_ENDPOINT_URL") else {}),
                 "aws_credentials": {"type": "environment" if env("AWS_ACCESS_KEY_ID") else
                                     "default"}}
-    kvstore.__wrapped__ = gcs
     gcs_utils.get_kvstore_for_gcs = kvstore
     tensorstore_utils._use_gcs_driver = lambda path: path.startswith(("gs://", "s3://"))
-    tensorstore_utils._normalize_path = lambda path: re.sub(r"^(gs|s3):/+", r"\1://",
-                                                            os.path.normpath(path))
-
+    tensorstore_utils._normalize_path = lambda path: os.path.normpath(path).replace(
+        "gs:/", "gs://").replace("s3:/", "s3://")  # as Orbax's own, for both
 
 
 def checkpoints(path, cfg=None):
     """The CheckpointManager of a run's checkpoints (with cfg) or of any checkpoint (without)."""
     # Orbax writes to gs:// and s3:// itself.
     if cfg:
-        return ocp.CheckpointManager(orbax_path(f"{path}/checkpoints"),
-                                     options=orbax_options(path, max_to_keep=cfg.keep_checkpoints))
+        return orbax_manager(f"{path}/checkpoints", max_to_keep=cfg.keep_checkpoints)
     for d in (f"{path}/checkpoints", path):  # a run directory, or a converted checkpoint
-        if data.exists(d):
-            manager = ocp.CheckpointManager(orbax_path(d), options=orbax_options(d, create=False))
-            if manager.latest_step() is not None:
-                return manager
+        if data.exists(d) and (manager := orbax_manager(d, create=False)).latest_step() is not None:
+            return manager
     raise SystemExit(f"error: no complete checkpoint in {path}; pass a run directory or a "
                      "converted checkpoint")
 
@@ -618,20 +592,16 @@ def resume(manager, target, cfg, log):
             (manager.directory / str(b)).rename(manager.directory / f"{b}.unreadable")
         multihost_utils.sync_global_devices("unreadable checkpoints renamed")
         manager.reload()
-        note_schedule_change(saved, cfg, step, log)
+        # a resume with another --steps (or LR schedule) is allowed, but said out loud
+        if changes := [f"--{f.replace('_', '-')} {getattr(saved, f)} -> {getattr(cfg, f)}"
+                       for f in SCHEDULE_FIELDS if getattr(saved, f) != getattr(cfg, f)]:
+            lrs = [f"{float(schedule(c)(step)):.2e}" for c in (saved, cfg)]
+            log(f"note: {', '.join(changes)} since the checkpoint: the LR schedule changes (the "
+                f"LR of step {step + 1}: {lrs[0]} -> {lrs[1]})")
         return state
     raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (steps "
                      f"{sorted(bad)}, see above); restore one from a copy, or move them away to "
                      "start this run from scratch")
-
-
-def note_schedule_change(saved, cfg, step, log):
-    """A resume with another --steps (or LR schedule) is allowed, but said out loud."""
-    if changes := [f"--{f.replace('_', '-')} {getattr(saved, f)} -> {getattr(cfg, f)}"
-                   for f in SCHEDULE_FIELDS if getattr(saved, f) != getattr(cfg, f)]:
-        lrs = [f"{float(schedule(c)(step)):.2e}" for c in (saved, cfg)]
-        log(f"note: {', '.join(changes)} since the checkpoint: the LR schedule changes (the LR of "
-            f"step {step + 1}: {lrs[0]} -> {lrs[1]})")
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -650,37 +620,29 @@ def fmt_time(seconds):
 def plot(run_dir):
     """loss.png: the training loss and every perplexity set's; downstream metrics beside."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
-    records = [json.loads(line) for line in data.read_text(f"{run_dir}/metrics.jsonl").split("\n")
-               if line]
-    keys = sorted({k for r in records for k in r if k.startswith("eval/")})
-    fig = Figure(figsize=(12 if any("downstream" in k for k in keys) else 7, 4))
-    axes = fig.subplots(1, 1 + any("downstream" in k for k in keys), squeeze=False)[0]
+    records = list(map(json.loads, data.read_text(f"{run_dir}/metrics.jsonl").splitlines()))
+    keys = sorted({k for r in records for k in r if k.endswith("CE loss") or "downstream/" in k})
+    tasks = any("downstream" in k for k in keys)
+    axes = Figure(figsize=(12 if tasks else 7, 4)).subplots(1, 1 + tasks, squeeze=False)[0]
     for key in ["loss"] + keys:
-        if key == "loss" or key.endswith("CE loss") or "downstream" in key:
-            points = sorted({r["step"]: r[key] for r in records if key in r}.items())
-            ax = axes[-1] if "downstream" in key else axes[0]
-            ax.plot(*zip(*points), "-" if key == "loss" else "o-", lw=1,
-                    label="train" if key == "loss" else key.split("/", 2)[2])
+        points = sorted({r["step"]: r[key] for r in records if key in r}.items())
+        label, style = ("train", "-") if key == "loss" else (key.split("/", 2)[2], "o-")
+        axes[-1 if "downstream" in key else 0].plot(*zip(*points), style, lw=1, label=label)
     axes[0].set(ylabel="cross-entropy (nats/token)", title=os.path.basename(run_dir))
     for ax in axes:
         ax.set(xlabel="step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
+    axes[0].figure.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
     data.write_bytes(f"{run_dir}/loss.png", png.getvalue())
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     """Prompts of one length [B, P] -> n_new more tokens each [B, n_new], through a KV cache:
     the prompt is read once, then a token at a time (greedy at temperature 0)."""
-    key = jax.random.key(0) if key is None else key
-    return np.asarray(_generate(params, jnp.asarray(prompts, jnp.int32), key, cfg, n_new,
-                                float(temperature)))
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _generate(params, prompts, key, cfg, n_new, temperature):
     # One program: the prompt, then a scan over the new tokens (nothing recompiles per token).
+    key = jax.random.key(0) if key is None else key
     cache = olmo3.init_cache(cfg, prompts.shape[0], prompts.shape[1] + n_new)
     x = olmo3.embed(params, prompts, cfg)
     h, cache = olmo3.decoder(params, x, cfg, cache)
@@ -753,9 +715,8 @@ def main(argv=None):
     if args.eval_only or args.generate is not None:
         return eval_only(cfg, args, olmo3.make_mesh(**sizes))
     devices, started, failed, recovering, run = jax.devices(), time.time(), [], None, None
-    if jax.process_count() == 1:  # multi-host runs leave SIGTERM to JAX's preemption notifier
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+    for sig in (signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else ():
+        signal.signal(sig, request_stop)  # multi-host runs leave SIGTERM to JAX's notifier
     faults, mesh = parse_faults(args.inject_faults, len(devices)), olmo3.make_mesh(**sizes)
     while True:
         try:
