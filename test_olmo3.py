@@ -1132,10 +1132,21 @@ def test_exact_resume_and_run_outputs(tmp_path, token_files):
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(resumed[0])
 
 
-def test_resume_refuses_other_config(tmp_path, token_files):
-    run_train(tmp_path / "r", token_files, "--steps", "2")
+def test_resume_refuses_other_config_and_names_a_schedule_change(tmp_path, token_files, capsys):
+    run_train(tmp_path / "r", token_files, "--steps", "6")
     with pytest.raises(SystemExit, match=r"checkpoint in .* has d_model=64 \(command line: 128\)"):
-        run_train(tmp_path / "r", token_files, "--steps", "4", "--d-model", "128")
+        run_train(tmp_path / "r", token_files, "--steps", "8", "--d-model", "128")
+    capsys.readouterr()
+    run_train(tmp_path / "r", token_files, "--steps", "8")
+    assert "note: --steps 6 -> 8 since the checkpoint: the LR schedule changes (step 7: " in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: --inject-faults 3:9 asks to go on with 9 of "
+        r"the 8 devices here",
+    ):
+        run_train(tmp_path / "f", token_files, "--inject-faults", "3:9")
 
 
 def test_gradient_accumulation_matches_full_batch(tmp_path, token_files):

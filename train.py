@@ -595,9 +595,10 @@ def resume(manager, target, cfg, log):
         # a resume with another --steps (or LR schedule) is allowed, but said out loud
         if changes := [f"--{f.replace('_', '-')} {getattr(saved, f)} -> {getattr(cfg, f)}"
                        for f in SCHEDULE_FIELDS if getattr(saved, f) != getattr(cfg, f)]:
-            lrs = [f"{float(schedule(c)(step)):.2e}" for c in (saved, cfg)]
-            log(f"note: {', '.join(changes)} since the checkpoint: the LR schedule changes (the "
-                f"LR of step {step + 1}: {lrs[0]} -> {lrs[1]})")
+            lrs = ", ".join(f"step {k + 1}: {float(schedule(saved)(k)):.2e} -> "
+                            f"{float(schedule(cfg)(k)):.2e}"
+                            for k in (step, (step + cfg.steps) // 2))
+            log(f"note: {', '.join(changes)} since the checkpoint: the LR schedule changes ({lrs})")
         return state
     raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (steps "
                      f"{sorted(bad)}, see above); restore one from a copy, or move them away to "
@@ -680,8 +681,9 @@ def parse_faults(text, n_devices):
                          "comma-separated (5,12:2,20)") from None
     for step, n in faults:
         if n is not None and not 0 < n < n_devices:
-            raise SystemExit(f"error: --inject-faults {step}:{n}: keep 1 to {n_devices - 1} of the "
-                             f"{n_devices} devices here (--devices N fakes N CPU devices)")
+            raise SystemExit(f"error: --inject-faults {step}:{n} asks to go on with {n} of the "
+                             f"{n_devices} devices here; give 1 or more, fewer than {n_devices}, "
+                             "or fake more with --devices N")
     return faults
 
 
