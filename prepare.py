@@ -1,0 +1,95 @@
+"""Preparing a run, beside the core: token files from your documents (python data.py tokenize),
+TinyShakespeare (--data shakespeare), and a plan for a pod (train.py --dry-run)."""
+import argparse
+import gzip
+import json
+import os
+import time
+import urllib.request
+
+import jax
+
+import data
+import olmo3
+import train
+
+SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                   "tinyshakespeare/input.txt")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=data.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["tokenize"])
+    ap.add_argument("inputs", nargs="+", help=".txt (one document), .jsonl, .jsonl.gz, .json.gz")
+    ap.add_argument("--out", required=True, help="folder: train.txt, heldout.txt and the tokens")
+    ap.add_argument("--heldout", type=float, default=0.0, help="fraction held out, by content")
+    ap.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
+    args = ap.parse_args(argv)
+    for path in args.inputs:
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: input {path} does not exist; check the path")
+    texts = (text for path in args.inputs for text in documents(path))
+    gz = any(path.endswith(".gz") for path in args.inputs)
+    total = None if gz else sum(map(os.path.getsize, args.inputs))  # for the ETA
+    data.tokenize(texts, args.out, args.tokenizer, args.heldout, total)
+
+
+def documents(path):
+    """The text of each non-empty document of a file: a .txt is one, else one JSON per line."""
+    if path.endswith(".txt"):
+        yield data.read_text(path)
+        return
+    if not path.endswith((".jsonl", ".jsonl.gz", ".json.gz")):
+        raise SystemExit(f"error: input {path} is not .txt, .jsonl, .jsonl.gz or .json.gz")
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                text = json.loads(line)["text"] if line.strip() else ""
+            except (ValueError, KeyError, TypeError):
+                raise SystemExit(f"error: {path} line {n} is not a JSON object with a 'text' "
+                                 "field; fix or remove that line") from None
+            if text:
+                yield text
+
+
+def shakespeare():
+    """([TinyShakespeare's file], its passages): downloaded once into OLMO3_CACHE; to use it
+    offline, put the file at the path the error names."""
+    path = os.path.join(data.cache_dir(), "tinyshakespeare.txt")
+    if not os.path.exists(path):
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as response:
+                text = response.read()
+        except OSError as e:
+            raise SystemExit(f"error: could not download TinyShakespeare ({type(e).__name__}); "
+                             f"connect, or put the file at {path}") from None
+        os.makedirs(data.cache_dir(), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(text)
+    return [path], (p for p in data.read_text(path).split("\n\n") if p.strip())
+
+
+def dry_run(cfg, r, args):
+    devices = None
+    if args.topology:  # the TPU compiler (libtpu) plans a slice it does not have
+        from jax.experimental import topologies
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
+    mesh = olmo3.make_mesh(**args.mesh, devices=devices)
+    t, target = time.time(), train.abstract_state(cfg, r, mesh)
+    with jax.set_mesh(mesh):
+        m = train.compile_step(cfg, r, mesh, target).memory_analysis()
+    micro, gib = r.micro_batch or r.global_batch, lambda b: f"{b / 2**30:.2f} GiB"
+    print(f"dry run: {mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)} | "
+          f"compiled in {time.time() - t:.0f}s | {olmo3.param_count(cfg):,} parameters | batch "
+          f"{r.global_batch} x {r.seq_len} in {r.global_batch // micro} micro-batches of "
+          f"{micro * mesh.shape['tensor'] // mesh.size} per device | remat {cfg.remat}")
+    for path, x in jax.tree_util.tree_leaves_with_path(target["params"]):  # one line per weight
+        print(f"{jax.tree_util.keystr(path):22} {str(x.shape):22} one device holds "
+              f"{str(x.sharding.shard_shape(x.shape)):22} {x.sharding.spec}")
+    outputs = m.output_size_in_bytes - m.alias_size_in_bytes  # beyond the donated state
+    total = m.argument_size_in_bytes + outputs + m.temp_size_in_bytes
+    print(f"per device: arguments {gib(m.argument_size_in_bytes)}, temporaries "
+          f"{gib(m.temp_size_in_bytes)}, outputs {gib(outputs)}, total {gib(total)} | training "
+          f"FLOPs/token {olmo3.flops_per_token(cfg, r.seq_len) / 1e9:.4g}G")
+    return m
