@@ -80,7 +80,8 @@ def config_to_hf(cfg) -> dict:
     yarn = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
             "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
             cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor or 1) + 1}
-    eos, pad = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
+    specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
+    eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # (small test models)
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
             **{key: getattr(cfg, ours) for ours, key in HF_CONFIG.items()},
             "max_position_embeddings": int(cfg.yarn_original_context * (cfg.yarn_factor or 1)),
@@ -163,11 +164,11 @@ def main(argv=None):
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
                                 olmo3.param_specs(cfg), is_leaf=olmo3.is_spec)
         params = ocp.PyTreeCheckpointHandler().restore(
-            step_dir / "params", ocp.args.PyTreeRestore(restore_args=as_numpy))
+            step_dir / "params", args=ocp.args.PyTreeRestore(restore_args=as_numpy))
         to_hf(params, cfg, args.out)
     if args.verify:
-        import evaluate  # beside the core: torch and transformers, which training never imports
-        evaluate.verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
+        import evaluation  # beside the core, with torch and transformers: never imported to train
+        evaluation.verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
     print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters (with the vocabulary padded "
           f"to {cfg.padded_vocab:,} as trained; {cfg.vocab_size:,} in HF files)")
 

