@@ -1,10 +1,7 @@
-"""Hugging Face `Olmo3ForCausalLM` checkpoints <-> olmo3-jax Orbax checkpoints.
+"""Hugging Face `Olmo3ForCausalLM` checkpoints <-> olmo3-jax Orbax checkpoints, both ways:
 
-    python convert.py hf-to-jax HF_DIR OUT_DIR [--verify]   # safetensors -> Orbax
-    python convert.py jax-to-hf CKPT_DIR OUT_DIR [--verify] # Orbax -> safetensors + config.json
-
---verify compares the logits of both (KL, top-1 agreement, max difference) with torch and
-transformers, which training never imports."""
+    python convert.py hf-to-jax HF_DIR OUT_DIR [--verify]   # --verify: logits against transformers
+    python convert.py jax-to-hf CKPT_DIR OUT_DIR [--verify] # a converted or a run's checkpoint"""
 # The HF name of each weight is in olmo3.param_specs. Torch Linear weights are [out, in], ours
 # [in, out], so every matrix but the embedding is transposed. The whole model is held in host
 # memory as fp32 numpy arrays: a 7B (29 GB) converts on a machine with about 64 GB.
@@ -28,13 +25,17 @@ HF_CONFIG = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
              "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps"}
 
 
-def hf_tensors(cfg):  # (HF name, our key, block key or None, layer or None), kind by kind
+def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tensor, kind by kind
     specs = olmo3.param_specs(cfg)
-    for key in ("embed", "final_norm", "lm_head"):
-        yield f"{specs[key].hf}.weight", key, None, None
-    for sub, spec in specs["blocks"].items():
+    for kind in ("embed", "final_norm", "lm_head"):
+        yield f"{specs[kind].hf}.weight", kind, None
+    for kind, spec in specs["blocks"].items():
         for i in range(cfg.n_layers):
-            yield f"model.layers.{i}.{spec.hf}.weight", "blocks", sub, i
+            yield f"model.layers.{i}.{spec.hf}.weight", kind, i
+
+
+def ours(params, kind, layer):  # one of our arrays, a layer's for a block weight
+    return params[kind] if layer is None else params["blocks"][kind][layer]
 
 
 def hf_layout(ours, key, cfg):  # our (layer's) array as HF's: a view, transposed, vocab cut
@@ -47,19 +48,20 @@ def config_from_hf(hf: dict) -> olmo3.Config:
         if not ok:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
+    hf = {key: value for key, value in hf.items() if value is not None}  # null: the default
     # RoPE per layer type: the rope_parameters form, or the legacy rope_scaling key, which
     # transformers applies to the full-attention layers only (as AI2's released config has it)
-    rope = hf.get("rope_parameters") or {}
-    full = {"rope_theta": hf.get("rope_theta") or 5e5, **rope.get("full_attention", {}),
-            **(hf.get("rope_scaling") or {})}
+    rope = hf.get("rope_parameters", {})
+    full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
+            **hf.get("rope_scaling", {})}
     sliding = rope.get("sliding_attention", {"rope_theta": full["rope_theta"]})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
     assert sliding.get("rope_type", "default") == "default", f"not OLMo 3's RoPE: {rope}"
-    need(full.get("attention_factor", 0.1 * math.log(factor or 1) + 1) == 0.1 * math.log(
-        factor or 1) + 1, f"YaRN {full}: only OLMo 3's form (attention factor 0.1 ln f + 1)")
+    need(full.get("attention_factor", 0.1 * math.log(max(factor, 1)) + 1) == 0.1 * math.log(
+        max(factor, 1)) + 1, f"YaRN {full}: only OLMo 3's form (attention factor 0.1 ln f + 1)")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
                 "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
-    cfg = olmo3.Config(**{ours: hf.get(key) or defaults[key] for ours, key in HF_CONFIG.items()},
+    cfg = olmo3.Config(**{ours: hf.get(key, defaults.get(key)) for ours, key in HF_CONFIG.items()},
                        rope_theta=float(full["rope_theta"]), yarn_factor=float(factor),
                        yarn_beta_fast=float(full.get("beta_fast", 32)),
                        yarn_beta_slow=float(full.get("beta_slow", 1)),
@@ -76,19 +78,19 @@ def layer_types(cfg):
 
 
 def config_to_hf(cfg) -> dict:
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    yarn = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
-            "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
-            cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor or 1) + 1}
+    rope = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.yarn_factor:  # on the full-attention layers only
+        full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
+                "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
+                cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor) + 1}
     specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # (small test models)
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
             **{key: getattr(cfg, ours) for ours, key in HF_CONFIG.items()},
-            "max_position_embeddings": int(cfg.yarn_original_context * (cfg.yarn_factor or 1)),
+            "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
-            "rope_parameters": {"full_attention": yarn if cfg.yarn_factor else rope,
-                                "sliding_attention": rope}}
+            "rope_parameters": {"full_attention": full, "sliding_attention": rope}}
 
 
 def from_hf(path):
@@ -103,7 +105,7 @@ def from_hf(path):
         if name.endswith(".safetensors"):
             handle = safe_open(f"{path}/{name}", framework="np")
             files |= dict.fromkeys(handle.keys(), handle)  # noqa: SIM118 (not a dict)
-    names = [name for name, *_ in hf_tensors(cfg)]
+    names = [name for name, _, _ in hf_tensors(cfg)]
     for what, which in (("is missing", set(names) - set(files)),
                         ("is not OLMo 3's", set(files) - set(names))):
         if which:
@@ -111,9 +113,8 @@ def from_hf(path):
     # zeros, so that the vocabulary's padding rows stay zero
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), olmo3.param_specs(cfg),
                           is_leaf=olmo3.is_spec)
-    for name, key, sub, layer in hf_tensors(cfg):
-        ours = params[key] if sub is None else params[key][sub][layer]
-        tensor, view = files[name].get_tensor(name), hf_layout(ours, sub or key, cfg)
+    for name, kind, layer in hf_tensors(cfg):
+        tensor, view = files[name].get_tensor(name), hf_layout(ours(params, kind, layer), kind, cfg)
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
         view[...] = tensor  # the view is transposed and cut to the vocab: it writes our layout
@@ -126,9 +127,8 @@ def to_hf(params, cfg, out):
     from safetensors.numpy import save_file
     weight_map, size = {}, 0
     for kind in [*params["blocks"], "embed", "final_norm", "lm_head"]:
-        shard = {name: np.ascontiguousarray(hf_layout(params[key] if sub is None else
-                                                      params[key][sub][i], kind, cfg))
-                 for name, key, sub, i in hf_tensors(cfg) if kind in (key, sub)}
+        shard = {name: np.ascontiguousarray(hf_layout(ours(params, kind, layer), kind, cfg))
+                 for name, k, layer in hf_tensors(cfg) if k == kind}
         save_file(shard, f"{out}/model-{kind}.safetensors", metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, f"model-{kind}.safetensors")
         size += sum(a.nbytes for a in shard.values())

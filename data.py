@@ -117,7 +117,7 @@ def read_mix(path, root=None, tokenizer="dolma2"):
     if not os.path.isfile(path):
         raise SystemExit(f"error: mix file {path} does not exist; check the path (AI2's are in "
                          "OLMo-core's src/olmo_core/data/mixes/)")
-    root = os.fspath(root or os.path.dirname(os.path.abspath(path))).rstrip("/")
+    root = os.fspath(root if root else os.path.dirname(os.path.abspath(path))).rstrip("/")
     name, out = os.path.basename(path).removesuffix(".txt"), []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -216,8 +216,7 @@ def is_heldout(text_bytes, fraction):  # by a hash of the content: the same on e
 
 
 def read_text(path):  # bytes as they are (no newline translation), undecodable ones replaced
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")
+    return open(path, "rb").read().decode("utf-8", "replace")
 
 
 # ----------------------------------------------------------------------------- default corpora
@@ -231,13 +230,10 @@ def corpus(name, tokenizer):
     if name == "stdlib":  # each .py file of this Python's standard library is one document
         files = stdlib_files()
         texts = filter(None, map(read_text, files))  # an empty file is no document
-    elif name == "shakespeare":  # beside the core: prepare.py downloads it
+    else:  # "shakespeare", beside the core: prepare.py downloads it
         import prepare
         files, texts = prepare.shakespeare()
-    else:
-        raise SystemExit(f"error: unknown corpus {name!r}; use 'stdlib' or 'shakespeare'")
-    listing = "".join(f"{f}:{os.path.getsize(f)}\n" for f in files)  # another Python: another key
-    key = hashlib.sha256(listing.encode()).hexdigest()[:12]
+    key = hashlib.sha256(str([(f, os.path.getsize(f)) for f in files]).encode()).hexdigest()[:12]
     out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{key}-{tokenizer}")
     if not os.path.isdir(out_dir):  # made beside, then renamed: never half there
         shutil.rmtree(f"{out_dir}.tmp", ignore_errors=True)

@@ -43,8 +43,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None):
     sets = perplexity_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {}
     docs = {name: documents(files, eos, r.seq_len, r.eval_limit) for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
-             for name in filter(None, (tasks_spec or "").split(","))}
-    batch = r.micro_batch or r.global_batch
+             for name in filter(None, tasks_spec.split(","))}
+    batch = r.micro_batch if r.micro_batch else r.global_batch
 
     def evaluate(params):
         results = {}
@@ -84,12 +84,12 @@ def score(params, cfg, mesh, rows, vocab, batch, width):
 
 def perplexity_sets(spec, tokenizer, root=None):
     """{name: token files} from `name=source,...`, a mix file whose labels group its lines into
-    sets (AI2's v3-small-ppl-validation) or one source ("held-out")."""
+    sets (AI2's v3-small-ppl-validation) or one source ("heldout", as tokenize names it)."""
     if "=" in spec:
         pairs = (part.split("=", 1) for part in spec.split(","))
         return {name: data.resolve_source(source, tokenizer, root) for name, source in pairs}
     if not spec.endswith(".txt"):
-        return {"held-out": data.resolve_source(spec, tokenizer, root)}
+        return {"heldout": data.resolve_source(spec, tokenizer, root)}
     sets = {}
     for label, path, _ in data.read_mix(spec, root, tokenizer):
         sets.setdefault(label, []).append(path)
@@ -103,7 +103,7 @@ def documents(files, eos, seq_len, limit):
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
         docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
-    return [(d, d[1:]) for d in docs[:limit or None]]
+    return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
 
 
 # ----------------------------------------------------------------------------- downstream tasks
@@ -210,7 +210,7 @@ def main(cfg, r, args):
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(results, indent=1, default=float))
         print(f"wrote {out / 'eval.json'}")
-    return results
+    return 0
 
 
 def verify(hf_dir, cfg, params, seq_len=256, batch=2):
@@ -225,7 +225,7 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
         with torch.no_grad():
             theirs = model(torch.from_numpy(tokens)).logits.double().numpy()
         ours = jax.jit(olmo3.forward, static_argnums=2)(
-            params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="xla"))
+            params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="reference"))
         ours = np.asarray(ours, np.float64)[..., :cfg.vocab_size]
         log_p, log_q = (x - np.logaddexp.reduce(x, -1, keepdims=True) for x in (theirs, ours))
         r = results[dtype] = {"kl": np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)),

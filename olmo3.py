@@ -98,8 +98,7 @@ def param_specs(cfg: Config) -> dict:
     }
 
 
-def is_spec(x) -> bool:  # for jax.tree functions: a Spec is a leaf, not a tuple
-    return isinstance(x, Spec)
+is_spec = lambda x: isinstance(x, Spec)  # for jax.tree functions: a Spec is a leaf, not a tuple
 
 
 def param_count(cfg: Config) -> int:  # every weight, the vocabulary padding included, as OLMo-core
@@ -173,15 +172,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
 
 def shardings(cfg: Config, mesh: Mesh) -> dict:  # a weight the mesh cannot split: an error
     def place(path, spec):
-        pspec = logical_to_spec(spec.axes)
-        for dim, rule in zip(spec.shape, pspec):
-            axes = (rule,) if isinstance(rule, str) else rule or ()
-            n = math.prod(mesh.shape[a] for a in axes)
-            if dim % n:
-                raise SystemExit(f"error: weight {jax.tree_util.keystr(path)} {spec.shape}: "
-                                 f"dimension {dim} does not split over mesh axes {rule} of size "
-                                 f"{n}; choose another --mesh")
-        return NamedSharding(mesh, pspec)
+        sharding = NamedSharding(mesh, logical_to_spec(spec.axes))
+        try:
+            sharding.shard_shape(spec.shape)
+        except ValueError:
+            raise SystemExit(f"error: weight {jax.tree_util.keystr(path)} {spec.shape} does not "
+                             f"split over mesh {dict(mesh.shape)}; choose another --mesh") from None
+        return sharding
     return jax.tree_util.tree_map_with_path(place, param_specs(cfg), is_leaf=is_spec)
 
 
@@ -302,20 +299,34 @@ def loss_terms(logits, labels, z_loss: float, axis=None):
 
 # ----------------------------------------------------------------------------- attention
 
-ATTENTION = ("auto", "xla", "cudnn", "splash")
+ATTENTION = ("auto", "reference", "cudnn", "splash")
 
 
 def attention(q, k, v, window: int | None, cfg: Config):
     """q [B, T, H, Dh], k and v [B, T, K, Dh] -> causal softmax(q k^T / sqrt(Dh)) v [B, T, H, Dh]"""
-    # In a sliding layer a key is visible only when fewer than `window` tokens back, the current
-    # one included.
-    # "auto" takes the maintained kernel of the backend: Pallas' splash on TPU; else JAX's own,
-    # which is cuDNN's fused kernel on NVIDIA GPUs (bf16) and plain XLA elsewhere.
-    if cfg.attention == "splash" or (cfg.attention == "auto" and jax.default_backend() == "tpu"):
+    # "auto" takes the backend's maintained kernel: Pallas' splash on TPU, JAX's cuDNN-fused one
+    # on NVIDIA GPUs (plain XLA where cuDNN cannot), and on CPU the reference below, the fastest.
+    name, backend = cfg.attention, jax.default_backend()
+    if name == "splash" or name == "auto" and backend == "tpu":
         return attention_splash(q, k, v, window)
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation=None if cfg.attention == "auto" else cfg.attention,
-        local_window_size=None if window is None else (window - 1, 0))
+    if name == "cudnn" or name == "auto" and backend == "gpu":
+        left = None if window is None else (window - 1, 0)  # OLMo's W keys: W - 1 to the left
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=left,
+                                            implementation=None if name == "auto" else "cudnn")
+    # The reference. Heads go first so that both products are plain batched matmuls; query head
+    # h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a sliding
+    # layer, i - j < window.
+    B, T, H, Dh = q.shape
+    q_BHTD, k_BKSD, v_BKSD = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    k_BHSD, v_BHSD = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKSD, v_BKSD))
+    scores_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD, k_BHSD,
+                             preferred_element_type=jnp.float32) * Dh ** -0.5
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    visible_TS = (j <= i) & ((i - j < window) if window else True)
+    probs_BHTS = jax.nn.softmax(jnp.where(visible_TS, scores_BHTS, -jnp.inf), axis=-1)
+    out_BHTD = jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(v.dtype), v_BHSD,
+                          preferred_element_type=jnp.float32).astype(q.dtype)
+    return out_BHTD.transpose(0, 2, 1, 3)
 
 
 def attention_splash(q, k, v, window: int | None, interpret: bool = False):

@@ -178,20 +178,18 @@ def train_step(state, inputs, labels, cfg, r, accum):
         (_, ce), grads = grad_fn(params, inputs, labels)
     else:
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
-        (grads, ce), _ = jax.lax.scan(add_micro, zeros, (split_micro(inputs, accum),
-                                                         split_micro(labels, accum)))
+        micro = (split_micro(inputs, accum), split_micro(labels, accum))
+        (grads, ce), _ = jax.lax.scan(add_micro, zeros, micro)
     grad_norm = optax.tree.norm(grads)
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     skip = spikes.any() & r.spike_guard
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
     lr = schedule(r)(state["step"])
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(skip, b, a), new, old)
-    new_state = {"params": keep(new_params, params),
-                 "opt_state": keep(opt_state, state["opt_state"]),
-                 "step": state["step"] + 1, "history": history}
-    return new_state, {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip,
-                       "spikes": spikes}
+    new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
+    new = jax.tree.map(lambda a, b: jnp.where(skip, b, a), new, {k: state[k] for k in new})
+    metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
+    return new | {"step": state["step"] + 1, "history": history}, metrics
 
 
 def split_micro(x, accum: int):
@@ -202,7 +200,8 @@ def split_micro(x, accum: int):
 
 
 def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the same step
-    micro, dp = r.micro_batch or r.global_batch, mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = r.micro_batch if r.micro_batch else r.global_batch
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
     if r.global_batch % micro or micro % dp:
         raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
                          "data-parallel devices do not divide; pick multiples of each other")
@@ -245,8 +244,8 @@ def saved_config(step_dir):
 
 
 def restore(step_dir, target, cfg, r=None):
-    """The state in a checkpoint step (the params, and the rest if target has it) on target's
-    shardings, whatever mesh wrote it; the model (and with a recipe, the data order) must match."""
+    # The state in a checkpoint step (the params, and the rest if target has it) on target's
+    # shardings, whatever mesh wrote it; the model (and with a recipe, the data order) must match.
     saved, recipe = saved_config(step_dir)
     pairs = [(f, getattr(saved, f), v) for f, v in vars(cfg).items() if f not in olmo3.NUMERICS]
     pairs += [(f, recipe[f], getattr(r, f)) for f in DATA_ORDER if r]
@@ -304,8 +303,8 @@ def train(cfg, r, args, mesh, manager):
     evals = None  # evaluations are beside the core (evaluation.py); it trains without them
     if args.eval_data or args.eval_tasks or heldout and importlib.util.find_spec("evaluation"):
         import evaluation
-        evals = evaluation.evaluator(cfg, r, mesh, args.eval_data or heldout, args.eval_tasks,
-                                   args.data_root)
+        sets = args.eval_data if args.eval_data else heldout
+        evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root)
     log = Log(cfg, r, args.out, mesh)
     target = abstract_state(cfg, r, mesh)
     state, note = init_state(cfg, r, target), "fresh start"
@@ -348,17 +347,18 @@ def train(cfg, r, args, mesh, manager):
     return 0
 
 
-def load_data(cfg, r, args):  # -> (this process's train loader, the held-out split or None)
-    source = args.data
+def load_data(cfg, r, args):  # -> (this process's train loader, its held-out mix or None)
+    source, heldout = args.data, None
     if source is None and cfg.tokenizer != "bytes":
         raise SystemExit("error: --data is required with the dolma2 tokenizer: a mix file, token "
                          "files, or a `python data.py tokenize` folder (or shakespeare)")
-    split = os.path.join(source or "", "heldout.txt")  # a tokenize folder brings its held-out
     if source in (None, "stdlib", "shakespeare"):
-        source, split = data.corpus(source or "stdlib", cfg.tokenizer)
+        source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
+    elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
+        heldout = os.path.join(source, "heldout.txt")
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, jax.process_index(),
                          jax.process_count(), cfg.vocab_size, cfg.tokenizer, args.data_root)
-    return loader, f"held-out={split}" if os.path.isfile(split) else None
+    return loader, heldout
 
 
 STOP = []  # the signal that asked the run to stop, once one came
@@ -426,9 +426,10 @@ class Log:  # console lines and RUN_DIR/metrics.jsonl, process 0's
             rate = (step - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
             kind = self.mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
-            peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), math.nan)
+            peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
+            mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a"
             eta = (r.steps - step) * tokens / rate / 3600
-            line += [f"{rate:,.0f} tok/s", f"MFU {100 * tflops / peak:.1f}%", f"ETA {eta:.2f}h"]
+            line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta:.2f}h"]
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
@@ -455,7 +456,6 @@ def plot(run_dir, lines):  # loss.png: the training loss and the evaluations', b
         points = sorted({r["step"]: r[key] for r in records if key in r}.items())
         ax.plot(*zip(*points), "-" if key == "loss" else "o-", lw=1, label=key)
     ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.figure.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
     (epath.Path(run_dir) / "loss.png").write_bytes(png.getvalue())
@@ -473,7 +473,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
     add("--data", help="stdlib, shakespeare, a mix file, a token-file glob or a tokenize folder")
     add("--data-root", help="where mix file paths start (default: the mix file's folder)")
     add("--eval-data", help="held-out sets: a mix file, NAME=SOURCE,... or one source")
-    add("--eval-tasks", help="OLMES tasks: hellaswag:rc_0shot,arc_easy:rc_5shot")
+    add("--eval-tasks", default="", help="OLMES tasks: hellaswag:rc_0shot,arc_easy:rc_5shot")
     add("--eval-only", action="store_true", help="evaluate --init-from's weights, write eval.json")
     add("--generate", metavar="TEXT", help="continue TEXT with --init-from's weights")
     add("--max-new-tokens", type=int, default=256)
@@ -490,7 +490,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
         add("--" + f.name.replace("_", "-"), dest=f.name, type=boolean if kind is bool else kind,
             choices=CHOICES.get(f.name), metavar=kind.__name__.upper())
     args = ap.parse_args(argv)
-    args.out = args.out or f"runs/{args.preset}"
+    args.out = args.out if args.out else f"runs/{args.preset}"
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
     r = dataclasses.replace(RECIPES[args.preset], **STAGE2 if args.stage2 else {})
@@ -531,12 +531,10 @@ def main(argv=None):
     start_jax(args)
     if args.dry_run:
         import prepare  # beside the core
-        prepare.dry_run(cfg, r, args)
+        return prepare.dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         import evaluation  # beside the core
-        evaluation.main(cfg, r, args)
-    if args.dry_run or args.eval_only or args.generate is not None:
-        return 0
+        return evaluation.main(cfg, r, args)
     for sig in (signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else ():
         signal.signal(sig, request_stop)  # several processes leave SIGTERM to JAX's notifier
     mesh = olmo3.make_mesh(**args.mesh)
