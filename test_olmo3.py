@@ -426,7 +426,7 @@ def test_7b_forward_compiles_sharded(preset):
 def test_mesh_errors_are_one_line():
     with pytest.raises(SystemExit, match="does not fit 8 devices"):
         olmo3.make_mesh(data=3, fsdp=-1)
-    with pytest.raises(SystemExit, match=r"\(258, 256\) does not split over mesh"):
+    with pytest.raises(SystemExit, match=r"\(4, 768, 258\) does not split over mesh"):
         olmo3.shardings(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
 
 
@@ -1282,12 +1282,16 @@ def test_two_processes_match_one_and_agree_on_the_checkpoint_to_restore(
 
 
 def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
-    """--dry-run with abstract arrays: one device holds the state's shard plus the batch's."""
+    """--dry-run with abstract arrays: the step train.py compiles, and what one device holds
+    of it: the state's shard plus the batch's rows."""
     cfg, r, args = train.parse_args(
         SMALL_RUN + ["--dry-run", "--mesh", "fsdp=4", "--micro-batch", "4"]
     )
-    memory = prepare.dry_run(cfg, r, args)
-    state = train.abstract_state(cfg, r, olmo3.make_mesh(fsdp=4))
+    assert prepare.dry_run(cfg, r, args) == 0
+    mesh = olmo3.make_mesh(fsdp=4)
+    state = train.abstract_state(cfg, r, mesh)
+    with jax.set_mesh(mesh):
+        memory = train.compile_step(cfg, r, mesh, state).memory_analysis()
     shard_bytes = sum(
         np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
     )
@@ -1296,6 +1300,8 @@ def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
     assert "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1}" in out
     assert "batch 8 x 32 in 2 micro-batches of 1 per device" in out
     assert "['blocks']['q']" in out and "(2, 64, 64)" in out and "(2, 16, 64)" in out
+    gib = memory.argument_size_in_bytes / 2**30
+    assert f"arguments {gib:.2f} GiB" in out
     text = subprocess.run(
         [sys.executable, "train.py", *SMALL_RUN, "--dry-run", "--devices", "2"],
         cwd=HERE,
@@ -1579,7 +1585,7 @@ def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     assert [len(d) for d, _ in got] == [6, 32, 4] and got[1][0][-1] == 31
     cfg, r, args = train.parse_args(SMALL_RUN + ["--global-batch", "4"])
     params = olmo3.init(cfg, jax.random.key(0))
-    result = evaluation.evaluator(cfg, r, olmo3.make_mesh(fsdp=2), str(tmp_path / "a.npy"), None)(
+    result = evaluation.evaluator(cfg, r, olmo3.make_mesh(fsdp=2), str(tmp_path / "a.npy"), "")(
         params
     )["heldout"]
     ce = sum(
