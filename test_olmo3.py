@@ -704,8 +704,10 @@ def test_read_mix_and_resolve_source(tmp_path):
 
 
 # What {TOKENIZER} becomes for the dolma2 tokenizer in every mix file OLMo-core ships, by
-# DataMix.build (src/olmo_core/data/mixes/__init__.py; c4-ppl-validation from the
-# 99ca71d8a "offline eval mode" commit, which names it with v3-small-ppl-validation).
+# DataMix.build (src/olmo_core/data/mixes/__init__.py at fa6c501, main in June 2026, and at
+# 99ca71d8a, "offline eval mode", which adds c4-ppl-validation and names it as
+# v3-small-ppl-validation). Checked once against OLMo-core's own build() on all 30 of their mix
+# files, paths and labels; OLMo-core cannot be installed beside this project's pins.
 OLMO_CORE_MIXES = {
     "OLMo-longmino-mix-0625": "allenai/dolma3-tokenizer",
     "OLMo-longmino-mix-0925": "allenai/dolma3-tokenizer",
@@ -719,6 +721,7 @@ OLMO_CORE_MIXES = {
     "OLMo-mix-0625-700Bsample": "allenai/dolma2-tokenizer",
     "OLMo-mix-0925": "allenai/dolma2-tokenizer",
     "OLMoE-mix-0824": "allenai/dolma2-tokenizer",
+    "OLMoE-mix-0824-dev": "allenai/dolma2-tokenizer",
     "dolma17": "allenai/dolma2-tokenizer",
     "v3-small-ppl-validation": "dolma2-tokenizer",
     "c4-ppl-validation": "dolma2-tokenizer",

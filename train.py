@@ -71,8 +71,9 @@ RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
                    log_every=25, eval_every=100, save_every=100),
     "1b": Recipe(seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),
-    "7b": Recipe(schedule="olmo3"),
-    "7b-wide": Recipe(schedule="olmo3"),
+    # A micro-batch of 64 fits v5p-64 and v5p-128 (README); a save every 250 steps is about an hour
+    "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
+    "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     # Stage 3's shape, to evaluate and generate with AI2's released model (training it needs
     # OLMo-core's document packing with intra-document masking, which is not here).
     "7b-long": Recipe(seq_len=65536, global_batch=64, lr=2.0712e-4, warmup_steps=200,
@@ -343,7 +344,8 @@ def train(cfg, r, args, mesh, manager):
     if args.samples and importlib.util.find_spec("evaluation"):
         import evaluation
         evaluation.samples(state["params"], cfg, r, loader, args.samples, log)
-    log.finish(int(state["step"]))
+    log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min, "
+        f"{args.out}/loss.png")
     return 0
 
 
@@ -366,7 +368,7 @@ STOP = []  # the signal that asked the run to stop, once one came
 
 def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C again: now
     if STOP and signum == signal.SIGINT:
-        raise KeyboardInterrupt
+        raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
     STOP.append(signal.Signals(signum).name)
     print(f"{STOP[0]}: checkpointing after this step, then stopping (Ctrl-C again: stop now)")
 
@@ -403,11 +405,12 @@ class Log:  # console lines and RUN_DIR/metrics.jsonl, process 0's
         if record:
             self.lines.append(json.dumps(record) + "\n")
 
-    def flush(self):  # with each checkpoint, whole (an object store cannot append), atomically
-        if jax.process_index() == 0:
+    def flush(self):  # with each checkpoint: metrics.jsonl, whole and atomically (an object
+        if jax.process_index() == 0:  # store cannot append), and loss.png
             self.file.parent.mkdir(parents=True, exist_ok=True)
             self.file.with_suffix(".tmp").write_text("".join(self.lines))
             self.file.with_suffix(".tmp").replace(self.file)
+            plot(self.run_dir, self.lines)
 
     def step(self, step, metrics):  # NaN stops the run; a line every log_every steps
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
@@ -440,21 +443,15 @@ class Log:  # console lines and RUN_DIR/metrics.jsonl, process 0's
         shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())
         self(f"step {step:>6}/{self.r.steps} | eval | {shown}", step=step, **names)
 
-    def finish(self, step):
-        self.flush()
-        if jax.process_index() == 0:
-            plot(self.run_dir, self.lines)
-        self(f"done: step {step} in {(time.time() - self.started) / 60:.1f} min, {self.run_dir}")
-
 
 def plot(run_dir, lines):  # loss.png: the training loss and the evaluations', by step
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
     records = list(map(json.loads, lines))
     keys = sorted({k for r in records for k in r if k.startswith("eval/") and "PPL" not in k})
     ax = Figure(figsize=(8, 4)).subplots()
-    for key in ["loss", *keys]:
+    for key in ["loss", *keys]:  # (None, None) closes each line with a gap: none can be empty
         points = sorted({r["step"]: r[key] for r in records if key in r}.items())
-        ax.plot(*zip(*points), "-" if key == "loss" else "o-", lw=1, label=key)
+        ax.plot(*zip(*points, [None, None]), "-" if key == "loss" else "o-", lw=1, label=key)
     ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)
     ax.legend(fontsize=7)
     ax.figure.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
@@ -485,6 +482,9 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
     add("--dry-run", action="store_true", help="compile the step, print memory per device, exit")
     add("--devices", type=int, help="use N fake CPU devices (e.g. with --dry-run: plan a pod)")
     add("--topology", help="--dry-run for a TPU slice (v5p:4x4x4 = 64 chips); needs libtpu")
+    add("--coordinator", help="HOST:PORT of process 0, where JAX cannot find the cluster itself")
+    add("--num-processes", type=int)
+    add("--process-id", type=int)
     for f in dataclasses.fields(olmo3.Config) + dataclasses.fields(Recipe):  # every field
         kind = type(f.default)
         add("--" + f.name.replace("_", "-"), dest=f.name, type=boolean if kind is bool else kind,
@@ -513,17 +513,19 @@ def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1
 
 def start_jax(args):
     # Fake CPU devices; then multi-host start-up, which cannot be forgotten: JAX finds its peers
-    # itself on a TPU slice, under SLURM, Open MPI or Kubernetes.
+    # itself on a TPU slice, under SLURM, Open MPI or Kubernetes (--coordinator elsewhere).
     if args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # so CPU processes talk
     jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")  # for restarts
     try:
-        jax.distributed.initialize()
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:  # no cluster here, or JAX runs already (tests)
-        if isinstance(e, jax.errors.JaxRuntimeError):
+        if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise  # a failure to connect to the other processes
+    if jax.process_count() > 1 and not jax.distributed.is_initialized():
+        raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
 
 
 def main(argv=None):
@@ -538,11 +540,8 @@ def main(argv=None):
     for sig in (signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else ():
         signal.signal(sig, request_stop)  # several processes leave SIGTERM to JAX's notifier
     mesh = olmo3.make_mesh(**args.mesh)
-    try:
-        with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r.keep_checkpoints) as ckpt:
-            return train(cfg, r, args, mesh, ckpt)
-    except KeyboardInterrupt:
-        raise SystemExit(f"interrupted; rerun to resume from {args.out}/checkpoints") from None
+    with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r.keep_checkpoints) as ckpt:
+        return train(cfg, r, args, mesh, ckpt)
 
 
 if __name__ == "__main__":
