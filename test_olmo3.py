@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax loads
 
 import ast
+import concurrent.futures
 import dataclasses
 import gzip
 import json
@@ -138,7 +139,7 @@ def test_readme_names_only_functions_that_exist():
     modules = {
         m: __import__(m) for m in ("olmo3", "data", "train", "convert", "evaluation", "prepare")
     }
-    named = set(re.findall(r"`(olmo3|data|train|convert|evaluation|prepare)\.(\w+)", text))
+    named = set(re.findall(r"`(olmo3|data|train|convert|evaluation|prepare)\.(?!py\b)(\w+)", text))
     assert len(named) > 20
     for module, name in named:
         assert hasattr(modules[module], name), f"{module}.{name}"
@@ -1238,6 +1239,19 @@ def two_processes(args, tmp_path, env=None):
     return procs
 
 
+def outputs_of(procs, timeout=300):
+    """Every process's output, read concurrently (a full pipe would block its writer); all are
+    killed, and their output shown, if any runs past the timeout."""
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        try:
+            return list(pool.map(lambda p: p.communicate(timeout=timeout)[0], procs))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            outputs = "\n---\n".join(str(p.communicate()[0]) for p in procs)
+            raise AssertionError(f"timed out after {timeout}s:\n{outputs}") from None
+
+
 def test_two_processes_match_one_and_agree_on_the_checkpoint_to_restore(
     tmp_path, token_files, clean_losses
 ):
@@ -1248,7 +1262,7 @@ def test_two_processes_match_one_and_agree_on_the_checkpoint_to_restore(
     out = tmp_path / "two"
     cmd = command(token_files, out, "--steps", "10", "--save-every", "2")
     first = two_processes(cmd + ["--stop-at", "6"], tmp_path)
-    outputs = [p.communicate(timeout=300)[0] for p in first]
+    outputs = outputs_of(first)
     assert [p.returncode for p in first] == [75, 75], outputs
     two = train_losses(records_of(out))
     np.testing.assert_allclose(
@@ -1263,18 +1277,15 @@ def test_two_processes_match_one_and_agree_on_the_checkpoint_to_restore(
         lines.append(procs[1].stdout.readline())
         assert lines[-1] or procs[1].poll() is None, "".join(lines)
     (tmp_path / "away").rename(shards)
-    outputs = [
-        "".join(lines) + procs[1].communicate(timeout=300)[0],
-        procs[0].communicate(timeout=300)[0],
-    ]
+    outputs = outputs_of(procs)
     assert [p.returncode for p in procs] == [75, 75], outputs
-    assert "resumed from step 6" in outputs[1]
+    assert "resumed from step 6" in outputs[0]
     # now for good: process 1 cannot read step 8 at all; both resume from step 6
     for f in (out / "checkpoints" / "8" / "params" / "ocdbt.process_1").rglob("*"):
         if f.is_file():
             f.write_bytes(b"")
     procs = two_processes(cmd, tmp_path)
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    outputs = outputs_of(procs)
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "checkpoint 8 is unreadable on process(es) [1]" in outputs[0]
     assert "resumed from step 6" in outputs[0] and (out / "checkpoints" / "8.unreadable").is_dir()

@@ -12,6 +12,7 @@ its run, on any mesh. A run stopped before its last step checkpoints and exits w
 # state and replays exactly.
 import argparse
 import dataclasses
+import datetime
 import functools
 import importlib.util
 import io
@@ -431,8 +432,8 @@ class Log:  # console lines and RUN_DIR/metrics.jsonl, process 0's
             kind = self.mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
             peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
             mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a"
-            eta = (r.steps - step) * tokens / rate / 3600
-            line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta:.2f}h"]
+            eta = datetime.timedelta(seconds=round((r.steps - step) * tokens / rate))
+            line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
