@@ -72,7 +72,8 @@ RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
                    log_every=25, eval_every=100, save_every=100),
     "1b": Recipe(seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),
-    # A micro-batch of 64 fits v5p-64 and v5p-128 (README); a save every 250 steps is about an hour
+    # A micro-batch of 64 fits v5p-128 (39 GiB a device) and v5p-64 (80 of 95 GiB; README);
+    # a save every 250 steps is about an hour on v5p-128, as Cloud TPU advises
     "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     # Stage 3's shape, to evaluate and generate with AI2's released model (training it needs
