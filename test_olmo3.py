@@ -1016,19 +1016,22 @@ def token_files(tmp_path_factory):
     return {"train": str(d / "[ab].npy"), "eval": str(d / "heldout.npy")}
 
 
+def run_args(token_files, out, *extra):
+    """The small run's arguments on the test token files, into `out`."""
+    return [
+        *SMALL_RUN,
+        "--data",
+        token_files["train"],
+        "--eval-data",
+        token_files["eval"],
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
 def run_train(out, token_files, *extra):
-    code = train.main(
-        SMALL_RUN
-        + [
-            "--data",
-            token_files["train"],
-            "--eval-data",
-            token_files["eval"],
-            "--out",
-            str(out),
-            *extra,
-        ]
-    )
+    code = train.main(run_args(token_files, out, *extra))
     assert code == (75 if "--stop-at" in extra else 0)
     return records_of(out)
 
@@ -1042,18 +1045,7 @@ def train_losses(records):
 
 
 def command(token_files, out, *extra):
-    return [
-        sys.executable,
-        "train.py",
-        *SMALL_RUN,
-        "--data",
-        token_files["train"],
-        "--eval-data",
-        token_files["eval"],
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return [sys.executable, "train.py", *run_args(token_files, out, *extra)]
 
 
 UNBUFFERED = {**os.environ, "PYTHONUNBUFFERED": "1"}
