@@ -36,8 +36,8 @@ import prepare
 import train
 
 HERE = Path(__file__).resolve().parent
-CORE = ("olmo3.py", "data.py", "train.py", "convert.py")
-OPTIONAL = ("evaluation.py", "prepare.py")
+CORE = ("olmo3.py", "data.py", "train.py")  # the JAX core: at most 1,000 code lines
+OPTIONAL = ("convert.py", "evaluation.py", "prepare.py")  # beside it: at most 450
 TINY = olmo3.MODELS["tiny"]
 MODEL_FIELDS = [f.name for f in dataclasses.fields(olmo3.Config) if f.name not in olmo3.NUMERICS]
 
@@ -86,12 +86,12 @@ def free_port():
 # ----------------------------------------------------------------------------- the card's shape
 
 
-def test_core_is_at_most_1000_lines_and_optional_modules_at_most_300():
-    """The card's promise, held by CI: the four core files, and what sits beside them."""
+def test_core_is_at_most_1000_lines_and_the_modules_beside_it_at_most_450():
+    """The card's promise, held by CI: the three core files, and what sits beside them."""
     core = {f: code_lines(HERE / f) for f in CORE}
     optional = {f: code_lines(HERE / f) for f in OPTIONAL}
     assert sum(core.values()) <= 1000, core
-    assert sum(optional.values()) <= 300, optional
+    assert sum(optional.values()) <= 450, optional
     modules = {p.stem for p in HERE.glob("*.py")} - {"bench", "test_olmo3", "conftest"}
     assert modules == {Path(f).stem for f in CORE + OPTIONAL}  # nothing else beside the core
     for f in CORE + OPTIONAL:
@@ -109,7 +109,7 @@ def test_core_files_never_import_the_optional_modules_at_module_level():
 
 
 def test_the_core_alone_trains_the_tiny_preset(tmp_path):
-    """Only olmo3.py, data.py, train.py and convert.py in a folder: a run trains, checkpoints and
+    """Only olmo3.py, data.py and train.py in a folder: a run trains, checkpoints and
     plots (the evaluations and samples, which live beside the core, are skipped)."""
     for f in CORE:
         shutil.copy(HERE / f, tmp_path / f)
