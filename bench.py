@@ -3,6 +3,7 @@
     python bench.py                     # our training step against transformers + torch AdamW
     python bench.py --baseline DIR      # our tiny step against another checkout's, side by side
     python bench.py --data              # tokenize MB/s and loader tokens/s
+    python bench.py --packing GB        # stage 3's packing: MB/s over GB of synthetic documents
     python bench.py --eval              # downstream evaluation requests/s
     python bench.py --plot-schedule docs/olmo3-lr.png
 
@@ -64,13 +65,14 @@ def jax_worker(conn, name, dtype, code=HERE):
                                                    dtype=np.int32)
         labels = np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1)
         x, y = (jax.device_put(a, olmo3.batch_sharding(mesh)) for a in (tokens, labels))
-        state, metrics = step(state, x, y)
+        batch = (dict(inputs=x, labels=y),) if hasattr(train, "device_batch") else (x, y)
+        state, metrics = step(state, *batch)
         jax.block_until_ready(metrics)
         conn.send("ready")
         while (k := conn.recv()) is not None:
             start = time.perf_counter()
             for _ in range(k):
-                state, metrics = step(state, x, y)
+                state, metrics = step(state, *batch)
             jax.block_until_ready(metrics)
             conn.send((time.perf_counter() - start) / k)
     conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -205,6 +207,45 @@ def bench_data(tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bench_packing(gigabytes, seq_len=65536, group_size=8):
+    """Stage 3's packing (data.PackedLoader: find the documents, best-fit decreasing) over
+    synthetic token files of `gigabytes` GB: documents with long-context-like lengths (a
+    log-normal around 2,000 tokens, some over 65,536), in 16 files packed 8 at a time."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    import data
+
+    tmp, rng = tempfile.mkdtemp(prefix="olmo3-bench-"), np.random.default_rng(0)
+    try:
+        paths = [f"{tmp}/longmino-{i}.npy" for i in range(16)]
+        per_file = int(gigabytes * 1e9 / 4 / 16)  # tokens
+        for path in paths:
+            lengths = rng.lognormal(7.6, 1.5, per_file // 1000).astype(np.int64) + 1
+            ends = np.cumsum(lengths)
+            tokens = rng.integers(0, 100257, ends[-1], dtype=np.uint32)
+            tokens[ends - 1] = 100257  # every document ends with EOS
+            tokens[:per_file].tofile(path)
+        size = sum(map(os.path.getsize, paths))
+        start = time.perf_counter()
+        loader = data.PackedLoader(paths, seq_len, 64, 4123, group_size=group_size, cache=tmp,
+                                   permutation_seed=123)
+        seconds = time.perf_counter() - start
+        padding = 1 - loader.docs[2].sum() / (loader.num_instances * seq_len)
+        print(f"packing: {size / 1e9:.2f} GB, {loader.docs.shape[1]:,} documents into "
+              f"{loader.num_instances:,} instances of {seq_len} ({padding:.2%} padding) in "
+              f"{seconds:.1f}s: {size / 1e6 / seconds:.0f} MB/s, {seconds / size * 1e9:.1f} s/GB")
+        start = time.perf_counter()
+        for step in range(20):
+            loader.batch(step)
+        print(f"packed loader: {(time.perf_counter() - start) / 20 * 1e3:.0f} ms for a global "
+              f"batch of 64 x {seq_len}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def bench_eval(task="arc_easy:rc_5shot", docs=250):
     """Downstream evaluation speed on the tiny preset (random weights; AI2's request files,
     tokenized by the bytes tokenizer), and the estimate for the 1b shape by FLOPs per token."""
@@ -224,7 +265,8 @@ def bench_eval(task="arc_easy:rc_5shot", docs=250):
         evaluation.score(params, cfg, mesh, rows, cfg.vocab_size, r.global_batch, 256)
         seconds = time.perf_counter() - start
     per_1000 = seconds / len(requests) * 1000
-    ratio = olmo3.flops_per_token(olmo3.MODELS["1b"], 256) / olmo3.flops_per_token(cfg, 256)
+    one_b = olmo3.Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden=8192)
+    ratio = olmo3.flops_per_token(one_b, 256) / olmo3.flops_per_token(cfg, 256)
     print(f"eval {task}: {len(requests)} requests in {seconds:.1f}s: {per_1000:.1f}s per 1,000 "
           f"requests on the tiny shape; the 1b shape has {ratio:.0f}x the FLOPs per token: about "
           f"{per_1000 * ratio / 60:.0f} min per 1,000 on this CPU")
@@ -274,6 +316,7 @@ def main(argv=None):
     ap.add_argument("--baseline", metavar="DIR", help="another checkout to race the tiny step")
     ap.add_argument("--data", action="store_true", help="tokenize and loader throughput")
     ap.add_argument("--tokenizer", default="dolma2", help="for --data")
+    ap.add_argument("--packing", type=float, metavar="GB", help="stage 3's packing over GB")
     ap.add_argument("--eval", action="store_true", help="downstream evaluation requests/s")
     ap.add_argument("--plot-schedule", metavar="PNG", help="draw the 7b preset's LR schedule")
     args = ap.parse_args(argv)
@@ -282,6 +325,8 @@ def main(argv=None):
         return baseline(args.baseline, args.reps, args.steps)
     if args.data:
         return bench_data(args.tokenizer)
+    if args.packing:
+        return bench_packing(args.packing)
     if args.eval:
         return bench_eval()
     if args.plot_schedule:

@@ -6,7 +6,6 @@
 # [in, out], so every matrix but the embedding is transposed. The whole model is held in host
 # memory as fp32 numpy arrays: a 7B (29 GB) converts on a machine with about 64 GB.
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -38,9 +37,9 @@ def ours(params, kind, layer):  # one of our arrays, a layer's for a block weigh
     return params[kind] if layer is None else params["blocks"][kind][layer]
 
 
-def hf_layout(ours, key, cfg):  # our (layer's) array as HF's: a view, transposed, vocab cut
-    hf = ours if ours.ndim == 1 or key == "embed" else ours.T
-    return hf[:cfg.vocab_size] if key in ("embed", "lm_head") else hf
+def hf_layout(array, kind, cfg):  # our (layer's) array as HF's: a view, transposed, vocab cut
+    hf = array if array.ndim == 1 or kind == "embed" else array.T
+    return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
 
 def config_from_hf(hf: dict) -> olmo3.Config:
@@ -61,12 +60,12 @@ def config_from_hf(hf: dict) -> olmo3.Config:
         max(factor, 1)) + 1, f"YaRN {full}: only OLMo 3's form (attention factor 0.1 ln f + 1)")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
                 "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
-    cfg = olmo3.Config(**{ours: hf.get(key, defaults.get(key)) for ours, key in HF_CONFIG.items()},
+    cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
                        rope_theta=float(full["rope_theta"]), yarn_factor=float(factor),
                        yarn_beta_fast=float(full.get("beta_fast", 32)),
                        yarn_beta_slow=float(full.get("beta_slow", 1)),
                        yarn_original_context=full.get("original_max_position_embeddings", 8192),
-                       tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")
+                       tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
     need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
          "layer_types differ from OLMo 3's 3 sliding : 1 full")
     return cfg
@@ -86,7 +85,7 @@ def config_to_hf(cfg) -> dict:
     specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # (small test models)
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
-            **{key: getattr(cfg, ours) for ours, key in HF_CONFIG.items()},
+            **{key: getattr(cfg, name) for name, key in HF_CONFIG.items()},
             "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
@@ -117,13 +116,13 @@ def from_hf(path):
         tensor, view = files[name].get_tensor(name), hf_layout(ours(params, kind, layer), kind, cfg)
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
-        view[...] = tensor  # the view is transposed and cut to the vocab: it writes our layout
+        view[...] = tensor  # a view into params (transposed, vocab cut): writes them in place
     return cfg, params
 
 
 def to_hf(params, cfg, out):
-    """A folder from_pretrained loads: a safetensors file per weight kind (at most 5.8 GB for
-    the 7B) and their index, config.json, generation_config.json."""
+    """A folder from_pretrained loads: safetensors and their index, config.json and more."""
+    # A safetensors file per weight kind (at most 5.8 GB for the 7B), generation_config.json.
     from safetensors.numpy import save_file
     weight_map, size = {}, 0
     for kind in [*params["blocks"], "embed", "final_norm", "lm_head"]:
@@ -156,8 +155,7 @@ def main(argv=None):
     if args.direction == "hf-to-jax":
         cfg, params = from_hf(args.src)
         with ocp.CheckpointManager(os.path.abspath(args.out)) as manager:  # step 0: --init-from
-            manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                         config=ocp.args.JsonSave({"model": dataclasses.asdict(cfg)})))
+            train.save(manager, 0, {"params": params}, cfg)
     else:  # a converted checkpoint, or a run's latest
         step_dir = train.latest_checkpoint(args.src)
         cfg, _ = train.saved_config(step_dir)

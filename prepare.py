@@ -1,5 +1,5 @@
-"""Preparing a run, beside the core: token files from your documents (python data.py tokenize),
-TinyShakespeare (--data shakespeare), and a plan for a pod (train.py --dry-run)."""
+"""Preparing a run, beside the core: token files, TinyShakespeare, a plan for a pod."""
+# python data.py tokenize (your documents), --data shakespeare, and train.py --dry-run.
 import argparse
 import gzip
 import json
@@ -54,8 +54,8 @@ def documents(path):
 
 
 def shakespeare():
-    """([TinyShakespeare's file], its passages): downloaded once into OLMO3_CACHE; to use it
-    offline, put the file at the path the error names."""
+    """([TinyShakespeare's file], its passages), downloaded once into OLMO3_CACHE."""
+    # Offline: put the file at the path the error names.
     path = os.path.join(data.cache_dir(), "tinyshakespeare.txt")
     if not os.path.exists(path):
         try:
@@ -72,7 +72,8 @@ def shakespeare():
 
 def dry_run(cfg, r, args):
     devices = None
-    if args.topology:  # the TPU compiler (libtpu) plans a slice it does not have
+    if args.topology:  # the TPU compiler (libtpu) plans a slice it does not have: JAX's
+        # experimental topologies API describes the slice's devices without owning them
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
     mesh = olmo3.make_mesh(**args.mesh, devices=devices)
@@ -88,7 +89,9 @@ def dry_run(cfg, r, args):
     for path, x in jax.tree_util.tree_leaves_with_path(target["params"]):  # one line per weight
         print(f"{jax.tree_util.keystr(path):22} {str(x.shape):22} one device holds "
               f"{str(x.sharding.shard_shape(x.shape)):22} {x.sharding.spec}")
-    outputs = m.output_size_in_bytes - m.alias_size_in_bytes  # beyond the donated state
+    # XLA's accounting per device: the arguments (the state's shard and the batch's rows), the
+    # outputs less those written into donated arguments (aliased: the new state), temporaries.
+    outputs = m.output_size_in_bytes - m.alias_size_in_bytes
     total = m.argument_size_in_bytes + outputs + m.temp_size_in_bytes
     print(f"per device: arguments {gib(m.argument_size_in_bytes)}, temporaries "
           f"{gib(m.temp_size_in_bytes)}, outputs {gib(outputs)}, total {gib(total)} | training "

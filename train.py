@@ -2,8 +2,11 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run, on any mesh. A run stopped before its last step checkpoints and exits with code 75."""
-# Read `train` first: setup, then the loop. The recipe, the step and the checkpoints come
-# before it; reporting and the command line after.
+# Read top-down: the recipe, then `main` and `train` (setup, then the loop), then the helpers
+# in the order `train` calls them: data, the state, checkpoints, the step, the optimizer,
+# stopping, reporting, and the command line (with main's parse_args and start_jax). The
+# checkpoint helpers and the checks across hosts can wait for a second read: they are what a
+# pod needs to restart and agree. The README has a JAX glossary for nanoGPT readers.
 #
 # Step numbers, defined once. `step` is the number of updates done so far: the state's counter.
 # The batch it trains on next is loader.batch(step), and that update is number step + 1, which is
@@ -13,16 +16,12 @@ its run, on any mesh. A run stopped before its last step checkpoints and exits w
 import argparse
 import dataclasses
 import datetime
-import functools
 import importlib.util
-import io
 import json
 import logging
-import math
 import os
 import signal
 import time
-from dataclasses import asdict
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,8 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes, on every save and restore
 EXIT_STOPPED = 75  # checkpointed before the last step: rerun to resume (EX_TEMPFAIL)
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+SKIPS_IN_A_ROW = 10  # skipped updates after which a run stops: the guard cannot save it
+TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state; params apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,92 +62,185 @@ class Recipe:
     spike_guard: bool = True           # skip updates whose loss or grad norm spikes (OLMo-core)
     seed: int = 0                      # model init
     data_seed: int = 34521             # data order (AI2's stage-1 seed)
+    packing: bool = False              # whole documents packed into rows (stage 3)
+    doc_masking: bool = True           # packed documents attend only to themselves, as AI2's
+    source_group_size: int = 1         # files packed together (OLMo-core's source_group_size)
+    source_permutation_seed: int = -1  # the files shuffled first (OLMo-core's; -1: mix order)
     log_every: int = 10
     eval_every: int = 1000
     eval_limit: int = 500              # documents per perplexity set and per task; 0: all
     save_every: int = 1000
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3          # the newest ones; and for good, every keep_every-th step
+    keep_every: int = 5000
 
 
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
                    log_every=25, eval_every=100, save_every=100),
-    "1b": Recipe(seq_len=4096, global_batch=64, micro_batch=8, lr=4e-4),
     # A micro-batch of 64 fits v5p-128 (39 GiB a device) and v5p-64 (80 of 95 GiB; README);
     # a save every 250 steps is about an hour on v5p-128, as Cloud TPU advises
     "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
-    # Stage 3's shape, to evaluate and generate with AI2's released model (training it needs
-    # OLMo-core's document packing with intra-document masking, which is not here).
-    "7b-long": Recipe(seq_len=65536, global_batch=64, lr=2.0712e-4, warmup_steps=200,
-                      schedule="linear", min_lr_ratio=0.0, steps=11_921),
+    # Stage 3, the long-context extension that made AI2's released model, as it ran (the cookbook
+    # config OLMo-core's OLMo3-7B-long-context.py reproduces): 50B tokens of 64 x 65,536, packed
+    # documents of the longmino mix in groups of 8 files, from stage 2's weights and Adam state
+    # (--init-from). README: why data seed 4123 and weight decay 0.033.
+    "7b-long": Recipe(seq_len=65536, global_batch=64, steps=11_921, lr=2.0712352850360292e-4,
+                      warmup_steps=200, schedule="linear", min_lr_ratio=0.0, weight_decay=0.033,
+                      data_seed=4123, packing=True, source_group_size=8,
+                      source_permutation_seed=123, save_every=250),
 }
-# Stage 2 (OLMo-3-1025-7B-midtrain.py) starts from stage 1's weights *and* Adam moments ("warm
+# Stage 2 (OLMo-3-1025-7B-midtrain.py) starts from stage 1's weights *and* Adam state ("warm
 # Adam", --init-from) with a fresh schedule, decaying linearly to 0, and another data seed.
-STAGE2 = dict(global_batch=256, lr=2.0712e-4, warmup_steps=0, schedule="linear",
+STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedule="linear",
               min_lr_ratio=0.0, steps=47_684, data_seed=1337)
-DATA_ORDER = ("seq_len", "global_batch", "data_seed")  # a resumed run must keep them
+DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
+              "source_permutation_seed")  # a resumed run must keep them, and its data
 CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTION,
            "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
 
 
-# ----------------------------------------------------------------------------- the recipe
+# ----------------------------------------------------------------------------- the run
 
-def schedule(r: Recipe):
-    """count (updates done) -> the LR of the next update, OLMo-core's update number count + 1."""
-    peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
-    cosine = functools.partial(optax.warmup_cosine_decay_schedule, 0.0, peak, warmup,
-                               end_value=floor)  # OLMo-core's CosWithWarmup
-    lr = cosine(max(r.steps, warmup + 1))
-    if r.schedule == "linear":  # OLMo-core's LinearWithWarmup
-        lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
-                                   optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
-                                  [warmup])
-    if r.schedule == "olmo3":
-        # Stage 1 as AI2 ran it (OLMo-3-1025-7B-pretrain-1.py, then -2.py from the checkpoint of
-        # step 596,047): CosWithWarmup aimed at 5T tokens, then HalfCosWithWarmup aimed at 7T, a
-        # "warmup" to half the peak, then the second half of a cosine. t_max is the token budget
-        # over the tokens per step, rounded up; the second warmup is -2.py's arithmetic.
-        tokens = r.global_batch * r.seq_len
-        t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
-        warmup2 = int(5e12) // tokens // 2 + warmup // 2
-        half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-        part2 = optax.join_schedules([optax.linear_schedule(0.0, (peak + floor) / 2, warmup2),
-                                      lambda k: half(k + t_max2 - warmup2)], [warmup2])
-        lr = optax.join_schedules([cosine(t_max1), lambda k: part2(k + 596_048)], [596_048])
-    return lambda count: lr(count + 1)
+def main(argv=None):
+    cfg, r, args = parse_args(argv)
+    start_jax(args)
+    if args.dry_run:
+        import prepare  # beside the core
+        return prepare.dry_run(cfg, r, args)
+    if args.eval_only or args.generate is not None:
+        import evaluation  # beside the core
+        return evaluation.main(cfg, r, args)
+    # After start_jax: JAX's distributed start-up installs a SIGTERM handler of its own, which
+    # this one replaces (its preemption sync point misses a SIGTERM before the first step).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    mesh = olmo3.make_mesh(**args.mesh)
+    with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
+        return train(cfg, r, args, mesh, manager)
 
 
-def optimizer(r: Recipe):
-    # Clip, Adam, and decoupled weight decay on all but the embedding: OLMo-core decays the norms
-    # and lm_head too. The LR is applied in train_step, from the state's own step counter.
-    decayed = lambda params: {k: jax.tree.map(lambda _: k != "embed", v) for k, v in params.items()}
-    return optax.chain(optax.clip_by_global_norm(r.grad_clip),
-                       optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps),
-                       optax.add_decayed_weights(r.weight_decay, mask=decayed))
+def train(cfg, r, args, mesh, manager):
+    """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
+    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
+                          "process 0 writes; give every host the same: a bucket, or a shared disk")
+    loader, heldout = load_data(cfg, r, args, mesh)
+    check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
+                          "--data, --data-root and the mix file on every host")
+    log, evals = Log(cfg, r, args.out, mesh), None
+    beside = importlib.util.find_spec("evaluation") is not None  # evaluations live beside
+    if args.eval_data or args.eval_tasks or (heldout and beside):
+        import evaluation
+        sets = args.eval_data if args.eval_data else heldout
+        evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
+    target = abstract_state(cfg, r, mesh)  # shapes and shardings: nothing is allocated yet
+    state, note = starting_state(cfg, r, args, manager, target, loader, log)
+    devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
+    log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
+    step_fn = compile_step(cfg, r, mesh, target)
+    pending = None  # the step whose metrics are read once the next one is dispatched
+    for step, batch in loader.iterate(int(state["step"]), r.steps):
+        # Dispatch the step and go on: JAX runs it asynchronously, so the host reads the next
+        # batch meanwhile. Reading a step's metrics waits for it, so they are read a step late:
+        # after dispatching step 8, the host reads step 7's loss (and its stop flag); a stop
+        # seen there stops the run after step 8, on every process alike. A save reads the
+        # newest step's metrics at once: a checkpoint's loss is always checked.
+        state, metrics = step_fn(state, device_batch(batch, loader, mesh))
+        metrics["stop"] = stop_signalled(mesh)  # SIGTERM on any process, seen by all
+        seen = log.step(*pending) if pending else {}  # 10 skips in a row: an error, here
+        pending, done = (step + 1, metrics), step + 1
+        if evals and (done % r.eval_every == 0 or done == r.steps):
+            evals(state["params"], done)  # logged
+        stop = stop_reason(done, args, seen) if done < r.steps else None
+        if done % r.save_every == 0 or done == r.steps or stop:
+            log.step(*pending)  # never checkpoint a state whose loss was not checked
+            pending = None
+            save(manager, done, state, cfg, r, loader.fingerprint)
+            log.flush()
+        if stop:
+            manager.wait_until_finished()
+            log(f"stopped after step {done} ({stop}), checkpointed: rerun to resume")
+            log.flush()
+            return EXIT_STOPPED
+    manager.wait_until_finished()
+    if args.samples and beside:
+        import evaluation
+        evaluation.samples(state["params"], cfg, r, loader, args.samples, log)
+    log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
+    log.flush()
+    return 0
 
 
-def spike_guard(history, step, values):
-    """OLMo-core's SkipStepOptimizer: values [loss, grad norm] -> (is each a spike, history)."""
-    # A spike: more than 6 std above the mean of the previous (up to) 128 values, once 64 exist.
-    # history [2, 128] holds the last 128 losses and grad norms, a ring indexed by the step.
-    n, valid = jnp.minimum(step, HISTORY), jnp.arange(HISTORY) < step
-    mean = jnp.sum(jnp.where(valid, history, 0.0), -1, keepdims=True) / jnp.maximum(n, 1)
-    var = jnp.sum(jnp.where(valid, (history - mean) ** 2, 0.0), -1) / jnp.maximum(n - 1, 1)
-    spikes = (n + 1 >= HISTORY // 2) & (values - mean[:, 0] > 6 * jnp.sqrt(var))
-    return spikes, history.at[:, step % HISTORY].set(values)
+def run_mark(out):  # what process 0 writes into the run directory, as this process reads it
+    mark = epath.Path(out) / "run-mark.txt"
+    if jax.process_index() == 0:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(str(time.time_ns()))
+    multihost_utils.sync_global_devices("run mark written")
+    return int(mark.read_text()) if mark.exists() else -1
 
 
-# ----------------------------------------------------------------------------- state and step
+def check_processes_agree(value, problem):  # several hosts: the same value on every one
+    every = multihost_utils.process_allgather(np.int64(value))
+    differ = np.flatnonzero(every != every[0]).tolist()  # from process 0's
+    if differ:
+        raise SystemExit(f"error: process(es) {differ} {problem}")
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-out mix or None)
+    source, heldout = args.data, None
+    if source is None and cfg.tokenizer != "bytes":
+        raise SystemExit("error: --data is required with the dolma2 tokenizer: a mix file, token "
+                         "files, or a `python data.py tokenize` folder (or shakespeare)")
+    if source in (None, "stdlib", "shakespeare"):
+        source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
+    elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
+        heldout = os.path.join(source, "heldout.txt")
+    options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
+                   vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
+    if r.packing:  # process 0 packs the documents into the run directory, once
+        options |= dict(group_size=r.source_group_size, cache=args.out, rank=jax.process_index())
+    kind = data.PackedLoader if r.packing else data.Loader
+    return kind(source, r.seq_len, r.global_batch, r.data_seed, **options), heldout
+
+
+def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
+    # For each of this process's devices, the slice of rows it holds of a [global_batch, 1]
+    # array: on 2 processes of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16.
+    index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
+    return np.unique(np.concatenate([np.arange(r.global_batch)[i[0]] for i in index.values()]))
+
+
+def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
+    # Each device is given its rows, from the process it belongs to; with `tensor` across
+    # hosts, two processes read the same rows. index: the rows and columns one device holds;
+    # searchsorted finds where those rows are among this process's (loader.rows, sorted).
+    def put(x):  # x [len(loader.rows), seq_len]
+        shape = (loader.global_batch, x.shape[1])
+        mine = lambda index: x[np.searchsorted(loader.rows, np.arange(shape[0])[index[0]])]
+        return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), mine)
+    return {name: put(x) for name, x in batch.items()}
+
+
+# ----------------------------------------------------------------------------- the state
 
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
+    # jax.ShapeDtypeStruct is an array's description (shape, dtype, sharding); eval_shape runs a
+    # function on descriptions and returns descriptions, so optax's init describes Adam's state.
+    # optax.tree_map_params finds, in that state, the trees shaped like the params (Adam's two
+    # moments) and gives them the params' shardings; the rest (Adam's count) is replicated.
+    specs, weights = olmo3.param_specs(cfg), olmo3.shardings(cfg, mesh)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh),
-                          olmo3.param_specs(cfg), olmo3.shardings(cfg, mesh), is_leaf=olmo3.is_spec)
+                          specs, weights, is_leaf=olmo3.is_spec)
+    adam = jax.eval_shape(optimizer(r).init, params)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
-    opt_state = optax.tree_map_params(  # Adam's moments are sharded like the params they follow
-        optimizer(r), lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
-        jax.eval_shape(optimizer(r).init, params), params, transform_non_params=replicated)
+    like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
+    # Adam's moments are sharded like the params they follow; its step count is replicated.
+    opt_state = optax.tree_map_params(optimizer(r), like_param, adam, params,
+                                      transform_non_params=replicated)
     return {"params": params, "opt_state": opt_state,
             "step": replicated(jax.ShapeDtypeStruct((), jnp.int32)),
             "history": replicated(jax.ShapeDtypeStruct((2, HISTORY), jnp.float32))}
@@ -164,55 +258,20 @@ def init_state(cfg, r, target):  # every array created directly with target's sh
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
 
 
-def train_step(state, inputs, labels, cfg, r, accum):
-    """One update on a global batch [global_batch, seq_len], in `accum` micro-batches."""
-    params = state["params"]
-    n_tokens = jnp.maximum(jnp.sum(labels >= 0), 1)  # the loss is a mean over the whole batch
-
-    def loss(params, x, y):
-        ce, z, _ = olmo3.loss_terms(olmo3.forward(params, x, cfg), y, r.z_loss)
-        return (ce + z) / n_tokens, ce / n_tokens
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
-
-    def add_micro(carry, xy):
-        (_, ce), grads = grad_fn(params, *xy)
-        return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
-    if accum == 1:
-        (_, ce), grads = grad_fn(params, inputs, labels)
-    else:
-        zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
-        micro = (split_micro(inputs, accum), split_micro(labels, accum))
-        (grads, ce), _ = jax.lax.scan(add_micro, zeros, micro)
-    grad_norm = optax.tree.norm(grads)
-    spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
-    skip = spikes.any() & r.spike_guard
-    updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
-    lr = schedule(r)(state["step"])
-    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-    new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
-    new = jax.tree.map(lambda a, b: jnp.where(skip, b, a), new, {k: state[k] for k in new})
-    metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
-    return new | {"step": state["step"] + 1, "history": history}, metrics
-
-
-def split_micro(x, accum: int):
-    # [global, ...] -> [accum, global/accum, ...], row r in micro-batch r % accum, so that every
-    # micro-batch is spread over all the data-parallel devices
-    x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
-    return olmo3.constrain(x, None, "batch", "seq")
-
-
-def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the same step
-    micro = r.micro_batch if r.micro_batch else r.global_batch
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    if r.global_batch % micro or micro % dp:
-        raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
-                         "data-parallel devices do not divide; pick multiples of each other")
-    tokens = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
-                                  sharding=olmo3.batch_sharding(mesh))
-    step = jax.jit(lambda s, x, y: train_step(s, x, y, cfg, r, r.global_batch // micro),
-                   donate_argnums=0, out_shardings=(shardings_of(target), None))
-    return step.lower(target, tokens, tokens).compile()
+def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
+    # The run's newest checkpoint, read straight into target's shardings; else a new state,
+    # with --init-from's weights and Adam state ("warm Adam": the moments and Adam's step count
+    # carry over, the schedule starts again).
+    if manager.latest_step() is not None:
+        state = resume(manager, target, cfg, r, loader, log)
+        return state, f"resumed from step {int(state['step'])}"
+    refuse_fresh_start(args.out)
+    state = init_state(cfg, r, target)
+    if not args.init_from:
+        return state, "fresh start"
+    restored = restore(latest_checkpoint(args.init_from), target, cfg)
+    carried = [k for k in ("params", "opt_state") if k in restored]  # a converted one: params
+    return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -220,9 +279,10 @@ def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the
 # a commit file on gs://); only committed steps are listed, so a kill -9 at any moment loses only
 # the steps since the last commit. A step holds params, train_state and config.
 
-def checkpoints(directory, keep=None):
+def checkpoints(directory, r=None):  # without a recipe: read-only, to find a checkpoint
     path = directory if "://" in directory else os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=keep is not None)
+    keep = {} if r is None else dict(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every)
+    options = ocp.CheckpointManagerOptions(**keep, create=r is not None, read_only=r is None)
     return ocp.CheckpointManager(path, options=options)
 
 
@@ -234,45 +294,63 @@ def latest_checkpoint(path):  # of a run directory, or of a converted checkpoint
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
-def save(manager, step, state, cfg, r):
-    manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state["params"]),
-        train_state=ocp.args.StandardSave({k: state[k] for k in ("opt_state", "step", "history")}),
-        config=ocp.args.JsonSave({"model": asdict(cfg), "recipe": asdict(r)})))
+def save(manager, step, state, cfg, r=None, data_fingerprint=None):
+    # A checkpoint: the params, the rest of a training state if there is one, and the config.
+    parts = {"params": state["params"]}
+    if "opt_state" in state:
+        parts["train_state"] = {k: state[k] for k in TRAIN_STATE}
+    config = {"model": dataclasses.asdict(cfg)}
+    if r is not None:
+        config |= {"recipe": dataclasses.asdict(r), "data": data_fingerprint}
+    saves = {k: ocp.args.StandardSave(v) for k, v in parts.items()}
+    manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
 
 
-def saved_config(step_dir):
+def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
     saved = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
-    return olmo3.Config(**saved["model"]), saved.get("recipe")
+    return olmo3.Config(**saved["model"]), saved
 
 
-def restore(step_dir, target, cfg, r=None):
+def restore(step_dir, target, cfg, r=None, loader=None):
     # The state in a checkpoint step (the params, and the rest if target has it) on target's
-    # shardings, whatever mesh wrote it; the model (and with a recipe, the data order) must match.
-    saved, recipe = saved_config(step_dir)
-    pairs = [(f, getattr(saved, f), v) for f, v in vars(cfg).items() if f not in olmo3.NUMERICS]
-    pairs += [(f, recipe[f], getattr(r, f)) for f in DATA_ORDER if r]
+    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model, the data
+    # order and the data; --init-from only the model, whose YaRN it may turn on (stage 3).
+    model, saved = saved_config(step_dir)
+    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (r or not f.startswith("yarn"))]
+    pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
+    if r is not None:
+        recipe = saved["recipe"]  # a field it lacks had the default when it was written
+        pairs += [(f, recipe.get(f, getattr(Recipe(), f)), getattr(r, f)) for f in DATA_ORDER]
+        pairs += [("data", saved.get("data", loader.fingerprint), loader.fingerprint)]
     diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
     if diff:
         raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
-                         "or the settings it was made with")
-    handler = ocp.StandardCheckpointHandler()
-    state = {"params": handler.restore(step_dir / "params",
-                                       args=ocp.args.StandardRestore(target["params"]))}
+                         "or the settings and data it was made with")
+    parts = {"params": target["params"]}
     if "opt_state" in target and (step_dir / "train_state").exists():
-        rest = {k: target[k] for k in ("opt_state", "step", "history")}
-        state |= handler.restore(step_dir / "train_state", args=ocp.args.StandardRestore(rest))
+        parts["train_state"] = {k: target[k] for k in TRAIN_STATE}
+    handler, state = ocp.StandardCheckpointHandler(), {}
+    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
+    for name, tree in parts.items():  # another layout (a change of code): an error, not a retry
+        if shapes(handler.metadata(step_dir / name)) != shapes(tree):
+            raise SystemExit(f"error: checkpoint {step_dir} holds a {name} layout this code does "
+                             "not make (another version wrote it?); resume it with that version, "
+                             "or use a new --out")
+        read = handler.restore(step_dir / name, args=ocp.args.StandardRestore(tree))
+        state |= {"params": read} if name == "params" else read
     return state
 
 
-def resume(manager, target, cfg, r, log):
+def resume(manager, target, cfg, r, loader, log):
     # The state in the newest checkpoint that every process can read. Each process reads it
-    # itself (Orbax's own restore would wait at a barrier for one that failed), retrying
-    # transient errors; an all-gather then decides for all. A step some process cannot read is
-    # renamed <step>.unreadable and the one before is tried.
+    # itself (Orbax's own restore would wait at a barrier for one that failed), retrying what
+    # can pass (I/O, time-outs); an all-gather then decides for all. A step some process cannot
+    # read is renamed <step>.unreadable and the one before is tried. A checkpoint of another
+    # model, data or layout is an error on every process: nothing is retried or renamed.
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
-        state = read_retrying(lambda: restore(step_dir, target, cfg, r), step_dir)
+        log(f"restoring step {step} of {manager.directory}")
+        state = read_retrying(lambda: restore(step_dir, target, cfg, r, loader), step_dir)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state
@@ -291,81 +369,148 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
         try:
             return read()
         except (SystemExit, jax.errors.JaxRuntimeError):
-            raise  # settings that do not match, or a failing device: not the files
+            raise  # settings or a layout that do not match, or a failing device: not the files
         except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
             wait, why = 2 ** attempt if attempt + 1 < tries else 0, str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir}: {why}; retry in {wait}s")
             time.sleep(wait)
 
 
-# ----------------------------------------------------------------------------- the run
-
-def train(cfg, r, args, mesh, manager):
-    """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
-    loader, heldout = load_data(cfg, r, args)
-    evals = None  # evaluations are beside the core (evaluation.py); it trains without them
-    if args.eval_data or args.eval_tasks or heldout and importlib.util.find_spec("evaluation"):
-        import evaluation
-        sets = args.eval_data if args.eval_data else heldout
-        evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root)
-    log = Log(cfg, r, args.out, mesh)
-    target = abstract_state(cfg, r, mesh)
-    state, note = init_state(cfg, r, target), "fresh start"
-    if manager.latest_step() is not None:
-        state = resume(manager, target, cfg, r, log)
-        note = f"resumed from step {int(state['step'])}"
-    elif args.init_from:  # "warm Adam": params and Adam moments carry over, the schedule restarts
-        restored = restore(latest_checkpoint(args.init_from), target, cfg)
-        state |= {k: restored[k] for k in ("params", "opt_state") if k in restored}
-        note = f"{' and '.join(k for k in restored if k in state)} of {args.init_from}"
-    step_fn = compile_step(cfg, r, mesh, target)
-    start = int(state["step"])
-    devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
-    log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note}")
-    pending = None  # a step's metrics are read once the next step has been dispatched
-    for step, inputs, labels in loader.iterate(start, r.steps):
-        batch_arrays = [jax.make_array_from_process_local_data(olmo3.batch_sharding(mesh), x)
-                        for x in (inputs, labels)]  # this process's rows -> global arrays
-        state, metrics = step_fn(state, *batch_arrays)
-        if pending:
-            log.step(*pending)
-        pending, done = (step + 1, metrics), step + 1
-        if evals and (done % r.eval_every == 0 or done == r.steps):
-            log.evaluation(done, evals(state["params"]))
-        stop = stop_reason(done, args, manager)
-        if done % r.save_every == 0 or done == r.steps or stop:
-            log.step(*pending)  # never checkpoint a state whose loss was not checked
-            pending = None
-            save(manager, done, state, cfg, r)
-            log.flush()
-        if stop:
-            manager.wait_until_finished()
-            log(f"stopped after step {done} ({stop}), checkpointed: rerun to resume")
-            return EXIT_STOPPED
-    manager.wait_until_finished()
-    if args.samples and importlib.util.find_spec("evaluation"):
-        import evaluation
-        evaluation.samples(state["params"], cfg, r, loader, args.samples, log)
-    log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min, "
-        f"{args.out}/loss.png")
-    return 0
+def refuse_fresh_start(out):
+    # A run directory where a run has trained never starts over silently: it has unreadable
+    # checkpoints, or metrics but no checkpoint (unless its first save was cut short).
+    names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
+    unreadable = [n for n in names if n.endswith(".unreadable")]
+    interrupted = any("tmp" in n for n in names)
+    if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
+        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
+        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
+                         "restore its checkpoints, or use a new --out")
 
 
-def load_data(cfg, r, args):  # -> (this process's train loader, its held-out mix or None)
-    source, heldout = args.data, None
-    if source is None and cfg.tokenizer != "bytes":
-        raise SystemExit("error: --data is required with the dolma2 tokenizer: a mix file, token "
-                         "files, or a `python data.py tokenize` folder (or shakespeare)")
-    if source in (None, "stdlib", "shakespeare"):
-        source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
-    elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
-        heldout = os.path.join(source, "heldout.txt")
-    loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, jax.process_index(),
-                         jax.process_count(), cfg.vocab_size, cfg.tokenizer, args.data_root)
-    return loader, heldout
+# ----------------------------------------------------------------------------- the step
+
+def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the same step
+    micro = r.micro_batch if r.micro_batch else r.global_batch
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    if r.global_batch % micro or micro % dp:
+        raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
+                         "data-parallel devices do not divide; pick multiples of each other")
+    tokens = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
+                                  sharding=olmo3.batch_sharding(mesh))
+    batch = dict.fromkeys(("inputs", "labels", "segments")[:3 if r.packing else 2], tokens)
+    # donate_argnums=0: the old state's buffers are reused for the new state, so the step holds
+    # one copy of the state, not two (the caller must not touch the old one again). cfg and r
+    # are Python values the lambda closes over: baked into the program, like static arguments.
+    # lower() traces it to XLA for these shapes and shardings; compile() builds it, ahead of time.
+    step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
+                   donate_argnums=0, out_shardings=(shardings_of(target), None))
+    return step.lower(target, batch).compile()
 
 
-STOP = []  # the signal that asked the run to stop, once one came
+def train_step(state, batch, cfg, r, accum):
+    """One update on a global batch in `accum` micro-batches -> (the new state, metrics)."""
+    # batch: inputs, labels and, packed, segments, each [global_batch, seq_len]
+    params = state["params"]
+    n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)  # the loss: a mean over the batch
+
+    def loss(params, micro):
+        segments = micro.get("segments") if r.doc_masking else None  # keep documents apart
+        logits = olmo3.forward(params, micro["inputs"], cfg, segments)
+        ce, z, _ = olmo3.loss_terms(logits, micro["labels"], r.z_loss)
+        return (ce + z) / n_tokens, ce / n_tokens
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def add_micro(carry, micro):  # gradients and loss summed over the micro-batches
+        (_, ce), grads = grad_fn(params, micro)
+        return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
+    if accum == 1:
+        (_, ce), grads = grad_fn(params, batch)
+    else:
+        zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
+        micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
+        (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
+    grad_norm = optax.tree.norm(grads)
+    spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
+    skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # NaN: never applied
+    updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
+    # The LR is applied here, from the state's step, not inside optax: a stage starts its
+    # schedule again while Adam's own count (bias correction) carries over from the last.
+    lr = schedule(r)(state["step"])
+    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+    new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
+    new = jax.tree.map(lambda a, b: jnp.where(skip, b, a), new, {k: state[k] for k in new})
+    metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
+    return new | {"step": state["step"] + 1, "history": history}, metrics
+
+
+def split_micro(x, accum: int):
+    # [global, ...] -> [accum, global/accum, ...], row r in micro-batch r % accum, so that every
+    # micro-batch is spread over all the data-parallel devices
+    x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+    return olmo3.constrain(x, None, "batch", "seq")
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+def schedule(r: Recipe):
+    """count (updates done) -> the LR of update k = count + 1 (OLMo-core's step k)."""
+    # OLMo-core's formulas, with peak P, floor F = min_lr_ratio * P, warmup W and t_max T:
+    #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
+    #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
+    # and F from T on. "olmo3" is stage 1 as AI2 ran it: CosWithWarmup (W = 2000) aimed at 5T
+    # tokens up to update 596,047, the checkpoint -2.py restarted from; then HalfCosWithWarmup
+    # aimed at 7T tokens (W2, T2): (F + P) / 2 * k / W2 for k < W2, then the second half of a
+    # cosine, F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2.
+    peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
+    cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
+    lr = cosine(max(r.steps, warmup + 1))
+    if r.schedule == "linear":
+        lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                   optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
+                                  [warmup])
+    if r.schedule == "olmo3":
+        # T is the token budget over the tokens per step, rounded up; W2 is -2.py's arithmetic.
+        tokens = r.global_batch * r.seq_len
+        t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
+        warmup2 = int(5e12) // tokens // 2 + warmup // 2
+        half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
+        part2 = optax.join_schedules([optax.linear_schedule(0.0, (peak + floor) / 2, warmup2),
+                                      lambda k: half(k + t_max2 - warmup2)], [warmup2])
+        # join_schedules calls a later part with k minus its start; adding the start back
+        # evaluates part 2 at the update's own number k, from update 596,048 on. These are the
+        # 7b preset's numbers (512 x 8192): another batch keeps AI2's restart step.
+        lr = optax.join_schedules([cosine(t_max1), lambda k: part2(k + 596_048)], [596_048])
+    return lambda count: lr(count + 1)
+
+
+def optimizer(r: Recipe):
+    # Clip, Adam, and decoupled weight decay on all but the embedding: OLMo-core decays the norms
+    # and lm_head too. The LR is applied in train_step, from the state's own step counter.
+    decayed = lambda params: {k: jax.tree.map(lambda _: k != "embed", v) for k, v in params.items()}
+    return optax.chain(optax.clip_by_global_norm(r.grad_clip),
+                       optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps),
+                       optax.add_decayed_weights(r.weight_decay, mask=decayed))
+
+
+def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
+    # OLMo-core's SkipStepOptimizer, on values [loss, grad norm]: either spiking skips the update.
+    # history [2, 128]: the last 128 losses and grad norms, a ring indexed by the step; the
+    # first `step` slots hold values until it is full. A value spikes when it is not within 6
+    # standard deviations above the mean of those before it, once 64 values exist with it.
+    # OLMo-core tests "within" (<=), so a NaN or an infinity is a spike too.
+    previous = jnp.minimum(step, HISTORY)
+    held = jnp.arange(HISTORY) < step
+    mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(previous, 1)
+    square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
+    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(previous - 1, 1))  # torch.std's n - 1
+    spikes = (previous + 1 >= HISTORY // 2) & ~(values - mean <= 6 * std)
+    return spikes, history.at[:, step % HISTORY].set(values)
+
+
+# ----------------------------------------------------------------------------- stopping
+
+STOP = []  # the signal that asked this process to stop, once one came
 
 
 def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C again: now
@@ -375,16 +520,19 @@ def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C 
     print(f"{STOP[0]}: checkpointing after this step, then stopping (Ctrl-C again: stop now)")
 
 
-def stop_reason(step, args, manager):
-    # Why the run stops after this step (None: it goes on), the same on every process: a single
-    # process catches SIGTERM itself; on several, JAX's preemption notifier does, and its sync
-    # point (through Orbax) makes every process stop at the same step.
+def stop_signalled(mesh):  # was any process asked to stop? One answer, the same on all
+    # A device array of every device's flag, read with the step's metrics. (JAX's preemption
+    # sync point, which Orbax offers, misses a SIGTERM that comes before the first step.)
+    flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
+                                         lambda _: np.array([bool(STOP)]))  # one per device
+    return jnp.any(flags)
+
+
+def stop_reason(step, args, seen):  # why the run stops after this step (None: it goes on)
     if step == args.stop_at:
         return "--stop-at"
-    if STOP:
-        return f"{STOP[0]} received"
-    if jax.process_count() > 1 and manager.reached_preemption(step):
-        return "preempted"
+    if seen.get("stop"):  # the step before saw a signal: every process stops now, together
+        return f"{STOP[0]} received" if STOP else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -394,70 +542,60 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 # dense bf16 TFLOP/s per JAX device; TPU7x (Ironwood) has two devices per chip
 
 
-class Log:  # console lines and RUN_DIR/metrics.jsonl, process 0's
+class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt, metrics.jsonl
+    # Both are kept in the run directory: a spot slice's disks go when the slice is deleted.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        self.file, self.started, self.last = epath.Path(run_dir, "metrics.jsonl"), time.time(), None
-        self.lines = self.file.read_text().splitlines(True) if self.file.exists() else []
+        self.started, self.last, self.skipped = time.time(), None, 0
+        kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
+        self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
+        self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
+        self.lines = {name: path.read_text().splitlines(True) if path.exists() else []
+                      for name, path in self.files.items()}
 
     def __call__(self, text=None, **record):
         if jax.process_index() == 0 and text:
             print(text, flush=True)
+            self.lines["log.txt"].append(text + "\n")
         if record:
-            self.lines.append(json.dumps(record) + "\n")
+            self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    def flush(self):  # with each checkpoint: metrics.jsonl, whole and atomically (an object
-        if jax.process_index() == 0:  # store cannot append), and loss.png
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            self.file.with_suffix(".tmp").write_text("".join(self.lines))
-            self.file.with_suffix(".tmp").replace(self.file)
-            plot(self.run_dir, self.lines)
+    def flush(self):  # with each checkpoint: each file whole and atomically (an object store
+        if jax.process_index() == 0:  # cannot append), and loss.png if evaluation.py is here
+            for name, path in self.files.items():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.with_suffix(".tmp").write_text("".join(self.lines[name]))
+                path.with_suffix(".tmp").replace(path)
+            if importlib.util.find_spec("evaluation"):
+                import evaluation
+                evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def step(self, step, metrics):  # NaN stops the run; a line every log_every steps
+    def step(self, step, metrics):  # -> the metrics, on the host; a line every log_every steps
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
-        if not math.isfinite(m["loss"]):
+        self.skipped = self.skipped + 1 if m["skipped"] else 0
+        if m["skipped"]:  # by the spike guard ([loss, grad norm] spiked), or not finite
+            self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
+                 f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
+        if self.skipped == SKIPS_IN_A_ROW:  # the last checkpoint is the last good state
             self.flush()
-            raise SystemExit(f"error: loss is {m['loss']} at step {step}; lower --lr or check the "
-                             "data, then rerun to resume from the last checkpoint")
-        if m["skipped"]:  # the spike guard's: [loss, grad norm] spiked
-            self(f"step {step}: update skipped", step=step, spikes=m["spikes"])
+            raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step {step} "
+                             f"(loss {m['loss']}); lower --lr or check the data, and rerun")
         if step % r.log_every and step != r.steps:
-            return
+            return m
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
         if self.last:  # the first line's time includes compiling: rates start after it
             rate = (step - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
-            kind = self.mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
-            peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
-            mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a"
+            mfu = f"{100 * tflops / self.peak:.1f}%" if self.peak else "n/a"
             eta = datetime.timedelta(seconds=round((r.steps - step) * tokens / rate))
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-
-    def evaluation(self, step, results):  # AI2's names: eval/lm/<set>/CE loss, eval/downstream/
-        names = {f"eval/{'lm' if 'PPL' in ms else 'downstream'}/{k}/{m}": v
-                 for k, ms in results.items() for m, v in ms.items() if m != "docs"}
-        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())
-        self(f"step {step:>6}/{self.r.steps} | eval | {shown}", step=step, **names)
-
-
-def plot(run_dir, lines):  # loss.png: the training loss and the evaluations', by step
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
-    records = list(map(json.loads, lines))
-    keys = sorted({k for r in records for k in r if k.startswith("eval/") and "PPL" not in k})
-    ax = Figure(figsize=(8, 4)).subplots()
-    for key in ["loss", *keys]:  # (None, None) closes each line with a gap: none can be empty
-        points = sorted({r["step"]: r[key] for r in records if key in r}.items())
-        ax.plot(*zip(*points, [None, None]), "-" if key == "loss" else "o-", lw=1, label=key)
-    ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)
-    ax.legend(fontsize=7)
-    ax.figure.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
-    (epath.Path(run_dir) / "loss.png").write_bytes(png.getvalue())
+        return m
 
 
 # ----------------------------------------------------------------------------- command line
@@ -520,7 +658,8 @@ def start_jax(args):
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # so CPU processes talk
-    jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")  # for restarts
+    if not jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR, else the run's
+        jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")  # restarts
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:  # no cluster here, or JAX runs already (tests)
@@ -528,22 +667,6 @@ def start_jax(args):
             raise  # a failure to connect to the other processes
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
         raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
-
-
-def main(argv=None):
-    cfg, r, args = parse_args(argv)
-    start_jax(args)
-    if args.dry_run:
-        import prepare  # beside the core
-        return prepare.dry_run(cfg, r, args)
-    if args.eval_only or args.generate is not None:
-        import evaluation  # beside the core
-        return evaluation.main(cfg, r, args)
-    for sig in (signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else ():
-        signal.signal(sig, request_stop)  # several processes leave SIGTERM to JAX's notifier
-    mesh = olmo3.make_mesh(**args.mesh)
-    with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r.keep_checkpoints) as ckpt:
-        return train(cfg, r, args, mesh, ckpt)
 
 
 if __name__ == "__main__":
