@@ -55,7 +55,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
             **hf.get("rope_scaling", {})}
     sliding = rope.get("sliding_attention", {"rope_theta": full["rope_theta"]})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
-    assert sliding.get("rope_type", "default") == "default", f"not OLMo 3's RoPE: {rope}"
+    need(sliding.get("rope_type", "default") == "default", f"sliding layers' RoPE {sliding}")
     need(full.get("attention_factor", 0.1 * math.log(max(factor, 1)) + 1) == 0.1 * math.log(
         max(factor, 1)) + 1, f"YaRN {full}: only OLMo 3's form (attention factor 0.1 ln f + 1)")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
@@ -161,6 +161,8 @@ def main(argv=None):
         cfg, _ = train.saved_config(step_dir)
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
                                 olmo3.param_specs(cfg), is_leaf=olmo3.is_spec)
+        # Into host memory as numpy (PyTreeCheckpointHandler can; train.restore reads onto
+        # devices with StandardCheckpointHandler): a 7B need not fit a device to convert.
         params = ocp.PyTreeCheckpointHandler().restore(
             step_dir / "params", args=ocp.args.PyTreeRestore(restore_args=as_numpy))
         to_hf(params, cfg, args.out)

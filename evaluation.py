@@ -154,7 +154,7 @@ def load_task(spec, limit, tokenizer, seq_len):
     # The first `limit` documents in file order (dict.fromkeys keeps the order); 0: all.
     docs = set(list(dict.fromkeys(r["doc_id"] for r in requests))[:limit or None])
     requests = [r for r in requests if r["doc_id"] in docs]
-    if NORMS[metric] == "bytes":  # one instance per document: the right continuation
+    if NORMS[metric] == "bytes":  # only the right continuation of each document is scored
         requests = [r for r in requests if r["idx"] == r["label"] or
                     isinstance(r["label"], str | list)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
@@ -174,6 +174,7 @@ def request_rows(requests, tokenizer, seq_len):
 
 def metric_value(metric, requests, scores, tokens):
     """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
+    # by_doc[doc][continuation index] = its score, normalised; gold[doc] = the right index
     by_doc, gold = {}, {}
     for r, s, n in zip(requests, scores, tokens):  # the first score of a continuation counts
         text = r["request"]["continuation"]
@@ -285,7 +286,8 @@ def plot(run_dir, lines):  # loss.png: the training loss and the evaluations', b
     records = list(map(json.loads, lines))
     keys = sorted({k for r in records for k in r if k.startswith("eval/") and "PPL" not in k})
     ax = Figure(figsize=(8, 4)).subplots()
-    for key in ["loss", *keys]:  # (None, None) closes each line with a gap: none can be empty
+    for key in ["loss", *keys]:  # zip(*points) gives (steps, values); the extra (None, None)
+        # point keeps a line with no points from failing
         points = sorted({r["step"]: r[key] for r in records if key in r}.items())
         ax.plot(*zip(*points, [None, None]), "-" if key == "loss" else "o-", lw=1, label=key)
     ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)

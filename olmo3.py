@@ -140,7 +140,7 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D]; OLMo 3 does not scale it
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    return constrain(x, "batch", "seq", None)
+    return constrain(x, "batch", "seq", None)  # pin its sharding (a no-op without a mesh)
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
@@ -148,7 +148,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # does not divide n_layers. Within a group they are unrolled, so each knows its window
     # statically; the groups are scanned, as MaxText does, so a 32-layer model compiles one group.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
-    ropes = {full: rope_tables(jnp.arange(x.shape[1]), cfg, full) for full in (False, True)}
+    positions = jnp.arange(x.shape[1])  # absolute in the row, packed documents too
+    ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # What the backward pass keeps of each layer: its matmuls' outputs (the rest, cheap, is
     # recomputed: on v5p-128 the 7B then needs 39 GiB a device, not 93), or with remat nothing
     # but the layer's input. Arguments 2 and 4 (window, cfg) are static: Python values baked
@@ -158,7 +159,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
     # For the 7B: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full). Each weight
     # [32, ...] becomes [8, 4, ...]; scan hands `group` one [4, ...] slice (p_group) at a time,
-    # and the 4 layers inside are unrolled. ropes[True] is the full layers' table (YaRN).
+    # and the 4 layers inside are unrolled. ropes["full"]: the full layers' table (YaRN).
 
     def group(x, p_group):  # p_group: every weight as [group_size, ...]
         # Every group starts at a multiple of group_size, so the layer at `position` in any
@@ -166,7 +167,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
         for position in range(group_size):
             window = None if cfg.is_global(position) else cfg.sliding_window
             p = jax.tree.map(lambda w: w[position], p_group)
-            x = layer(p, x, window, ropes[window is None], cfg, segments)
+            x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     x, _ = jax.lax.scan(group, x, groups)
@@ -282,6 +283,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq]: rows over data
 # matmuls it all-gathers the fsdp shards of the weights (a device then sees q as [4096, 2048]),
 # after `o` and `down` it all-reduces over `tensor` (each partner summed half of the heads or
 # of the MLP), and in the backward pass it reduce-scatters each gradient back to its fsdp shard.
+# QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners too.
 # data=N keeps N whole copies of the weights and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""

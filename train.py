@@ -3,7 +3,7 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run, on any mesh. A run stopped before its last step checkpoints and exits with code 75."""
 # Read top-down: the recipe, then `main` and `train` (setup, then the loop), then the helpers
-# in the order `train` calls them: data, the state, checkpoints, the step, the optimizer,
+# in the order `train` calls them: data, the state, the step, the optimizer, checkpoints,
 # stopping, reporting, and the command line (with main's parse_args and start_jax). The
 # checkpoint helpers and the checks across hosts can wait for a second read: they are what a
 # pod needs to restart and agree. The README has a JAX glossary for nanoGPT readers.
@@ -147,13 +147,13 @@ def train(cfg, r, args, mesh, manager):
         # newest step's metrics at once: a checkpoint's loss is always checked.
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # SIGTERM on any process, seen by all
-        seen = log.step(*pending) if pending else {}  # 10 skips in a row: an error, here
+        seen = log.read(*pending) if pending else {}  # 10 skips in a row: an error, here
         pending, done = (step + 1, metrics), step + 1
         if evals and (done % r.eval_every == 0 or done == r.steps):
             evals(state["params"], done)  # logged
         stop = stop_reason(done, args, seen) if done < r.steps else None
         if done % r.save_every == 0 or done == r.steps or stop:
-            log.step(*pending)  # never checkpoint a state whose loss was not checked
+            log.read(*pending)  # never checkpoint a state whose loss was not checked
             pending = None
             save(manager, done, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -216,7 +216,8 @@ def local_rows(mesh, r):  # the rows of every global batch that this process's d
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
     # Each device is given its rows, from the process it belongs to; with `tensor` across
     # hosts, two processes read the same rows. index: the rows and columns one device holds;
-    # searchsorted finds where those rows are among this process's (loader.rows, sorted).
+    # searchsorted finds where those rows are among this process's (loader.rows, sorted). With
+    # loader.rows = [8..15] and a device holding rows 12-15, it takes x[4:8].
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
         mine = lambda index: x[np.searchsorted(loader.rows, np.arange(shape[0])[index[0]])]
@@ -232,6 +233,8 @@ def abstract_state(cfg, r, mesh):
     # function on descriptions and returns descriptions, so optax's init describes Adam's state.
     # optax.tree_map_params finds, in that state, the trees shaped like the params (Adam's two
     # moments) and gives them the params' shardings; the rest (Adam's count) is replicated.
+    # The result: {params, opt_state: (clip: (), adam: (count, mu, nu), decay: ()), step,
+    # history}, every leaf a description with its sharding.
     specs, weights = olmo3.param_specs(cfg), olmo3.shardings(cfg, mesh)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh),
                           specs, weights, is_leaf=olmo3.is_spec)
@@ -272,120 +275,6 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
     carried = [k for k in ("params", "opt_state") if k in restored]  # a converted one: params
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
-
-
-# ----------------------------------------------------------------------------- checkpoints
-# Orbax saves asynchronously under a temporary name and commits a step atomically (a rename, or
-# a commit file on gs://); only committed steps are listed, so a kill -9 at any moment loses only
-# the steps since the last commit. A step holds params, train_state and config.
-
-def checkpoints(directory, r=None):  # without a recipe: read-only, to find a checkpoint
-    path = directory if "://" in directory else os.path.abspath(directory)
-    keep = {} if r is None else dict(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every)
-    options = ocp.CheckpointManagerOptions(**keep, create=r is not None, read_only=r is None)
-    return ocp.CheckpointManager(path, options=options)
-
-
-def latest_checkpoint(path):  # of a run directory, or of a converted checkpoint
-    for directory in (f"{path}/checkpoints", path):
-        step = checkpoints(directory).latest_step() if epath.Path(directory).exists() else None
-        if step is not None:
-            return epath.Path(directory) / str(step)
-    raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
-
-
-def save(manager, step, state, cfg, r=None, data_fingerprint=None):
-    # A checkpoint: the params, the rest of a training state if there is one, and the config.
-    parts = {"params": state["params"]}
-    if "opt_state" in state:
-        parts["train_state"] = {k: state[k] for k in TRAIN_STATE}
-    config = {"model": dataclasses.asdict(cfg)}
-    if r is not None:
-        config |= {"recipe": dataclasses.asdict(r), "data": data_fingerprint}
-    saves = {k: ocp.args.StandardSave(v) for k, v in parts.items()}
-    manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
-
-
-def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
-    saved = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
-    return olmo3.Config(**saved["model"]), saved
-
-
-def restore(step_dir, target, cfg, r=None, loader=None):
-    # The state in a checkpoint step (the params, and the rest if target has it) on target's
-    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model, the data
-    # order and the data; --init-from only the model, whose YaRN it may turn on (stage 3).
-    model, saved = saved_config(step_dir)
-    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (r or not f.startswith("yarn"))]
-    pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
-    if r is not None:
-        recipe = saved["recipe"]  # a field it lacks had the default when it was written
-        pairs += [(f, recipe.get(f, getattr(Recipe(), f)), getattr(r, f)) for f in DATA_ORDER]
-        pairs += [("data", saved.get("data", loader.fingerprint), loader.fingerprint)]
-    diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
-    if diff:
-        raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
-                         "or the settings and data it was made with")
-    parts = {"params": target["params"]}
-    if "opt_state" in target and (step_dir / "train_state").exists():
-        parts["train_state"] = {k: target[k] for k in TRAIN_STATE}
-    handler, state = ocp.StandardCheckpointHandler(), {}
-    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
-    for name, tree in parts.items():  # another layout (a change of code): an error, not a retry
-        if shapes(handler.metadata(step_dir / name)) != shapes(tree):
-            raise SystemExit(f"error: checkpoint {step_dir} holds a {name} layout this code does "
-                             "not make (another version wrote it?); resume it with that version, "
-                             "or use a new --out")
-        read = handler.restore(step_dir / name, args=ocp.args.StandardRestore(tree))
-        state |= {"params": read} if name == "params" else read
-    return state
-
-
-def resume(manager, target, cfg, r, loader, log):
-    # The state in the newest checkpoint that every process can read. Each process reads it
-    # itself (Orbax's own restore would wait at a barrier for one that failed), retrying what
-    # can pass (I/O, time-outs); an all-gather then decides for all. A step some process cannot
-    # read is renamed <step>.unreadable and the one before is tried. A checkpoint of another
-    # model, data or layout is an error on every process: nothing is retried or renamed.
-    for step in sorted(manager.all_steps(), reverse=True):
-        step_dir = manager.directory / str(step)
-        log(f"restoring step {step} of {manager.directory}")
-        state = read_retrying(lambda: restore(step_dir, target, cfg, r, loader), step_dir)
-        read = multihost_utils.process_allgather(np.int32(state is not None))
-        if read.all():
-            return state
-        failed = np.flatnonzero(read == 0).tolist()
-        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.unreadable")
-        if jax.process_index() == 0:
-            step_dir.rename(manager.directory / f"{step}.unreadable")
-        multihost_utils.sync_global_devices("unreadable checkpoint renamed")
-        manager.reload()
-    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); "
-                     "restore one from a copy, or move them away to start again")
-
-
-def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
-    for attempt in range(tries):
-        try:
-            return read()
-        except (SystemExit, jax.errors.JaxRuntimeError):
-            raise  # settings or a layout that do not match, or a failing device: not the files
-        except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
-            wait, why = 2 ** attempt if attempt + 1 < tries else 0, str(e).splitlines()[0][:200]
-            print(f"process {jax.process_index()}: reading {step_dir}: {why}; retry in {wait}s")
-            time.sleep(wait)
-
-
-def refuse_fresh_start(out):
-    # A run directory where a run has trained never starts over silently: it has unreadable
-    # checkpoints, or metrics but no checkpoint (unless its first save was cut short).
-    names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
-    unreadable = [n for n in names if n.endswith(".unreadable")]
-    interrupted = any("tmp" in n for n in names)
-    if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
-        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
-        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
-                         "restore its checkpoints, or use a new --out")
 
 
 # ----------------------------------------------------------------------------- the step
@@ -508,6 +397,120 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     return spikes, history.at[:, step % HISTORY].set(values)
 
 
+# ----------------------------------------------------------------------------- checkpoints
+# Orbax saves asynchronously under a temporary name and commits a step atomically (a rename, or
+# a commit file on gs://); only committed steps are listed, so a kill -9 at any moment loses only
+# the steps since the last commit. A step holds params, train_state and config.
+
+def checkpoints(directory, r=None):  # without a recipe: read-only, to find a checkpoint
+    path = directory if "://" in directory else os.path.abspath(directory)
+    keep = {} if r is None else dict(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every)
+    options = ocp.CheckpointManagerOptions(**keep, create=r is not None, read_only=r is None)
+    return ocp.CheckpointManager(path, options=options)
+
+
+def latest_checkpoint(path):  # of a run directory, or of a converted checkpoint
+    for directory in (f"{path}/checkpoints", path):
+        step = checkpoints(directory).latest_step() if epath.Path(directory).exists() else None
+        if step is not None:
+            return epath.Path(directory) / str(step)
+    raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
+
+
+def save(manager, step, state, cfg, r=None, data_fingerprint=None):
+    # A checkpoint: the params, the rest of a training state if there is one, and the config.
+    parts = {"params": state["params"]}
+    if "opt_state" in state:
+        parts["train_state"] = {k: state[k] for k in TRAIN_STATE}
+    config = {"model": dataclasses.asdict(cfg)}
+    if r is not None:
+        config |= {"recipe": dataclasses.asdict(r), "data": data_fingerprint}
+    saves = {k: ocp.args.StandardSave(v) for k, v in parts.items()}
+    manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
+
+
+def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
+    saved = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
+    return olmo3.Config(**saved["model"]), saved
+
+
+def restore(step_dir, target, cfg, r=None, loader=None):
+    # The state in a checkpoint step (the params, and the rest if target has it) on target's
+    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model, the data
+    # order and the data; --init-from only the model, whose YaRN it may turn on (stage 3).
+    model, saved = saved_config(step_dir)
+    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (r is not None or f[:4] != "yarn")]
+    pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
+    if r is not None:
+        recipe = saved["recipe"]  # a field it lacks had the default when it was written
+        pairs += [(f, recipe.get(f, getattr(Recipe(), f)), getattr(r, f)) for f in DATA_ORDER]
+        pairs += [("data", saved.get("data", loader.fingerprint), loader.fingerprint)]
+    diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
+    if diff:
+        raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
+                         "or the settings and data it was made with")
+    parts = {"params": target["params"]}
+    if "opt_state" in target and (step_dir / "train_state").exists():
+        parts["train_state"] = {k: target[k] for k in TRAIN_STATE}
+    handler, state = ocp.StandardCheckpointHandler(), {}
+    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
+    for name, tree in parts.items():  # another layout (a change of code): an error, not a retry
+        if shapes(handler.metadata(step_dir / name)) != shapes(tree):
+            raise SystemExit(f"error: checkpoint {step_dir} holds a {name} layout this code does "
+                             "not make (another version wrote it?); resume it with that version, "
+                             "or use a new --out")
+        read = handler.restore(step_dir / name, args=ocp.args.StandardRestore(tree))
+        state |= {"params": read} if name == "params" else read
+    return state
+
+
+def resume(manager, target, cfg, r, loader, log):
+    # The state in the newest checkpoint that every process can read. Each process reads it
+    # itself (Orbax's own restore would wait at a barrier for one that failed), retrying what
+    # can pass (I/O, time-outs); an all-gather then decides for all. A step some process cannot
+    # read is renamed <step>.unreadable and the one before is tried. A checkpoint of another
+    # model, data or layout is an error on every process: nothing is retried or renamed.
+    for step in sorted(manager.all_steps(), reverse=True):
+        step_dir = manager.directory / str(step)
+        log(f"restoring step {step} of {manager.directory}")
+        state = read_retrying(lambda: restore(step_dir, target, cfg, r, loader), step_dir)
+        read = multihost_utils.process_allgather(np.int32(state is not None))
+        if read.all():
+            return state
+        failed = np.flatnonzero(read == 0).tolist()
+        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.unreadable")
+        if jax.process_index() == 0:
+            step_dir.rename(manager.directory / f"{step}.unreadable")
+        multihost_utils.sync_global_devices("unreadable checkpoint renamed")
+        manager.reload()
+    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); "
+                     "restore one from a copy, or move them away to start again")
+
+
+def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
+    for attempt in range(tries):
+        try:
+            return read()
+        except (SystemExit, jax.errors.JaxRuntimeError):
+            raise  # settings or a layout that do not match, or a failing device: not the files
+        except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
+            wait, why = 2 ** attempt if attempt + 1 < tries else 0, str(e).splitlines()[0][:200]
+            print(f"process {jax.process_index()}: reading {step_dir}: {why}; retry in {wait}s")
+            time.sleep(wait)
+
+
+def refuse_fresh_start(out):
+    # A run directory where a run has trained never starts over silently: it has unreadable
+    # checkpoints, or metrics but no checkpoint (unless its first save was cut short).
+    names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
+    unreadable = [n for n in names if n.endswith(".unreadable")]
+    interrupted = any("tmp" in n for n in names)
+    if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
+        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
+        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
+                         "restore its checkpoints, or use a new --out")
+
+
 # ----------------------------------------------------------------------------- stopping
 
 STOP = []  # the signal that asked this process to stop, once one came
@@ -571,7 +574,8 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def step(self, step, metrics):  # -> the metrics, on the host; a line every log_every steps
+    def read(self, step, metrics):  # a step's metrics: wait for them, check skips, log a line
+        # -> the metrics on the host. 10 skipped updates in a row stop the run here.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # by the spike guard ([loss, grad norm] spiked), or not finite
@@ -633,7 +637,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
     args.out = args.out if args.out else f"runs/{args.preset}"
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
-    r = dataclasses.replace(RECIPES[args.preset], **STAGE2 if args.stage2 else {})
+    r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
     return cfg, dataclasses.replace(r, **given(Recipe)), args
 
@@ -663,8 +667,10 @@ def start_jax(args):
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:  # no cluster here, or JAX runs already (tests)
+        # ... but JaxRuntimeError (a RuntimeError) means peers were found and could not be
+        # reached, and with --coordinator the user asked for a cluster: both are real failures.
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
-            raise  # a failure to connect to the other processes
+            raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
         raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
 
