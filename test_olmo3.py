@@ -445,12 +445,7 @@ def test_7b_forward_compiles_sharded(preset):
     """The real 7B shapes, lowered with abstract arrays (nothing allocated) on 8 fake devices."""
     cfg = olmo3.MODELS[preset]
     mesh = olmo3.make_mesh(data=1, fsdp=4, tensor=2)
-    abstract = jax.tree.map(
-        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding),
-        olmo3.param_specs(cfg),
-        olmo3.shardings(cfg, mesh),
-        is_leaf=olmo3.is_spec,
-    )
+    abstract = olmo3.abstract_params(cfg, mesh)
     tokens = jax.ShapeDtypeStruct(
         (8, 8192), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp")))
     )
@@ -463,7 +458,7 @@ def test_mesh_errors_are_one_line():
     with pytest.raises(SystemExit, match="does not fit 8 devices"):
         olmo3.make_mesh(data=3, fsdp=-1)
     with pytest.raises(SystemExit, match=r"\(4, 768, 258\) does not split over mesh"):
-        olmo3.shardings(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
+        olmo3.abstract_params(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -1650,7 +1645,7 @@ def test_pod_generate_and_samples_with_splash_on_4_devices_equal_the_reference(
     loader = data.Loader(token_files["train"], r.seq_len, r.global_batch, r.data_seed)
     mesh, texts = olmo3.make_mesh(fsdp=4), {}
     with jax.set_mesh(mesh):
-        sharded = jax.device_put(params, olmo3.shardings(cfg, mesh))
+        sharded = jax.device_put(params, train.shardings_of(olmo3.abstract_params(cfg, mesh)))
         for kind in ("splash", "reference"):
             run = dataclasses.replace(cfg, attention=kind)
             lines = []
@@ -2053,5 +2048,5 @@ def test_generate_equals_hugging_face_greedy(tmp_path, prompt_len):
     np.testing.assert_array_equal(evaluation.generate(params, cfg, prompts, 30), want)
     mesh = olmo3.make_mesh(fsdp=2, tensor=2)
     with jax.set_mesh(mesh):
-        sharded = jax.device_put(params, olmo3.shardings(cfg, mesh))
+        sharded = jax.device_put(params, train.shardings_of(olmo3.abstract_params(cfg, mesh)))
         np.testing.assert_array_equal(evaluation.generate(sharded, cfg, prompts, 30), want)

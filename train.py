@@ -8,7 +8,8 @@ its run, on any mesh. A run stopped before its last step checkpoints and exits w
 # checkpoint helpers and the checks across hosts can wait for a second read: they are what a
 # pod needs to restart and agree. The README has a JAX glossary for nanoGPT readers.
 #
-# Step numbers, defined once. `step` is the number of updates done so far: the state's counter.
+# Step numbers, defined once. `step` is the number of steps done so far: the state's counter
+# (a step the spike guard skipped counts too: its batch was used).
 # The batch it trains on next is loader.batch(step), and that update is number step + 1, which is
 # OLMo-core's 1-based `global_step` and the number logged, checkpointed and compared with
 # recipe.steps. The batch for a step is a pure function of the step, so a resume needs no loader
@@ -138,23 +139,26 @@ def train(cfg, r, args, mesh, manager):
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    pending = None  # the step whose metrics are read once the next one is dispatched
+    # JAX dispatches a step and returns at once, before the devices have run it; only reading a
+    # result (a loss, as a Python float) waits for it. So the loop never reads the step it has
+    # just dispatched: it reads the one before (`unread`), while the devices run this one and
+    # the loader's thread reads the next batch. After dispatching step 8, the host reads step
+    # 7's metrics, their stop flag included: a stop seen there stops the run after step 8, on
+    # every process alike. Before a save, it reads the newest step's at once.
+    unread, last_read = None, {}  # (number, metrics) of the step not read yet; the last read
     for step, batch in loader.iterate(int(state["step"]), r.steps):
-        # Dispatch the step and go on: JAX runs it asynchronously, so the host reads the next
-        # batch meanwhile. Reading a step's metrics waits for it, so they are read a step late:
-        # after dispatching step 8, the host reads step 7's loss (and its stop flag); a stop
-        # seen there stops the run after step 8, on every process alike. A save reads the
-        # newest step's metrics at once: a checkpoint's loss is always checked.
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # SIGTERM on any process, seen by all
-        seen = log.read(*pending) if pending else {}  # 10 skips in a row: an error, here
-        pending, done = (step + 1, metrics), step + 1
+        done = step + 1
+        if unread:
+            last_read = log.read(*unread)  # logged; 10 skipped updates in a row: an error, here
+        unread = (done, metrics)
         if evals and (done % r.eval_every == 0 or done == r.steps):
             evals(state["params"], done)  # logged
-        stop = stop_reason(done, args, seen) if done < r.steps else None
+        stop = stop_reason(done, args, last_read) if done < r.steps else None
         if done % r.save_every == 0 or done == r.steps or stop:
-            log.read(*pending)  # never checkpoint a state whose loss was not checked
-            pending = None
+            last_read = log.read(*unread)  # never checkpoint a state whose loss was not checked
+            unread = None  # (a stop flag read here stops the run after the next step)
             save(manager, done, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop:
@@ -207,17 +211,22 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
-    # For each of this process's devices, the slice of rows it holds of a [global_batch, 1]
-    # array: on 2 processes of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16.
+    # On a pod every process runs this same program but feeds only its own devices. Asked of
+    # any [global_batch, width] array (width 1 will do: only rows are split), the batch's
+    # sharding tells each device's slice of rows: on 2 processes of 2 devices with fsdp=4,
+    # process 1 holds rows 8-15 of 16, in contiguous blocks (OLMo-core's rank r takes rows
+    # r::W; either way the batch, and so the loss, is the same).
     index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([np.arange(r.global_batch)[i[0]] for i in index.values()]))
 
 
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
-    # Each device is given its rows, from the process it belongs to; with `tensor` across
-    # hosts, two processes read the same rows. index: the rows and columns one device holds;
-    # searchsorted finds where those rows are among this process's (loader.rows, sorted). With
-    # loader.rows = [8..15] and a device holding rows 12-15, it takes x[4:8].
+    # One jax.Array spans every device of every process; make_array_from_callback asks for
+    # each of this process's devices' part (`index`: the rows and columns it holds) and
+    # assembles the global array without moving data between hosts. searchsorted finds those
+    # rows among this process's (loader.rows, sorted): with loader.rows = [8..15] and a device
+    # holding rows 12-15, it takes x[4:8]. (With `tensor` across hosts, two processes read the
+    # same rows.)
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
         mine = lambda index: x[np.searchsorted(loader.rows, np.arange(shape[0])[index[0]])]
@@ -229,19 +238,16 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
 
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
-    # jax.ShapeDtypeStruct is an array's description (shape, dtype, sharding); eval_shape runs a
-    # function on descriptions and returns descriptions, so optax's init describes Adam's state.
-    # optax.tree_map_params finds, in that state, the trees shaped like the params (Adam's two
-    # moments) and gives them the params' shardings; the rest (Adam's count) is replicated.
     # The result: {params, opt_state: (clip: (), adam: (count, mu, nu), decay: ()), step,
-    # history}, every leaf a description with its sharding.
-    specs, weights = olmo3.param_specs(cfg), olmo3.shardings(cfg, mesh)
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh),
-                          specs, weights, is_leaf=olmo3.is_spec)
+    # history}, every leaf a jax.ShapeDtypeStruct (a description: shape, dtype, sharding).
+    params = olmo3.abstract_params(cfg, mesh)
+    # eval_shape runs a function on descriptions and returns descriptions: Adam's state, here,
+    # with no sharding yet.
     adam = jax.eval_shape(optimizer(r).init, params)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
-    # Adam's moments are sharded like the params they follow; its step count is replicated.
+    # optax.tree_map_params finds, in Adam's state, the trees shaped like the params (the two
+    # moments) and shards them like the params; the rest (Adam's count) is replicated.
     opt_state = optax.tree_map_params(optimizer(r), like_param, adam, params,
                                       transform_non_params=replicated)
     return {"params": params, "opt_state": opt_state,
@@ -287,11 +293,13 @@ def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the
                          "data-parallel devices do not divide; pick multiples of each other")
     tokens = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                   sharding=olmo3.batch_sharding(mesh))
-    batch = dict.fromkeys(("inputs", "labels", "segments")[:3 if r.packing else 2], tokens)
+    names = ("inputs", "labels", "segments") if r.packing else ("inputs", "labels")
+    batch = dict.fromkeys(names, tokens)  # the batch described, as the loader will give it
     # donate_argnums=0: the old state's buffers are reused for the new state, so the step holds
     # one copy of the state, not two (the caller must not touch the old one again). cfg and r
     # are Python values the lambda closes over: baked into the program, like static arguments.
-    # lower() traces it to XLA for these shapes and shardings; compile() builds it, ahead of time.
+    # out_shardings: the new state keeps the old one's shardings; None lets XLA place the
+    # metrics. lower() traces the step for these shapes and shardings; compile() builds it.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -354,22 +362,21 @@ def schedule(r: Recipe):
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     lr = cosine(max(r.steps, warmup + 1))
-    if r.schedule == "linear":
+    if r.schedule == "linear":  # join_schedules runs the second part from 0 at update W
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
     if r.schedule == "olmo3":
-        # T is the token budget over the tokens per step, rounded up; W2 is -2.py's arithmetic.
+        # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
+        # up); W2 is -2.py's arithmetic. The second part starts at update 596,048 whatever the
+        # batch: AI2's restart followed update 596,047 of 512 x 8192 (the 7b preset's).
         tokens = r.global_batch * r.seq_len
         t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-        part2 = optax.join_schedules([optax.linear_schedule(0.0, (peak + floor) / 2, warmup2),
-                                      lambda k: half(k + t_max2 - warmup2)], [warmup2])
-        # join_schedules calls a later part with k minus its start; adding the start back
-        # evaluates part 2 at the update's own number k, from update 596,048 on. These are the
-        # 7b preset's numbers (512 x 8192): another batch keeps AI2's restart step.
-        lr = optax.join_schedules([cosine(t_max1), lambda k: part2(k + 596_048)], [596_048])
+        part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
+                                    half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
+        lr = lambda k: jnp.where(k < 596_048, cosine(t_max1)(k), part2(k))
     return lambda count: lr(count + 1)
 
 
@@ -383,18 +390,18 @@ def optimizer(r: Recipe):
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
-    # OLMo-core's SkipStepOptimizer, on values [loss, grad norm]: either spiking skips the update.
-    # history [2, 128]: the last 128 losses and grad norms, a ring indexed by the step; the
-    # first `step` slots hold values until it is full. A value spikes when it is not within 6
-    # standard deviations above the mean of those before it, once 64 values exist with it.
-    # OLMo-core tests "within" (<=), so a NaN or an infinity is a spike too.
-    previous = jnp.minimum(step, HISTORY)
+    # OLMo-core's SkipStepOptimizer, on values [loss, grad norm]: either one spiking skips the
+    # update (train_step's spikes.any()). history [2, 128]: the last 128 losses (row 0) and grad
+    # norms (row 1), a ring indexed by the step; until it is full, the first `step` slots hold
+    # values. mean and std [2]: one per row, of the values before this step.
+    previous = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(previous, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(previous - 1, 1))  # torch.std's n - 1
-    spikes = (previous + 1 >= HISTORY // 2) & ~(values - mean <= 6 * std)
-    return spikes, history.at[:, step % HISTORY].set(values)
+    enough = previous + 1 >= HISTORY // 2  # OLMo-core judges once 64 values exist, this one too
+    within = values - mean <= 6 * std  # OLMo-core's test, as written: False for NaN or inf
+    return enough & ~within, history.at[:, step % HISTORY].set(values)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -439,9 +446,10 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model, the data
     # order and the data; --init-from only the model, whose YaRN it may turn on (stage 3).
     model, saved = saved_config(step_dir)
-    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (r is not None or f[:4] != "yarn")]
+    resuming = r is not None  # else --init-from, where the YaRN fields may differ
+    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (resuming or f[:4] != "yarn")]
     pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
-    if r is not None:
+    if resuming:
         recipe = saved["recipe"]  # a field it lacks had the default when it was written
         pairs += [(f, recipe.get(f, getattr(Recipe(), f)), getattr(r, f)) for f in DATA_ORDER]
         pairs += [("data", saved.get("data", loader.fingerprint), loader.fingerprint)]
@@ -494,9 +502,9 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
         except (SystemExit, jax.errors.JaxRuntimeError):
             raise  # settings or a layout that do not match, or a failing device: not the files
         except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
-            wait, why = 2 ** attempt if attempt + 1 < tries else 0, str(e).splitlines()[0][:200]
-            print(f"process {jax.process_index()}: reading {step_dir}: {why}; retry in {wait}s")
-            time.sleep(wait)
+            why = str(e).splitlines()[0][:200]
+            print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
+            time.sleep(2 ** attempt if attempt + 1 < tries else 0)
 
 
 def refuse_fresh_start(out):
@@ -531,10 +539,10 @@ def stop_signalled(mesh):  # was any process asked to stop? One answer, the same
     return jnp.any(flags)
 
 
-def stop_reason(step, args, seen):  # why the run stops after this step (None: it goes on)
+def stop_reason(step, args, last_read):  # why the run stops after this step (None: it goes on)
     if step == args.stop_at:
         return "--stop-at"
-    if seen.get("stop"):  # the step before saw a signal: every process stops now, together
+    if last_read.get("stop"):  # the step before saw a signal: every process stops now, together
         return f"{STOP[0]} received" if STOP else "another process was asked to stop"
 
 
@@ -542,7 +550,8 @@ def stop_reason(step, args, seen):  # why the run stops after this step (None: i
 
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
-# dense bf16 TFLOP/s per JAX device; TPU7x (Ironwood) has two devices per chip
+# dense bf16 TFLOP/s per JAX device; TPU7x (Ironwood) has two devices per chip. The first name
+# found in the device's kind counts, so "v5 lite" must come before "v5".
 
 
 class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt, metrics.jsonl
