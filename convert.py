@@ -50,7 +50,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     hf = {key: value for key, value in hf.items() if value is not None}  # null: the default
     # RoPE per layer type: the rope_parameters form, or the legacy rope_scaling key, which
-    # transformers applies to the full-attention layers only (as AI2's released config has it)
+    # transformers applies to the full-attention layers only (as AI2's released config has it).
+    # In `full`, later keys win: rope_scaling over rope_parameters over rope_theta.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
@@ -87,6 +88,7 @@ def config_to_hf(cfg) -> dict:
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # (small test models)
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
             **{key: getattr(cfg, name) for name, key in HF_CONFIG.items()},
+            # the context trained: 8,192, or YaRN's factor times it (65,536 after stage 3)
             "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
@@ -155,7 +157,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.direction == "hf-to-jax":
         cfg, params = from_hf(args.src)
-        with ocp.CheckpointManager(os.path.abspath(args.out)) as manager:  # step 0: --init-from
+        with train.checkpoints(args.out, train.Recipe()) as manager:  # step 0: --init-from
             train.save(manager, 0, {"params": params}, cfg)
     else:  # a converted checkpoint, or a run's latest
         step_dir = train.latest_checkpoint(args.src)

@@ -172,7 +172,8 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         order = np.array([d for b in bins for d in b], np.int64)  # bin after bin
         instance = instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
-        instances, done = instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)  # MB
+        # Progress: MB of token files packed so far (4 bytes a token), and the ETA
+        instances, done = instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
         eta = (sum(loader.sizes) * 4e-6 - done) / done * (time.time() - t)
         print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
               f" MB/s, ETA {eta:.0f}s) into {instances:,} instances", file=sys.stderr)
@@ -183,13 +184,14 @@ def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's Instance
     # Longest first, in the order of numpy's default (unstable) argsort, as OLMo-core sorts. Each
     # document goes into the bin with the least free space that holds it; among bins with that
     # space, the one that came down to it first (OLMo-core's FIFO per space); else a new bin.
-    # `spaces` lists the free spaces some open bin has, sorted; bins_at[space]: those bins, in
-    # the order they came down to it; so spaces == sorted(s for s in bins_at if bins_at[s]).
+    # `spaces` lists the free spaces some open bin has, sorted; bins_with[space]: those bins, in
+    # the order they came down to it; so spaces == sorted(s for s in bins_with if bins_with[s]).
+    # A full bin (space 0) is never listed.
     # Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0 (3 left), 5 opens bin 1 (3 left), 2
     # goes to bin 0 (first to reach 3: 1 left), 2 to bin 1, 1 to bin 0: bins [[0, 2, 4], [1,
     # 3]], as OLMo-core's own code packs them.
     order = np.argsort(-lengths.astype(np.int64))
-    bins, spaces, bins_at = [], [], collections.defaultdict(collections.deque)
+    bins, spaces, bins_with = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
         i = bisect.bisect_left(spaces, n)  # the least free space that holds n
         if i == len(spaces):
@@ -197,14 +199,14 @@ def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's Instance
             b, space = len(bins) - 1, seq_len
         else:
             space = spaces[i]
-            b = bins_at[space].popleft()
-            if not bins_at[space]:
+            b = bins_with[space].popleft()
+            if not bins_with[space]:
                 del spaces[i]
         bins[b].append(doc)
         if space > n:
-            if not bins_at[space - n]:
+            if not bins_with[space - n]:
                 bisect.insort(spaces, space - n)
-            bins_at[space - n].append(b)
+            bins_with[space - n].append(b)
     return bins
 
 
@@ -312,6 +314,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
         for text in texts:
             raw = text.encode()
             split = int(is_heldout(raw, heldout))
+            # bytes: the same ids as tok.encode, straight from the UTF-8, much faster
             ids = np.frombuffer(raw, np.uint8) if tok.name == "bytes" else tok.encode(text)
             np.append(ids, tok.eos_id).astype(TOKEN_DTYPE).tofile((train, held)[split])
             docs[split], done, seconds = docs[split] + 1, done + len(raw), time.time() - start

@@ -44,7 +44,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     """(params, step) -> {set or task: {metric: value}}, logged; the sets and tasks read now."""
     tokenizer = data.get_tokenizer(cfg.tokenizer)
     sets = perplexity_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {}
-    docs = {name: documents(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
+    docs = {name: document_rows(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
             for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, tasks_spec.split(","))}
@@ -90,8 +90,8 @@ def score(params, cfg, mesh, rows, vocab, batch, width):
         x, y = np.zeros((batch, width), np.int32), np.full((batch, width), -100, np.int32)
         for row, (inputs, labels) in enumerate(rows[start:start + batch]):
             x[row, :len(inputs)], y[row, :len(labels)] = inputs, labels
-        sums = logprobs(params, put(x), put(y), cfg, vocab)
-        out.append(multihost_utils.process_allgather(sums, tiled=True))
+        sums = logprobs(params, put(x), put(y), cfg, vocab)  # a global array over the devices
+        out.append(multihost_utils.process_allgather(sums, tiled=True))  # all of it, on each host
     return np.concatenate(out)[:len(rows)]
 
 
@@ -111,7 +111,7 @@ def perplexity_sets(spec, tokenizer, root=None):
     return {name: data.resolve_source(files) for name, files in sets.items()}
 
 
-def documents(files, eos, seq_len, limit):
+def document_rows(files, eos, seq_len, limit):
     """(document, its labels) of the first `limit` documents (0: all), with EOS, cut to seq_len."""
     docs = []
     for f in files:
@@ -186,6 +186,7 @@ def metric_value(metric, requests, scores, tokens):
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[NORMS[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     if NORMS[metric] == "bytes":
+        # each document has one continuation scored (load_task kept the right one): its bits
         value = np.mean([-next(iter(s.values())) * LOG2_E for s in by_doc.values()])
     else:  # argmax over the continuations, the first one on a tie
         value = np.mean([int(np.argmax([s[i] for i in sorted(s)])) == gold[d]

@@ -38,7 +38,7 @@ class Config:
     yarn_beta_slow: float = 1.0
     yarn_original_context: int = 8192
     norm_eps: float = 1e-6
-    # How it runs (NUMERICS): a checkpoint loads whatever these are.
+    # How it runs (NUMERICS): fields a checkpoint need not match; the command line's are used.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
     remat: bool = False                # recompute each layer in the backward pass
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
@@ -110,7 +110,8 @@ def param_count(cfg: Config) -> int:  # every weight, the vocabulary padding inc
 def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # Training is 3 x forward: 2 FLOPs per matmul weight (the embedding is a gather), and 4 per
     # head dim for each key a query sees. windows=False counts every layer as full causal, as
-    # MaxText does; a window W sees W - (W^2 - W) / 2S keys on average.
+    # MaxText does; a window W sees W - (W^2 - W) / 2S keys on average (query i sees min(i, W)
+    # keys, i = 1..S).
     S, W = seq_len, cfg.sliding_window
     seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
@@ -158,20 +159,19 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
-    # For the 7B: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full). Each weight
-    # [32, ...] becomes [8, 4, ...]; scan hands `group` one [4, ...] slice (p_group) at a time,
-    # and the 4 layers inside are unrolled. ropes["full"]: the full layers' table (YaRN).
-    # lax.scan(f, x, xs) is `for g in xs: x, y = f(x, g)`, compiled once for every g; f returns
-    # (the carry, a per-step output), and the layers have no output but x: None.
 
-    def group(x, p_group):  # p_group: every weight as [group_size, ...]
+    def group(x, p_group):  # p_group: every weight as [group_size, ...]; -> (x, no output)
         # Every group starts at a multiple of group_size, so the layer at `position` in any
-        # group has the window of layer `position` of the model.
+        # group has the window of layer `position` of the model. ropes["full"]: YaRN's table.
         for position in range(group_size):
             window = None if cfg.is_global(position) else cfg.sliding_window
             p = jax.tree.map(lambda w: w[position], p_group)
             x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
+    # For the 7B: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full). Each weight
+    # [32, ...] becomes [8, 4, ...], and scan hands `group` one [4, ...] slice at a time.
+    # lax.scan(f, x, xs) is `for g in xs: x, y = f(x, g)`, compiled once for every g; f returns
+    # (the carry, a per-step output), and a group's only output is x, the carry: None.
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     x, _ = jax.lax.scan(group, x, groups)
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
@@ -296,9 +296,9 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     # Sizes that multiply to fewer devices than there are use the first ones (e.g. to resume on
     # fewer).
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
-    n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
     # Valid: at most one -1, other sizes positive, and their product dividing n <= the devices.
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
+    n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices; their product must divide it (one may be -1)")
@@ -401,7 +401,8 @@ def attention_splash(q, k, v, window: int | None, segments=None):
                                         interpret=jax.default_backend() != "tpu")
         heads_first = lambda x: x.transpose(0, 2, 1, 3)
         ids = None if segments is None else splash.SegmentIds(segments, segments)  # q, kv
-        # The kernel does not scale the scores: q is scaled first. vmap: over the rows.
+        # The kernel does not scale the scores: q is scaled first. vmap maps the kernel over
+        # the rows; ids None (no packing) is an empty pytree, which vmap passes through.
         out = jax.vmap(kernel)(heads_first(q * E ** -0.5), heads_first(k), heads_first(v), ids)
         return heads_first(out)
     if mesh.empty:

@@ -1144,6 +1144,21 @@ def test_spike_guard_follows_olmo_core():
     ]
 
 
+def test_spike_guard_keeps_a_non_finite_value_out_of_its_history():
+    """One NaN grad norm is a spike; kept in the history, it would make every later step one."""
+    history, rng = jnp.zeros((2, 128)), np.random.default_rng(0)
+    spiked = []
+    for i in range(200):
+        values = [3 + 0.01 * rng.standard_normal(), 1 + 0.01 * rng.standard_normal()]
+        if i == 100:
+            values[1] = np.nan
+        spikes, history = train.spike_guard(history, i, jnp.array(values, jnp.float32))
+        if np.asarray(spikes).any():
+            spiked.append(i)
+    assert spiked == [100]
+    assert np.isfinite(np.asarray(history)).all()
+
+
 def test_flag_errors_are_one_line(capsys):
     for flags, message in [
         (["--lr", "fast"], "invalid float value"),
@@ -1593,13 +1608,15 @@ def test_pod_run_directory_not_shared_is_a_one_line_error_at_start_up(tmp_path, 
 def test_pod_data_that_differs_between_processes_or_from_the_checkpoint_is_one_line(
     pod_run, token_files, tmp_path
 ):
-    procs = pod(
-        pod_command(token_files, tmp_path / "new", "--steps", "2"),
-        extra=((), ("--data", str(Path(token_files["train"]).parent / "a.npy"))),
-    )
-    outputs = outputs_of(procs, timeout=120)
-    assert exits(procs, outputs) == [1, 1], outputs
-    assert all("error: process(es) [1] read other token files than process 0" in o for o in outputs)
+    for packing in ("false", "true"):  # packed: found before process 0 packs, not a hang
+        procs = pod(
+            pod_command(token_files, tmp_path / packing, "--steps", "2", "--packing", packing),
+            extra=((), ("--data", str(Path(token_files["train"]).parent / "a.npy"))),
+        )
+        outputs = outputs_of(procs, timeout=120)
+        assert exits(procs, outputs) == [1, 1], outputs
+        expected = "error: process(es) [1] read other token files than process 0"
+        assert all(expected in o for o in outputs), outputs
     out = copy_run(pod_run, tmp_path)  # a resume on other data: one of the two files
     one_file = str(Path(token_files["train"]).parent / "a.npy")
     with pytest.raises(SystemExit, match=r"^error: checkpoint .* has data=\d+ \(command line: "):
@@ -1988,7 +2005,7 @@ def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     (tmp_path / "mix.txt").write_text("x,a.npy\ny,a.npy\nx,a.npy\n")
     sets = evaluation.perplexity_sets(str(tmp_path / "mix.txt"), "bytes")
     assert list(sets) == ["x", "y"] and len(sets["x"]) == 2
-    got = evaluation.documents(sets["y"], eos, 32, 0)
+    got = evaluation.document_rows(sets["y"], eos, 32, 0)
     assert [len(d) for d, _ in got] == [6, 32, 4] and got[1][0][-1] == 31
     cfg, r, args = train.parse_args(SMALL_RUN + ["--global-batch", "4"])
     params = olmo3.init(cfg, jax.random.key(0))

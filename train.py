@@ -125,9 +125,7 @@ def train(cfg, r, args, mesh, manager):
     """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
-    loader, heldout = load_data(cfg, r, args, mesh)
-    check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
-                          "--data, --data-root and the mix file on every host")
+    loader, heldout = load_data(cfg, r, args, mesh)  # the same token files on every process
     log, evals = Log(cfg, r, args.out, mesh), None
     beside = importlib.util.find_spec("evaluation") is not None  # evaluations live beside
     if args.eval_data or args.eval_tasks or (heldout and beside):
@@ -144,7 +142,8 @@ def train(cfg, r, args, mesh, manager):
     # just dispatched: it reads the one before (`unread`), while the devices run this one and
     # the loader's thread reads the next batch. After dispatching step 8, the host reads step
     # 7's metrics, their stop flag included: a stop seen there stops the run after step 8, on
-    # every process alike. Before a save, it reads the newest step's at once.
+    # every process alike. Before a save, it reads the newest step's at once. Stop decisions
+    # use only metrics, which are the same on every process, never a process's own state.
     unread, last_read = None, {}  # (number, metrics) of the step not read yet; the last read
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
@@ -204,10 +203,13 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         heldout = os.path.join(source, "heldout.txt")
     options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
-    if r.packing:  # process 0 packs the documents into the run directory, once
+    loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
+    check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
+                          "--data, --data-root and the mix file on every host")
+    if r.packing:  # process 0 packs the same files into the run directory, once; all read it
         options |= dict(group_size=r.source_group_size, cache=args.out, rank=jax.process_index())
-    kind = data.PackedLoader if r.packing else data.Loader
-    return kind(source, r.seq_len, r.global_batch, r.data_seed, **options), heldout
+        loader = data.PackedLoader(source, r.seq_len, r.global_batch, r.data_seed, **options)
+    return loader, heldout
 
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
@@ -293,8 +295,8 @@ def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the
                          "data-parallel devices do not divide; pick multiples of each other")
     tokens = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                   sharding=olmo3.batch_sharding(mesh))
-    names = ("inputs", "labels", "segments") if r.packing else ("inputs", "labels")
-    batch = dict.fromkeys(names, tokens)  # the batch described, as the loader will give it
+    # The batch described, as the loader gives it: inputs, labels and, packed, segments
+    batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
     # donate_argnums=0: the old state's buffers are reused for the new state, so the step holds
     # one copy of the state, not two (the caller must not touch the old one again). cfg and r
     # are Python values the lambda closes over: baked into the program, like static arguments.
@@ -362,7 +364,7 @@ def schedule(r: Recipe):
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     lr = cosine(max(r.steps, warmup + 1))
-    if r.schedule == "linear":  # join_schedules runs the second part from 0 at update W
+    if r.schedule == "linear":  # (else cosine) join_schedules runs part 2 from 0 at update W
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
@@ -401,7 +403,11 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(previous - 1, 1))  # torch.std's n - 1
     enough = previous + 1 >= HISTORY // 2  # OLMo-core judges once 64 values exist, this one too
     within = values - mean <= 6 * std  # OLMo-core's test, as written: False for NaN or inf
-    return enough & ~within, history.at[:, step % HISTORY].set(values)
+    # A value that is not finite is kept out of the history (the mean takes its slot): kept, it
+    # would make every later step a spike until it left the window. (OLMo-core's guard keeps
+    # it; its trainer stops at a non-finite loss.)
+    kept = jnp.where(jnp.isfinite(values), values, mean)
+    return enough & ~within, history.at[:, step % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -426,13 +432,12 @@ def latest_checkpoint(path):  # of a run directory, or of a converted checkpoint
 
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     # A checkpoint: the params, the rest of a training state if there is one, and the config.
-    parts = {"params": state["params"]}
+    saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
-        parts["train_state"] = {k: state[k] for k in TRAIN_STATE}
+        saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
     config = {"model": dataclasses.asdict(cfg)}
     if r is not None:
         config |= {"recipe": dataclasses.asdict(r), "data": data_fingerprint}
-    saves = {k: ocp.args.StandardSave(v) for k, v in parts.items()}
     manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
 
 
@@ -446,8 +451,9 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model, the data
     # order and the data; --init-from only the model, whose YaRN it may turn on (stage 3).
     model, saved = saved_config(step_dir)
-    resuming = r is not None  # else --init-from, where the YaRN fields may differ
+    resuming = r is not None  # else --init-from, where the yarn_* fields may differ
     fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (resuming or f[:4] != "yarn")]
+    # pairs: (a setting, its value in the checkpoint, on the command line), which must be equal
     pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
     if resuming:
         recipe = saved["recipe"]  # a field it lacks had the default when it was written
@@ -461,14 +467,14 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     if "opt_state" in target and (step_dir / "train_state").exists():
         parts["train_state"] = {k: target[k] for k in TRAIN_STATE}
     handler, state = ocp.StandardCheckpointHandler(), {}
-    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
+    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
     for name, tree in parts.items():  # another layout (a change of code): an error, not a retry
         if shapes(handler.metadata(step_dir / name)) != shapes(tree):
             raise SystemExit(f"error: checkpoint {step_dir} holds a {name} layout this code does "
                              "not make (another version wrote it?); resume it with that version, "
                              "or use a new --out")
         read = handler.restore(step_dir / name, args=ocp.args.StandardRestore(tree))
-        state |= {"params": read} if name == "params" else read
+        state |= {"params": read} if name == "params" else read  # train_state: 3 entries
     return state
 
 
@@ -532,8 +538,9 @@ def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C 
 
 
 def stop_signalled(mesh):  # was any process asked to stop? One answer, the same on all
-    # A device array of every device's flag, read with the step's metrics. (JAX's preemption
-    # sync point, which Orbax offers, misses a SIGTERM that comes before the first step.)
+    # A device array of every device's flag; jnp.any over it is an all-reduce, so every process
+    # gets the same answer, read with the step's metrics. (JAX's preemption sync point, which
+    # Orbax offers, misses a SIGTERM that comes before the first step.)
     flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
                                          lambda _: np.array([bool(STOP)]))  # one per device
     return jnp.any(flags)
