@@ -38,7 +38,8 @@ def ours(params, kind, layer):  # one of our arrays, a layer's for a block weigh
 
 
 def hf_layout(array, kind, cfg):  # our (layer's) array as HF's: a view, transposed, vocab cut
-    # A view, not a copy: from_hf writes HF's tensors into our arrays through it.
+    # A view, not a copy (numpy's .T and slices are views): from_hf writes HF's tensors into
+    # our arrays through it.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
@@ -55,9 +56,10 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
-    sliding = rope.get("sliding_attention", {"rope_theta": full["rope_theta"]})
+    plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # OLMo 3's sliding RoPE
+    sliding = plain | rope.get("sliding_attention", {})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
-    need(sliding.get("rope_type", "default") == "default", f"sliding layers' RoPE {sliding}")
+    need(sliding == plain, f"sliding layers' RoPE {sliding}, not the full layers' theta unscaled")
     expected = 0.1 * math.log(max(factor, 1)) + 1  # YaRN's attention factor, as OLMo 3 has it
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
@@ -157,7 +159,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.direction == "hf-to-jax":
         cfg, params = from_hf(args.src)
-        with train.checkpoints(args.out, train.Recipe()) as manager:  # step 0: --init-from
+        # step 0 of a new checkpoint directory (a recipe makes the manager writable)
+        with train.checkpoints(args.out, train.Recipe()) as manager:
             train.save(manager, 0, {"params": params}, cfg)
     else:  # a converted checkpoint, or a run's latest
         step_dir = train.latest_checkpoint(args.src)

@@ -6,9 +6,9 @@
 # 1. `Loader` cuts each token file into instances of seq_len tokens (the tail is dropped and
 #    documents run across instance boundaries), shuffles the instance ids once per epoch exactly
 #    as OLMo-core does, and reads the rows of each global batch that this process's devices hold
-#    (OLMo-core's rank r of W takes rows r::W; here a device holds a block of rows, and the
-#    batch, and so the loss, is the same). Labels are the inputs shifted left
-#    by one; the last position is ignored (-100).
+#    (OLMo-core's rank r of W takes rows r::W; here a device holds a block of rows: the set of
+#    rows, and so the loss, is the same; only which device holds which differs). Labels are the
+#    inputs shifted left by one; the last position is ignored (-100).
 # 2. `PackedLoader` (stage 3) packs whole documents into the instances instead, as OLMo-core's
 #    NumpyPackedFSLDataset does, and gives each token its document's segment id for attention.
 # 3. `resolve_source` turns a mix file (OLMo's `label,relative/path.npy` lines), a glob or a
@@ -48,11 +48,14 @@ class Loader:
         # pod, train.local_rows: the rows its devices hold). permutation_seed: OLMo-core's
         # source_permutation_seed (-1: the files in their order).
         self.files = resolve_source(source, tokenizer, root)
-        if permutation_seed >= 0:  # OLMo-core shuffles the indices: the same permutation
+        # OLMo-core shuffles the file indices with random.Random(seed); shuffling the list with
+        # it gives the same permutation
+        if permutation_seed >= 0:
             random.Random(permutation_seed).shuffle(self.files)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
-        self.vocab_size, self.shuffled = vocab_size, (None, None)  # the last epoch_order
+        self.vocab_size = vocab_size
+        self.shuffled = (None, None)  # (epoch, its order): the last epoch_order, kept
         self.sizes = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in self.files]  # tokens
         # The data's fingerprint: the files' names and sizes, hashed to 60 bits (an int64, which
         # the hosts compare, and a checkpoint keeps)
@@ -69,7 +72,7 @@ class Loader:
 
     def epoch_order(self, epoch):
         """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] ids."""
-        if self.shuffled[0] != epoch:  # (epoch, its order): shuffled once, kept
+        if self.shuffled[0] != epoch:  # shuffled once an epoch
             ids = np.arange(self.num_instances, dtype=np.uint32)
             np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
             batches = ids[: self.steps_per_epoch * self.global_batch]
@@ -100,9 +103,9 @@ class Loader:
                              f"{self.files[f]}: another tokenizer's; re-tokenize it")
         return x
 
-    def iterate(self, start_step, stop_step):
-        """Yield (step, batch); a thread reads the next batch while a step trains."""
-        # A mounted bucket's latency is hidden; the thread's errors are raised here.
+    def iterate(self, start_step, stop_step):  # -> (step, batch), one step after another
+        # A thread reads the next batch while a step trains: a mounted bucket's latency is
+        # hidden; the thread's errors are raised here.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ahead = pool.submit(self.batch, start_step)
             for step in range(start_step, stop_step):
@@ -159,6 +162,7 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
     # OLMo-core's pack_documents_into_instances on each run of group_size files (its
     # source_group_size); instances numbered group by group, each group's in the order they
     # opened, and each instance's documents in the order they went in.
+    # docs: [3, documents] rows file, offset, length; packed adds a fourth row, the instance
     packed, instances, t, files = [], 0, time.time(), loader.files
     for first in range(0, len(files), group_size):
         docs, last = [], min(first + group_size, len(files))  # the group: files first to last
@@ -308,7 +312,8 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
     if not 0 <= heldout < 1:
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction like 0.05")
     os.makedirs(out_dir, exist_ok=True)
-    epath.Path(out_dir, "heldout.txt").unlink(missing_ok=True)  # an earlier run's: maybe not ours
+    # An earlier run's heldout.txt goes: this run writes one only if it holds something out
+    epath.Path(out_dir, "heldout.txt").unlink(missing_ok=True)
     tok, start, done, docs = get_tokenizer(tokenizer), time.time(), 0, [0, 0]
     with open(f"{out_dir}/train.npy", "wb") as train, open(f"{out_dir}/heldout.npy", "wb") as held:
         for text in texts:
@@ -341,7 +346,7 @@ def is_heldout(text_bytes, fraction):  # by a hash of the content: the same on e
 
 
 def read_text(path):  # bytes as they are (no newline translation), undecodable ones replaced
-    return open(path, "rb").read().decode("utf-8", "replace")
+    return epath.Path(path).read_bytes().decode("utf-8", "replace")
 
 
 # ----------------------------------------------------------------------------- default corpora

