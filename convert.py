@@ -52,7 +52,9 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     hf = {key: value for key, value in hf.items() if value is not None}  # null: the default
     # RoPE per layer type: the rope_parameters form, or the legacy rope_scaling key, which
     # transformers applies to the full-attention layers only (as AI2's released config has it).
-    # In `full`, later keys win: rope_scaling over rope_parameters over rope_theta.
+    # In `full`, later keys win: rope_scaling over rope_parameters over rope_theta. AI2's
+    # released 7B (rope_theta 500000, rope_scaling {rope_type: yarn, factor: 8, ...}) gives
+    # full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, and sliding = plain.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

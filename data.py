@@ -168,7 +168,7 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         docs, last = [], min(first + group_size, len(files))  # the group: files first to last
         for i in range(first, last):  # docs: [file, offset, length] of each, in file order
             ends = np.flatnonzero(np.fromfile(files[i], TOKEN_DTYPE) == loader.eos) + 1
-            begins = np.concatenate([[0], ends[:-1]])  # tokens after a file's last EOS: none
+            begins = np.concatenate([[0], ends])[:-1]  # tokens after a file's last EOS: none
             lengths = np.minimum(ends - begins, loader.seq_len)  # longer: its first seq_len
             docs.append(np.stack([np.full_like(ends, i), begins, lengths]))
         docs = np.concatenate(docs, axis=1)

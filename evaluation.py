@@ -51,7 +51,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     batch = r.micro_batch if r.micro_batch else r.global_batch
 
     def evaluate(params, step=None):
-        results = {}
+        results, names = {}, {}  # names: AI2's, eval/lm/SET/PPL and eval/downstream/TASK/METRIC
         # Perplexity is the training loss's: a softmax over the padded vocabulary, as OLMo-core
         # computes it. Tasks compare continuations, as olmo_eval does with HF's real vocabulary.
         for name, rows in docs.items():
@@ -59,13 +59,12 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             # OLMo-core divides by the document tokens (n), not the n - 1 targets: so do we.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
+            names |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
         for name, (metric, requests, rows) in tasks.items():
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, batch, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
-        # AI2's metric names: eval/lm/SET/PPL, eval/downstream/TASK/METRIC; shown as SET/PPL
-        names = {f"eval/{'lm' if 'PPL' in ms else 'downstream'}/{k}/{m}": v
-                 for k, ms in results.items() for m, v in ms.items() if m != "docs"}
-        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())
+            names[f"eval/downstream/{name}/{metric}"] = results[name][metric]
+        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())  # SET/PPL
         if step is not None:
             log(f"step {step:>6}/{r.steps} | eval | {shown}", step=step, **names)
         return results

@@ -111,11 +111,11 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # Training is 3 x forward: 2 FLOPs per matmul weight (the embedding is a gather), and 4 per
     # head dim for each key a query sees. windows=False counts every layer as full causal, as
     # MaxText does; a window W sees W - (W^2 - W) / 2S keys on average (query i sees min(i, W)
-    # keys, i = 1..S: their sum is SW - W(W - 1) / 2). Norms are found by their HF names.
+    # keys, i = 1..S: their sum is SW - W(W - 1) / 2).
     S, W = seq_len, cfg.sliding_window
     seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
-    # the weights of matmuls: not the norms, nor the embedding (a gather)
+    # the weights of matmuls: not the norms, nor the embedding (a gather), by their HF names
     leaves = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
     weights = sum(math.prod(s.shape) for s in leaves if "norm" not in s.hf and "embed" not in s.hf)
     return 3 * (2 * weights + 4 * cfg.head_dim * cfg.n_heads * sum(seen))
@@ -150,19 +150,25 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # Layers go in groups of `global_every` (3 sliding, 1 full), or all in one group when that
     # does not divide n_layers. Within a group they are unrolled, so each knows its window
     # statically; the groups are scanned, as MaxText does, so a 32-layer model compiles one group.
+    # In the order it runs, for the 7B:
+    # 1. groups: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full); each weight
+    #    [32, ...] becomes [8, 4, ...].
+    # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, compiled once for
+    #    every g; a scanned function returns (the carry, a per-step output): here (x, None).
+    # 3. group unrolls its 4 layers, each `layer`: block under jax.checkpoint, which wraps every
+    #    layer. Its policy says what the backward pass keeps: the matmuls' outputs (the rest,
+    #    cheap, is recomputed: on v5p-128 the 7B then needs 39 GiB a device, not 93), or with
+    #    remat nothing but the layer's input. Arguments 2 and 4 (window, cfg) are static:
+    #    Python values baked into the compiled layer, so each window compiles its own.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
+    groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute in the row, packed documents too
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # What the backward pass keeps of each layer: its matmuls' outputs (the rest, cheap, is
-    # recomputed: on v5p-128 the 7B then needs 39 GiB a device, not 93), or with remat nothing
-    # but the layer's input. Arguments 2 and 4 (window, cfg) are static: Python values baked
-    # into the compiled layer, so each window compiles its own.
-    # jax.checkpoint wraps every layer; the policy decides how much it keeps.
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
-    def group(x, p_group):  # p_group: every weight as [group_size, ...]; -> (x, no output)
+    def group(x, p_group):  # p_group: every weight as [group_size, ...]
         # Every group starts at a multiple of group_size, so the layer at `position` in any
         # group has the window of layer `position` of the model. ropes["full"]: YaRN's table.
         for position in range(group_size):
@@ -170,11 +176,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
             p = jax.tree.map(lambda w: w[position], p_group)
             x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
-    # For the 7B: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full). Each weight
-    # [32, ...] becomes [8, 4, ...], and scan hands `group` one [4, ...] slice at a time.
-    # lax.scan(f, x, xs) is `for g in xs: x, y = f(x, g)`, compiled once for every g; f returns
-    # (the carry, a per-step output), and a group's only output is x, the carry: None.
-    groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     x, _ = jax.lax.scan(group, x, groups)
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
@@ -295,11 +296,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq]: rows over data
 # data=N keeps N whole copies of the weights and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
-    # Sizes that multiply to fewer devices than there are use the first ones (e.g. to resume on
-    # fewer).
-    devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     # Valid: at most one -1 and the other sizes positive. Without a -1 the mesh takes the first
-    # data x fsdp x tensor devices; with one, all of them, which the others' product divides.
+    # data x fsdp x tensor devices (fewer than there are: to resume on fewer); with one, all of
+    # them, which the others' product must divide.
+    devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
@@ -380,7 +380,7 @@ def attention_cudnn(q, k, v, window, segments):  # NVIDIA GPUs: cuDNN's flash at
 
 
 def attention_splash(q, k, v, window: int | None, segments=None):
-    """TPU: the Pallas splash-attention kernel, per device under shard_map."""  # CPU: interpreted
+    """TPU: the Pallas splash-attention kernel, per device under shard_map (CPU: interpreted)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
     # The kernel's blocks are multiples of 128 tokens: pad the sequence to one. Padded keys come
     # after every real query, so the causal mask hides them; padded queries are cut off. The
@@ -393,7 +393,7 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     segments = None if segments is None else jnp.pad(segments, pads, constant_values=-1)
     padded = q.shape[1]
     mask = (splash.CausalMask((padded, padded)) if window is None else
-            splash.LocalMask((padded, padded), (window - 1, 0), 0))
+            splash.LocalMask((padded, padded), (window - 1, 0), offset=0))
     # Every block size (queries, keys, forward and backward: 8 of them) 512 tokens where the
     # length allows; a head per kernel call, the whole sequence per device. Skip the kernel's
     # details on a first read: it computes the reference's attention, tiled for the TPU.

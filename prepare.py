@@ -7,11 +7,7 @@ import os
 import time
 import urllib.request
 
-import jax
-
 import data
-import olmo3
-import train
 
 SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
                    "tinyshakespeare/input.txt")
@@ -71,6 +67,10 @@ def shakespeare():
 
 
 def dry_run(cfg, r, args):
+    import jax  # here, not above: tokenizing text needs no JAX
+
+    import olmo3
+    import train
     devices = None
     if args.topology:  # the TPU compiler (libtpu) plans a slice it does not have: JAX's
         # experimental topologies API describes the slice's devices without owning them

@@ -1028,6 +1028,19 @@ def test_packing_follows_olmo_cores_instances_segments_and_order(tmp_path):
     assert 0 < padding < 0.2 and any(len(d) > 2 for _, _, d in want)
 
 
+def test_packing_takes_a_file_without_an_eos_or_an_empty_one(tmp_path):
+    """A file's tokens after its last EOS make no document: a file with no EOS gives none, and
+    an empty file none; neither is an error."""
+    eos = data.get_tokenizer("bytes").eos_id
+    files = [tmp_path / f"{name}.npy" for name in "abc"]
+    np.array([1, 2, 3, eos, 4, 5, eos, 6], "<u4").tofile(files[0])
+    np.array([7, 8, 9], "<u4").tofile(files[1])
+    np.array([], "<u4").tofile(files[2])
+    loader = data.PackedLoader(files, 4, 1, 0, tokenizer="bytes", group_size=3, cache=tmp_path)
+    rows = sorted(loader.batch(step)["inputs"][0].tolist() for step in range(2))
+    assert rows == [[1, 2, 3, eos], [4, 5, eos, 257]]  # 257: the byte tokenizer's pad
+
+
 def test_a_document_in_a_packed_row_never_sees_another(tmp_path):
     """Change one document of a packed row: the other's outputs and gradients stay exactly
     the same, with the reference attention and with splash (Pallas' interpreter), windows too."""

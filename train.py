@@ -144,6 +144,9 @@ def train(cfg, r, args, mesh, manager):
     # 7's metrics, their stop flag included: a stop seen there stops the run after step 8, on
     # every process alike. Before a save, it reads the newest step's at once. Stop decisions
     # use only metrics, which are the same on every process, never a process's own state.
+    #   dispatch step 8 | check step 7 (its stop flag, its skips) | stop? save?
+    #   dispatch step 9 | check step 8 | ...; at a save after step 9: check step 9 too, then
+    #   save (a stop flag seen there stops the run after step 10)
     pending, checked = None, {}  # (number, metrics) of the step not read yet; the last checked
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
@@ -405,7 +408,7 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(previous, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(previous - 1, 1))  # torch.std's n - 1
-    enough = previous + 1 >= HISTORY // 2  # OLMo-core judges from 64 values, this one counted
+    enough = previous + 1 >= HISTORY // 2  # 64 values, the current one counted, as OLMo-core
     within = values - mean <= 6 * std  # OLMo-core's test, as written: False for NaN or inf
     # A value that is not finite is kept out of the history (the mean takes its slot): kept, it
     # would make every later step a spike until it left the window. (OLMo-core's guard keeps
@@ -452,8 +455,9 @@ def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
 
 def restore(step_dir, target, cfg, r=None, loader=None):
     # The state in a checkpoint step (the params, and the rest if target has it) on target's
-    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model, the data
-    # order and the data; --init-from only the model, whose YaRN it may turn on (stage 3).
+    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model (every
+    # Config field but NUMERICS), the data order (DATA_ORDER) and the data (its fingerprint);
+    # --init-from only the model, whose yarn_* fields it may change (stage 3 turns YaRN on).
     model, saved = saved_config(step_dir)
     resuming = r is not None  # else --init-from, where the yarn_* fields may differ
     fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (resuming or f[:4] != "yarn")]
@@ -512,8 +516,8 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
     for attempt in range(tries):
         try:
             return read()
-        except (SystemExit, jax.errors.JaxRuntimeError):
-            raise  # settings or a layout that do not match, or a failing device: not the files
+        except jax.errors.JaxRuntimeError:  # a failing device: not the files
+            raise  # (a SystemExit, for settings or a layout that do not match, passes too)
         except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
             why = str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
@@ -562,10 +566,10 @@ def stop_reason(step, args, checked):  # why the run stops after this step (None
 
 # ----------------------------------------------------------------------------- reporting
 
+# Dense bf16 TFLOP/s per JAX device; TPU7x (Ironwood) has two devices per chip. The first name
+# found in the device's kind counts, so "v5 lite" must come before "v5".
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
-# dense bf16 TFLOP/s per JAX device; TPU7x (Ironwood) has two devices per chip. The first name
-# found in the device's kind counts, so "v5 lite" must come before "v5".
 
 
 class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt, metrics.jsonl
