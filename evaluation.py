@@ -49,7 +49,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, tasks_spec.split(","))}
-    batch = r.micro_batch if r.micro_batch else r.global_batch
+    batch = r.micro_batch if r.micro_batch else r.global_batch  # rows a step's memory holds
 
     def evaluate(params, step=None):
         results, names = {}, {}  # names: AI2's, eval/lm/SET/PPL and eval/downstream/TASK/METRIC

@@ -384,7 +384,8 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
     # The kernel's blocks are multiples of 128 tokens: pad the sequence to one. Padded keys come
     # after every real query, so the causal mask hides them; padded queries are cut off. The
-    # batch is padded to split over the data-parallel devices (shard_map needs it to divide).
+    # batch is padded to split over the data-parallel devices (shard_map needs it to divide):
+    # --generate's one prompt on 4 devices, for one.
     mesh = jax.sharding.get_abstract_mesh()
     B, T, _, E = q.shape
     dp = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]  # data-parallel devices
@@ -406,8 +407,10 @@ def attention_splash(q, k, v, window: int | None, segments=None):
                                         interpret=jax.default_backend() != "tpu")
         heads_first = lambda x: x.transpose(0, 2, 1, 3)
         ids = None if segments is None else splash.SegmentIds(segments, segments)  # q, kv
-        # The kernel does not scale the scores: q is scaled first. vmap maps the kernel over
-        # the rows; ids None (no packing) is an empty pytree, which vmap passes through.
+        # head_shards and q_seq_shards 1: nothing is split inside the kernel (shard_map has
+        # split already). The kernel does not scale the scores: q is scaled first. vmap maps
+        # the kernel over the rows; ids None (no packing) is an empty pytree, which vmap passes
+        # through.
         out = jax.vmap(kernel)(heads_first(q * E ** -0.5), heads_first(k), heads_first(v), ids)
         return heads_first(out)
     if mesh.empty:

@@ -25,7 +25,7 @@ def main(argv=None):
     for path in args.inputs:
         if not os.path.isfile(path):
             raise SystemExit(f"error: input {path} does not exist; check the path")
-    texts = (text for path in args.inputs for text in documents(path))
+    texts = (text for path in args.inputs for text in documents(path) if text)  # none empty
     gz = any(path.endswith(".gz") for path in args.inputs)
     total = None if gz else sum(map(os.path.getsize, args.inputs))  # for the ETA
     data.tokenize(texts, args.out, args.tokenizer, args.heldout, total)

@@ -634,6 +634,9 @@ def test_tokenize_errors_are_one_line(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(SystemExit, match=r"error: no documents to train on"):
         prepare.main(["tokenize", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o1")])
+    (tmp_path / "empty.txt").write_text("")  # an empty .txt is no document either
+    with pytest.raises(SystemExit, match=r"error: no documents to train on"):
+        prepare.main(["tokenize", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o0")])
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no text field"}\n')
     with pytest.raises(SystemExit, match=r"error: .*bad\.jsonl line 2 .*'text'"):
         prepare.main(["tokenize", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2")])

@@ -127,7 +127,9 @@ def train(cfg, r, args, mesh, manager):
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
     loader, heldout = load_data(cfg, r, args, mesh)  # the same token files on every process
     log, evals = Log(cfg, r, args.out, mesh), None
-    beside = importlib.util.find_spec("evaluation") is not None  # evaluations live beside
+    # evaluation.py lives beside the core; with the core alone (a copy of the three files) the
+    # run trains without evaluations, samples or the loss plot
+    beside = importlib.util.find_spec("evaluation") is not None
     if args.eval_data or args.eval_tasks or (heldout and beside):
         import evaluation
         sets = args.eval_data if args.eval_data else heldout
@@ -371,7 +373,9 @@ def schedule(r: Recipe):
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     lr = cosine(max(r.steps, warmup + 1))
-    if r.schedule == "linear":  # (else cosine) join_schedules runs part 2 from 0 at update W
+    # lr is the cosine schedule unless "linear" or "olmo3" replaces it below. join_schedules
+    # calls its second part with the update number minus W, so it starts from 0 there.
+    if r.schedule == "linear":
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
