@@ -161,8 +161,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.direction == "hf-to-jax":
         cfg, params = from_hf(args.src)
-        # step 0 of a new checkpoint directory (a recipe makes the manager writable)
-        with train.checkpoints(args.out, train.Recipe()) as manager:
+        with train.checkpoints(args.out) as manager:  # step 0 of a new checkpoint directory
             train.save(manager, 0, {"params": params}, cfg)
     else:  # a converted checkpoint, or a run's latest
         step_dir = train.latest_checkpoint(args.src)

@@ -91,6 +91,8 @@ class Loader:
         return {"inputs": inputs, "labels": labels}
 
     def read(self, ids):  # -> tokens [len(ids), seq_len] int32, and each row's real length
+        # An id's file: the last whose first id is <= it. first_id [0, 3, 7]: ids 0-2 are file
+        # 0's, 3-6 file 1's; id 4 is file 1's instance 1, from token 1 * seq_len on.
         files = np.searchsorted(self.first_id, ids, side="right") - 1
         offsets = (ids - self.first_id[files]) * self.seq_len
         inputs = [self.tokens(f, o, self.seq_len) for f, o in zip(files, offsets)]
@@ -133,9 +135,9 @@ class PackedLoader(Loader):
             path.with_suffix(".tmp").replace(path)
         while not path.exists():  # process 0 is packing
             time.sleep(5)
-        # docs [4, documents]: each document's file, offset, length and instance, instance
-        # after instance. Instance i's documents are bounds[i] to bounds[i + 1]: with instances
-        # [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
+        # docs [4, documents], rows 0-3: each document's file, offset, length and instance
+        # (docs[3]), instance after instance. Instance i's documents are bounds[i] to
+        # bounds[i + 1]: with instances [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
         self.docs = np.load(path.open("rb"))
         self.bounds = np.searchsorted(self.docs[3], np.arange(self.docs[3, -1] + 2))
         self.set_instances(int(self.docs[3, -1]) + 1)
@@ -198,16 +200,16 @@ def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's Instance
     bins, spaces, bins_with = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
         i = bisect.bisect_left(spaces, n)  # the least free space that holds n
-        if i == len(spaces):
+        if i == len(spaces):  # no open bin holds it: a new bin b, all space
             bins.append([])
             b, space = len(bins) - 1, seq_len
-        else:
+        else:  # b: the first bin to come down to that space, taken out of bins_with
             space = spaces[i]
             b = bins_with[space].popleft()
-            if not bins_with[space]:
+            if not bins_with[space]:  # no bin is left with that space
                 del spaces[i]
         bins[b].append(doc)
-        if space > n:
+        if space > n:  # b is listed under its new space, last in line
             if not bins_with[space - n]:
                 bisect.insort(spaces, space - n)
             bins_with[space - n].append(b)
@@ -272,13 +274,12 @@ def mix_tokenizer(mix, tokenizer):  # what {TOKENIZER} stands for: OLMo-core's D
 
 # ----------------------------------------------------------------------------- tokenizers
 
-# allenai/dolma2-tokenizer = cl100k_base ranks + these specials (names from its model card)
-DOLMA2_SPECIAL_TOKENS = {
-    "<|extra_id_0|>": 100256, "<|endoftext|>": 100257, "<|fim_prefix|>": 100258,
-    "<|fim_middle|>": 100259, "<|fim_suffix|>": 100260, "|||PHONE_NUMBER|||": 100261,
-    "|||EMAIL_ADDRESS|||": 100262, "|||IP_ADDRESS|||": 100263, "<|im_start|>": 100264,
-    "<|im_end|>": 100265, **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)},
-    "<|endofprompt|>": 100276, "<|pad|>": 100277}
+# allenai/dolma2-tokenizer = cl100k_base ranks + these specials, ids 100256 to 100277 in this
+# order (names from its model card)
+DOLMA2_SPECIALS = ("<|extra_id_0|>", "<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>",
+                   "<|fim_suffix|>", "|||PHONE_NUMBER|||", "|||EMAIL_ADDRESS|||",
+                   "|||IP_ADDRESS|||", "<|im_start|>", "<|im_end|>",
+                   *(f"<|extra_id_{i}|>" for i in range(1, 11)), "<|endofprompt|>", "<|pad|>")
 Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id encode decode")
 
 
@@ -299,7 +300,7 @@ def get_tokenizer(name):
     # knows the special ids.
     enc = tiktoken.Encoding("dolma2", pat_str=cl100k._pat_str,
                             mergeable_ranks=cl100k._mergeable_ranks,
-                            special_tokens=DOLMA2_SPECIAL_TOKENS)
+                            special_tokens=dict(zip(DOLMA2_SPECIALS, range(100256, 100278))))
     return Tokenizer("dolma2", 100278, 100257, 100277, enc.encode_ordinary, enc.decode)
 
 

