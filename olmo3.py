@@ -1,14 +1,15 @@
 """OLMo 3 in plain JAX: the config, the model as pure functions, and how it is sharded."""
-# OLMo 3 in one paragraph: a decoder-only transformer with the norm on each sub-block's *output*
-# (h = x + norm(attn(x)); out = h + norm(mlp(h))), RMSNorm on the whole q and k projections
-# before RoPE, rotate-half RoPE with theta 500k, SwiGLU, no biases, an untied lm_head, and three
-# sliding-window layers for every full-attention one (the last layer is always full).
+# OLMo 3 in one paragraph. It is a decoder-only transformer that puts the norm on each
+# sub-block's *output* (h = x + norm(attn(x)); out = h + norm(mlp(h))) and applies RMSNorm to
+# the whole q and k projections before RoPE. It uses rotate-half RoPE with theta 500k, SwiGLU,
+# no biases and an untied lm_head. It has three sliding-window layers for every full-attention
+# one, and the last layer is always full.
 #
-# Read top to bottom: Config, param_specs, forward (embed -> decoder -> block -> unembed),
-# loss_terms; then the sharding (make_mesh: its comment says what each device holds), and the
-# attention kernels last. The model is a pytree (nested dict) of arrays; one Spec per weight
-# drives `init` and `abstract_params` (shapes and shardings), and its Hugging Face name drives
-# convert.py.
+# Read the file top to bottom. It has Config, param_specs, forward (embed -> decoder -> block ->
+# unembed) and loss_terms, then the sharding (the comment at make_mesh says what each device
+# holds), and the attention kernels last. The model is a pytree (nested dict) of arrays. One
+# Spec per weight drives `init` and `abstract_params` (shapes and shardings), and its Hugging
+# Face name drives convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -28,24 +29,24 @@ class Config:
     n_kv_heads: int = 32               # < n_heads means grouped-query attention
     head_dim: int = 128
     mlp_hidden: int = 11008
-    vocab_size: int = 100_278          # the tokenizer's ids; weights are padded to `padded_vocab`
+    vocab_size: int = 100_278          # the tokenizer's ids (weights are padded to `padded_vocab`)
     tokenizer: str = "dolma2"          # "dolma2" (cl100k + OLMo specials) or "bytes"
-    sliding_window: int = 4096         # keys a sliding layer sees, the current token included
+    sliding_window: int = 4096         # the keys a sliding layer sees, including the current token
     global_every: int = 4              # layers 3, 7, 11, ... (and the last) attend to everything
     rope_theta: float = 500_000.0
-    yarn_factor: float = 0.0           # YaRN RoPE scaling on full-attention layers (0: none)
+    yarn_factor: float = 0.0           # YaRN RoPE scaling on full-attention layers (0 means none)
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_original_context: int = 8192
     norm_eps: float = 1e-6
-    # How it runs (NUMERICS): fields a checkpoint need not match; the command line's are used.
+    # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
     remat: bool = False                # recompute each layer in the backward pass
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property
     def padded_vocab(self) -> int:
-        return -(-self.vocab_size // 128) * 128  # a multiple of 128, like OLMo-core
+        return -(-self.vocab_size // 128) * 128  # a multiple of 128, as OLMo-core does
 
     def is_global(self, layer: int) -> bool:
         return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
@@ -53,14 +54,15 @@ class Config:
 
 NUMERICS = ("compute_dtype", "remat", "attention")
 MODELS = {
-    # Laptop CPU, minutes. Byte-level vocab; window 64 < seq 256 so both layer kinds matter.
+    # A laptop CPU trains it in minutes. Its vocabulary is bytes, and window 64 < seq 256 makes
+    # both layer kinds matter.
     "tiny": Config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=768,
                    vocab_size=258, tokenizer="bytes", sliding_window=64, compute_dtype="float32"),
     "7b": Config(),
-    # MaxText's head reshape: 16 heads x 256, same parameters and FLOPs (QK-norm stays 4096).
+    # MaxText's head reshape, 16 heads x 256, keeps the parameters, FLOPs and QK-norm's 4096.
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
-    # AI2's released model, after stage 3: YaRN x8 on the full-attention layers. Its stage
-    # trains 65,536-token rows: only with remat does that fit v5p-128 (64 of 95 GiB; README).
+    # AI2's released model after stage 3. It uses YaRN x8 on the full-attention layers. That
+    # stage trains 65,536-token rows, which fit v5p-128 only with remat (64 of 95 GiB, see README).
     "7b-long": Config(yarn_factor=8.0, remat=True),
 }
 
@@ -70,16 +72,16 @@ MODELS = {
 class Spec(NamedTuple):
     shape: tuple
     axes: tuple     # one logical axis name per dimension
-    hf: str         # the Hugging Face tensor (convert.py); a layer's is model.layers.{i}.<hf>
+    hf: str         # the Hugging Face tensor (convert.py), named model.layers.{i}.<hf> in a layer
 
 
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
-    def w(hf, *dims):  # dims: (size, logical axis) pairs
+    def w(hf, *dims):  # dims are (size, logical axis) pairs
         return Spec(tuple(size for size, _ in dims), tuple(axis for _, axis in dims), hf)
-    layers = (L, "layers")  # stacked: one array per kind of weight, whatever the depth
+    layers = (L, "layers")  # stacked, so each kind of weight is one array whatever the depth
     return {
         "embed": w("model.embed_tokens", (V, "vocab"), (D, "embed")),
         "blocks": {
@@ -100,30 +102,32 @@ def param_specs(cfg: Config) -> dict:
     }
 
 
-is_spec = lambda x: isinstance(x, Spec)  # for jax.tree functions: a Spec is a leaf, not a tuple
+is_spec = lambda x: isinstance(x, Spec)  # lets jax.tree treat a Spec as a leaf, not a tuple
 
 
-def param_count(cfg: Config) -> int:  # every weight, the vocabulary padding included, as OLMo-core
+def param_count(cfg: Config) -> int:  # every weight, vocab padding included, as OLMo-core counts
     return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
 
 
 def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
-    # Training is 3 x forward: 2 FLOPs per matmul weight (the embedding is a gather), and 4 per
-    # head dim for each key a query sees. windows=False counts every layer as full causal, as
-    # MaxText does; a window W sees W - (W^2 - W) / 2S keys on average (query i sees min(i, W)
-    # keys, i = 1..S: their sum is SW - W(W - 1) / 2).
+    # Training costs 3 x the forward pass. The forward pass costs 2 FLOPs per matmul weight (not
+    # the embedding, which is a gather) and 4 per head dim for each key a query sees.
+    # windows=False counts every layer as full causal, as MaxText does. A window W sees
+    # W - (W^2 - W) / 2S keys on average: query i sees min(i, W) keys, for i = 1..S, and their
+    # sum is SW - W(W - 1) / 2.
     S, W = seq_len, cfg.sliding_window
     seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
-    # the weights of matmuls: not the norms, nor the embedding (a gather), by their HF names
+    # Only matmul weights count. Filtering by HF name drops the norms and the embedding (a gather).
     leaves = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
     weights = sum(math.prod(s.shape) for s in leaves if "norm" not in s.hf and "embed" not in s.hf)
     return 3 * (2 * weights + 4 * cfg.head_dim * cfg.n_heads * sum(seen))
 
 
 def init(cfg: Config, key) -> dict:
-    # fp32 parameters, made under jit by train.init_state, which creates them sharded. OLMo-core's
-    # init: every matrix N(0, 0.02) cut at 3 std, no depth scaling; the norms' weights 1.
+    # Makes fp32 parameters. train.init_state runs this under jit, which creates them sharded.
+    # As in OLMo-core's init, every matrix is N(0, 0.02) cut at 3 std with no depth scaling, and
+    # the norms' weights are 1.
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
     arrays = [jnp.ones(s.shape, jnp.float32) if "norm" in s.hf else
               0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
@@ -132,45 +136,47 @@ def init(cfg: Config, key) -> dict:
 
 
 # ----------------------------------------------------------------------------- the model
-# Shapes in names: x_BTD is an array [B, T, D]. B sequences of T tokens (S: the keys' tokens),
-# D = d_model, H query heads and K key/value heads of E = head_dim each, F = mlp_hidden.
+# A name's suffix gives its shape, so x_BTD is an array [B, T, D]. There are B sequences of T
+# tokens (S counts the keys' tokens), D = d_model, H query heads and K key/value heads of
+# E = head_dim each, and F = mlp_hidden.
 
 def forward(params, tokens, cfg: Config, segments=None):
     """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
-    # segments [B, T] int: packed documents (stage 3); a token attends to its own segment only.
+    # segments [B, T] int marks packed documents (stage 3). A token sees only its own segment.
     return unembed(params, decoder(params, embed(params, tokens, cfg), cfg, segments))
 
 
-def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D]; OLMo 3 does not scale it
+def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
     return constrain(x, "batch", "seq", None)  # pin its sharding (a no-op without a mesh)
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
     # Layers go in groups of `global_every` (3 sliding, 1 full), or all in one group when that
-    # does not divide n_layers. Within a group they are unrolled, so each knows its window
-    # statically; the groups are scanned, as MaxText does, so a 32-layer model compiles one group.
-    # In the order it runs, for the 7B:
-    # 1. groups: 32 layers = 8 groups of 4 (sliding, sliding, sliding, full); each weight
+    # does not divide n_layers. Within a group the layers are unrolled, so each knows its window
+    # statically. The groups are scanned, as MaxText does, so a 32-layer model compiles one group.
+    # Here is the order it runs in, for the 7B:
+    # 1. `groups` puts 32 layers in 8 groups of 4 (sliding, sliding, sliding, full). Each weight
     #    [32, ...] becomes [8, 4, ...].
-    # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, compiled once for
-    #    every g; a scanned function returns (the carry, a per-step output): here (x, None).
-    # 3. group unrolls its 4 layers, each `layer`: block under jax.checkpoint, which wraps every
-    #    layer. Its policy says what the backward pass keeps: the matmuls' outputs (the rest,
-    #    cheap, is recomputed: on v5p-128 the 7B then needs 39 GiB a device, not 93), or with
-    #    remat nothing but the layer's input. Arguments 2 and 4 (window, cfg) are static:
-    #    Python values baked into the compiled layer, so each window compiles its own.
+    # 2. lax.scan(group, x, groups) means `for g in groups: x, _ = group(x, g)`, compiled once
+    #    for every g. A scanned function returns (the carry, a per-step output), here (x, None).
+    # 3. `group` unrolls its 4 layers. Each is `layer`, which is `block` under jax.checkpoint.
+    #    The checkpoint policy says what the backward pass keeps. Without remat it keeps the
+    #    matmuls' outputs and recomputes the cheap rest, and on v5p-128 the 7B then needs 39 GiB
+    #    a device, not 93. With remat it keeps nothing but the layer's input. Arguments 2 and 4
+    #    (window, cfg) are static. They are Python values baked into the compiled layer, so each
+    #    window compiles its own.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
-    positions = jnp.arange(x.shape[1])  # absolute in the row, packed documents too
+    positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # 2, 4: window, cfg
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # 2 and 4 are window, cfg
 
-    def group(x, p_group):  # p_group: every weight as [group_size, ...]
+    def group(x, p_group):  # p_group holds every weight as [group_size, ...]
         # Every group starts at a multiple of group_size, so the layer at `position` in any
-        # group has the window of layer `position` of the model. ropes["full"]: YaRN's table.
+        # group has the window of layer `position` of the model. ropes["full"] is YaRN's table.
         for position in range(group_size):
             window = None if cfg.is_global(position) else cfg.sliding_window
             p = jax.tree.map(lambda w: w[position], p_group)
@@ -180,14 +186,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 
-def block(p, x_BTD, window, rope, cfg: Config, segments=None):  # window: None (full) or W
+def block(p, x_BTD, window, rope, cfg: Config, segments=None):  # window is None (full) or W
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    # Every weight in the compute dtype, the norms' too (as OLMo-core's bf16 FSDP and HF in
-    # bf16 run them); rms_norm then does its arithmetic in fp32.
+    # Cast every weight to the compute dtype, the norms' too, as OLMo-core's bf16 FSDP and HF in
+    # bf16 run them. rms_norm then does its arithmetic in fp32.
     p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)
-    # QK-norm over the whole projection [B, T, H*E], before splitting heads and before RoPE
-    # (OLMo-core's qk_norm with use_head_qk_norm=False)
+    # QK-norm normalises the whole projection [B, T, H*E], before splitting heads and before RoPE
+    # (OLMo-core's qk_norm with use_head_qk_norm=False).
     q = rms_norm(dense(x_BTD, p["q"]), p["q_norm"], cfg.norm_eps)
     k = rms_norm(dense(x_BTD, p["k"]), p["k_norm"], cfg.norm_eps)
     q_BTHE = apply_rope(q.reshape(B, T, H, E), *rope)
@@ -201,35 +207,36 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):  # window: None (
     return constrain(h + rms_norm(mlp, p["mlp_norm"], cfg.norm_eps), "batch", "seq", None)
 
 
-def unembed(params, h):  # -> fp32 logits over the padded vocabulary, the matmul in h's dtype
+def unembed(params, h):  # -> fp32 logits over the padded vocab, with the matmul in h's dtype
     logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
                         preferred_element_type=jnp.float32)
     return constrain(logits, "batch", "seq", "vocab")
 
 
 def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
-    # One 2-D matmul: XLA:CPU runs the batched 3-D form about a quarter slower.
+    # Use one 2-D matmul, because XLA:CPU runs the batched 3-D form about a quarter slower.
     y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
 
-def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF
+def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF do
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
 def rope_tables(positions, cfg: Config, full: bool):
-    # cos and sin [T, head_dim] at `positions`, in the rotate-half layout; YaRN, when set, on
-    # full-attention layers only (as transformers' Olmo3 and OLMo-core apply it).
+    # Returns cos and sin [T, head_dim] at `positions`, in the rotate-half layout. YaRN, when
+    # set, applies to full-attention layers only, as in transformers' Olmo3 and OLMo-core.
     E, theta, scale = cfg.head_dim, cfg.rope_theta, 1.0
     inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
     if full and cfg.yarn_factor:
-        # YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than
-        # beta_slow times over the original context are divided by the factor, more than
-        # beta_fast kept, with a linear ramp between; cos and sin grow by 0.1 ln(factor) + 1.
-        # dim(turns) is the rotary dimension whose frequency turns that many times over the
-        # original context: the ramp runs from dimension `low` (fast, kept) to `high` (slow).
+        # YaRN follows transformers' _compute_yarn_parameters. Frequencies that turn fewer than
+        # beta_slow times over the original context are divided by the factor. Those that turn
+        # more than beta_fast times are kept, and a linear ramp blends the ones between. cos and
+        # sin are multiplied by 0.1 ln(factor) + 1. dim(turns) is the rotary dimension whose
+        # frequency turns that many times over the original context. The ramp runs from
+        # dimension `low` (fast, kept) to `high` (slow).
         dim = lambda turns: E * math.log(cfg.yarn_original_context / (turns * 2 * math.pi)) / (
             2 * math.log(theta))
         low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
@@ -243,7 +250,7 @@ def rope_tables(positions, cfg: Config, full: bool):
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
-def apply_rope(x_BTHE, cos_TE, sin_TE):  # the rotation in fp32, the result in x's dtype
+def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result in x's dtype
     x32 = x_BTHE.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -252,8 +259,8 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # the rotation in fp32, the result in x
 
 def loss_terms(logits, labels, z_loss: float, axis=None):
     """(cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows)."""
-    # Sums, not means, so micro-batches and data-parallel shards combine exactly. The z-loss
-    # (PaLM's, as OLMo-core adds it) keeps the softmax normaliser near 1.
+    # It returns sums, not means, so micro-batches and data-parallel shards combine exactly. The
+    # z-loss is PaLM's, added as OLMo-core adds it, and keeps the softmax normaliser near 1.
     valid = labels >= 0
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
@@ -265,40 +272,43 @@ def loss_terms(logits, labels, z_loss: float, axis=None):
 # ----------------------------------------------------------------------------- sharding
 
 MESH_AXES = ("data", "fsdp", "tensor")
-# The one table from logical axes to mesh axes: every sharding in the project comes from it.
-# Sequences are split over both data-parallel axes; weights ZeRO-3 style over fsdp and Megatron
-# style over tensor. Axes not named here ("layers", "norm", "seq") are not split.
-# A tuple splits one dimension over several mesh axes: "batch" over data x fsdp devices.
+# This is the one table from logical axes to mesh axes. Every sharding in the project comes
+# from it. Sequences are split over both data-parallel axes. Weights are split ZeRO-3 style
+# over fsdp and Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are
+# not split. A tuple splits one dimension over several mesh axes, so "batch" is split over
+# data x fsdp devices.
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
 
 def logical_to_spec(axes) -> P:
-    # Logical axis names (None: not split) -> a PartitionSpec, one entry per dimension:
-    # ("batch", "seq") -> P(("data", "fsdp"), None).
+    # Maps logical axis names (None means not split) to a PartitionSpec with one entry per
+    # dimension. For example, ("batch", "seq") -> P(("data", "fsdp"), None).
     return P(*(AXIS_RULES.get(name) for name in axes))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq]: rows over data parallelism
+def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over data parallelism
     return NamedSharding(mesh, logical_to_spec(("batch", "seq")))
 
 
-# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes; 8 devices
-# as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES cuts each weight along those axes: the q
-# weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
-# (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
-# moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp): each device holds 128
-# sequences, the same ones as its tensor partner. XLA inserts the communication: before a layer's
-# matmuls it all-gathers the fsdp shards of the weights (a device then sees q as [4096, 2048]),
-# after `o` and `down` it all-reduces over `tensor` (each partner summed half of the heads or
-# of the MLP), and in the backward pass it reduce-scatters each gradient back to its fsdp shard.
-# QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners too.
-# data=N keeps N whole copies of the weights and all-reduces their gradients.
+# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes. For
+# example, 8 devices as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES cuts each weight along
+# those axes. The q weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and
+# 2 ways along heads (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an
+# eighth of its Adam moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each
+# device holds 128 sequences, the same ones as its tensor partner. XLA inserts the
+# communication. Before a layer's matmuls it all-gathers the fsdp shards of the weights (a
+# device then sees q as [4096, 2048]). After `o` and `down` it all-reduces over `tensor`,
+# because each partner summed half of the heads or of the MLP. In the backward pass it
+# reduce-scatters each gradient back to its fsdp shard. QK-norm's statistics span all heads,
+# so with `tensor` XLA sums them across the partners too. data=N keeps N whole copies of the
+# weights and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
-    # Valid: at most one -1 and the other sizes positive. Without a -1 the mesh takes the first
-    # data x fsdp x tensor devices (fewer than there are: to resume on fewer); with one, all of
-    # them, which the others' product must divide.
+    # The sizes are valid when at most one is -1 and the others are positive. Without a -1,
+    # the mesh takes the first data x fsdp x tensor devices, which may be fewer than there are
+    # (to resume on fewer). With a -1 it takes all of them, and the other sizes' product must
+    # divide that count.
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
@@ -308,10 +318,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)
 
 
-def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # the params described, none allocated
-    # Each weight as a jax.ShapeDtypeStruct: an array's description (shape, dtype fp32, and its
-    # sharding from AXIS_RULES). jit compiles for descriptions, and train.init_state creates the
-    # arrays with these shardings. A weight the mesh cannot split is an error here.
+def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, allocates none
+    # Each weight becomes a jax.ShapeDtypeStruct, which describes an array (shape, dtype fp32,
+    # and its sharding from AXIS_RULES). jit compiles for such descriptions, and
+    # train.init_state creates the arrays with these shardings. A weight that the mesh cannot
+    # split is an error here.
     def place(path, spec):
         sharding = NamedSharding(mesh, logical_to_spec(spec.axes))
         try:
@@ -324,9 +335,9 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # the params described, n
 
 
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
-    # The mesh is the one train.main (or a test) sets with `with jax.set_mesh(mesh)`; with none,
-    # nothing is pinned. Pinned activations keep their rows split over the data-parallel
-    # devices; left alone, XLA may choose to gather a whole batch onto every device.
+    # The mesh is the one that train.main (or a test) sets with `with jax.set_mesh(mesh)`. With
+    # no mesh, nothing is pinned. Pinned activations keep their rows split over the
+    # data-parallel devices. Left alone, XLA may choose to gather a whole batch onto every device.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
@@ -339,18 +350,19 @@ ATTENTION = ("auto", "reference", "cudnn", "splash")
 
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
-    # segments [B, T]: a query sees only keys of its own segment (OLMo-core's doc_lens).
-    # "auto" takes the backend's maintained kernel: Pallas' splash on TPU, cuDNN's fused one on
-    # NVIDIA GPUs (asked for by name: JAX's default is the XLA path, whose [B, H, T, T] scores
-    # do not fit at 8192), and on CPU the reference below, the fastest there.
+    # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
+    # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's
+    # fused one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA
+    # path, whose [B, H, T, T] scores do not fit at 8192. On CPU it is the reference below,
+    # the fastest there.
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
     if name == "cudnn" or (name == "auto" and backend == "gpu"):
         return attention_cudnn(q, k, v, window, segments)
-    # The reference. Heads go first so that both products are plain batched matmuls; query head
-    # h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a sliding
-    # layer, i - j < window (and, with segments, both are in the same one).
+    # This is the reference. Heads go first so that both products are plain batched matmuls.
+    # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
+    # sliding layer, i - j < window (and, with segments, both are in the same one).
     B, T, H, E = q.shape
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     k_BHSE, v_BHSE = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKSE, v_BKSE))
@@ -358,7 +370,7 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
                              preferred_element_type=jnp.float32) * E ** -0.5
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
     visible = (j <= i) & ((i - j < window) if window else True)  # [T, S]
-    if segments is not None:  # now [B, 1, T, S]: per sequence, the same for every head
+    if segments is not None:  # now [B, 1, T, S], per sequence and the same for every head
         visible = visible & (segments[:, None, :, None] == segments[:, None, None, :])
     probs_BHTS = jax.nn.softmax(jnp.where(visible, scores_BHTS, -jnp.inf), axis=-1)
     out_BHTE = jnp.einsum("bhts,bhse->bhte", probs_BHTS.astype(v.dtype), v_BHSE,
@@ -366,11 +378,11 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     return out_BHTE.transpose(0, 2, 1, 3)
 
 
-def attention_cudnn(q, k, v, window, segments):  # NVIDIA GPUs: cuDNN's flash attention
+def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for NVIDIA GPUs
     if segments is not None:
         raise SystemExit("error: cuDNN's attention in JAX cannot keep packed documents apart; "
                          "use --attention reference, or train packed on a TPU (splash)")
-    left = None if window is None else (window - 1, 0)  # OLMo's W keys: W - 1 to the left
+    left = None if window is None else (window - 1, 0)  # OLMo's window W has W - 1 keys to the left
     try:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=left,
                                             implementation="cudnn")
@@ -382,10 +394,10 @@ def attention_cudnn(q, k, v, window, segments):  # NVIDIA GPUs: cuDNN's flash at
 def attention_splash(q, k, v, window: int | None, segments=None):
     """TPU: the Pallas splash-attention kernel, per device under shard_map (CPU: interpreted)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
-    # The kernel's blocks are multiples of 128 tokens: pad the sequence to one. Padded keys come
-    # after every real query, so the causal mask hides them; padded queries are cut off. The
-    # batch is padded to split over the data-parallel devices (shard_map needs it to divide):
-    # --generate's one prompt on 4 devices, for one.
+    # The kernel's blocks are multiples of 128 tokens, so the sequence is padded to one. Padded
+    # keys come after every real query, so the causal mask hides them. Padded queries are cut
+    # off. The batch is padded to split over the data-parallel devices, because shard_map needs
+    # it to divide. --generate's one prompt on 4 devices is one such case.
     mesh = jax.sharding.get_abstract_mesh()
     B, T, _, E = q.shape
     dp = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]  # data-parallel devices
@@ -395,34 +407,35 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     padded = q.shape[1]
     mask = (splash.CausalMask((padded, padded)) if window is None else
             splash.LocalMask((padded, padded), (window - 1, 0), offset=0))
-    # Every block size (queries, keys, forward and backward: 8 of them) 512 tokens where the
-    # length allows; a head per kernel call, the whole sequence per device. Skip the kernel's
-    # details on a first read: it computes the reference's attention, tiled for the TPU.
+    # Every block size (queries, keys, forward and backward, 8 of them) is 512 tokens where the
+    # length allows. Each device runs the kernel on all its heads over the whole sequence. Skip
+    # the kernel's details on a first read. It computes the reference's attention, tiled for
+    # the TPU.
     sizes = splash.BlockSizes(*[math.gcd(padded, 512)] * 8)
 
-    # k and v keep their K heads: the kernel reads query head h from kv head h // (H / K).
+    # k and v keep their K heads. For query head h, the kernel reads kv head h // (H / K).
     def local(q, k, v, segments):  # one device's shard [b, T, h, E] -> the kernel's [h, T, E]
         heads = splash.MultiHeadMask([mask] * q.shape[2])
         kernel = splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                         interpret=jax.default_backend() != "tpu")
         heads_first = lambda x: x.transpose(0, 2, 1, 3)
         ids = None if segments is None else splash.SegmentIds(segments, segments)  # q, kv
-        # head_shards and q_seq_shards 1: nothing is split inside the kernel (shard_map has
-        # split already). The kernel does not scale the scores: q is scaled first. vmap maps
-        # the kernel over the rows; ids None (no packing) is an empty pytree, which vmap passes
-        # through.
+        # head_shards and q_seq_shards are 1, so nothing is split inside the kernel (shard_map
+        # has split already). The kernel does not scale the scores, so q is scaled first. vmap
+        # maps the kernel over the rows. ids is None with no packing, an empty pytree, which vmap
+        # passes through.
         out = jax.vmap(kernel)(heads_first(q * E ** -0.5), heads_first(k), heads_first(v), ids)
         return heads_first(out)
     if mesh.empty:
         return local(q, k, v, segments)[:B, :T]
     # shard_map runs `local` on each device's own block (its rows and heads, as the specs cut
     # them) of the mesh set by jax.set_mesh, and reassembles the outputs by out_specs.
-    # check_vma=False: the kernel's outputs carry no record of which mesh axes they vary
-    # over, so JAX cannot check it.
-    # k and v are cut by "heads" too: "kv_heads" maps to the same mesh axis (tensor).
+    # check_vma=False skips JAX's check of which mesh axes the outputs vary over, because the
+    # kernel's outputs carry no record of it.
+    # k and v are cut by "heads" too, because "kv_heads" maps to the same mesh axis (tensor).
     spec = logical_to_spec(("batch", None, "heads", None))
-    # in_specs: q, k and v by `spec`; segments [B, T] by rows (None, with no packing: an empty
-    # pytree, which its spec cuts into nothing)
+    # in_specs cut q, k and v by `spec`, and segments [B, T] by rows. With no packing, segments
+    # is None, an empty pytree, which its spec cuts into nothing.
     sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
                             out_specs=spec, check_vma=False)
     return sharded(q, k, v, segments)[:B, :T]

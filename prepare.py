@@ -1,5 +1,5 @@
 """Preparing a run, beside the core: token files, TinyShakespeare, a plan for a pod."""
-# python data.py tokenize (your documents), --data shakespeare, and train.py --dry-run.
+# It serves python data.py tokenize (your documents), --data shakespeare and train.py --dry-run.
 import argparse
 import gzip
 import json
@@ -25,7 +25,7 @@ def main(argv=None):
     for path in args.inputs:
         if not os.path.isfile(path):
             raise SystemExit(f"error: input {path} does not exist; check the path")
-    texts = (text for path in args.inputs for text in documents(path) if text)  # none empty
+    texts = (text for path in args.inputs for text in documents(path) if text)  # skip empty ones
     gz = any(path.endswith(".gz") for path in args.inputs)
     total = None if gz else sum(map(os.path.getsize, args.inputs))  # for the ETA
     data.tokenize(texts, args.out, args.tokenizer, args.heldout, total)
@@ -51,7 +51,7 @@ def documents(path):
 
 def shakespeare():
     """([TinyShakespeare's file], its passages), downloaded once into OLMO3_CACHE."""
-    # Offline: put the file at the path the error names.
+    # Offline, put the file at the path that the error names.
     path = os.path.join(data.cache_dir(), "tinyshakespeare.txt")
     if not os.path.exists(path):
         try:
@@ -67,16 +67,17 @@ def shakespeare():
 
 
 def dry_run(cfg, r, args):
-    import jax  # here, not above: tokenizing text needs no JAX
+    import jax  # imported here, not above, since tokenizing text needs no JAX
 
     import olmo3
     import train
     devices = None
-    if args.topology:  # the TPU compiler (libtpu) plans a slice it does not have: JAX's
-        # experimental topologies API describes the slice's devices without owning them
+    if args.topology:  # the TPU compiler (libtpu) plans a slice it does not have. JAX's
+        # experimental topologies API describes the slice's devices without owning them.
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
     mesh = olmo3.make_mesh(**args.mesh, devices=devices)
+    # the timer covers describing the state and compiling the step
     t, target = time.time(), train.abstract_state(cfg, r, mesh)
     with jax.set_mesh(mesh):
         m = train.compile_step(cfg, r, mesh, target).memory_analysis()
@@ -89,8 +90,9 @@ def dry_run(cfg, r, args):
     for path, x in jax.tree_util.tree_leaves_with_path(target["params"]):  # one line per weight
         print(f"{jax.tree_util.keystr(path):22} {str(x.shape):22} one device holds "
               f"{str(x.sharding.shard_shape(x.shape)):22} {x.sharding.spec}")
-    # XLA's accounting per device: the arguments (the state's shard and the batch's rows), the
-    # outputs less those written into donated arguments (aliased: the new state), temporaries.
+    # XLA's accounting per device adds the arguments (the state's shard and the batch's rows),
+    # the outputs less those written into donated arguments (the aliased new state), and the
+    # temporaries.
     outputs = m.output_size_in_bytes - m.alias_size_in_bytes
     total = m.argument_size_in_bytes + outputs + m.temp_size_in_bytes
     print(f"per device: arguments {gib(m.argument_size_in_bytes)}, temporaries "

@@ -2,18 +2,19 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run, on any mesh. A run stopped before its last step checkpoints and exits with code 75."""
-# Read top-down: the recipe, then `main` and `train` (setup, then the loop), then the helpers
-# in the order `train` calls them: data, the state, the step, the optimizer, reporting and the
-# command line. Below the "second read" banner is what a pod needs: checkpoints and resume,
-# stopping every process at one step, and the checks that the hosts agree. `r` is always the
-# Recipe, `cfg` the model's olmo3.Config. The README has a JAX glossary for nanoGPT readers.
+# Read this file top-down. It starts with the recipe, then `main` and `train` (setup, then the
+# loop), then the helpers in the order `train` calls them: data, the state, the step, the
+# optimizer, reporting and the command line. Below the "second read" banner is what a pod needs:
+# checkpoints and resume, stopping every process at one step, and the checks that the hosts
+# agree. `r` is always the Recipe, and `cfg` is the model's olmo3.Config. The README has a JAX
+# glossary for nanoGPT readers.
 #
-# Step numbers, defined once. `step` is the number of steps done so far: the state's counter
-# (a step the spike guard skipped counts too: its batch was used).
-# The batch it trains on next is loader.batch(step), and that update is number step + 1, which is
-# OLMo-core's 1-based `global_step` and the number logged, checkpointed and compared with
-# recipe.steps. The batch for a step is a pure function of the step, so a resume needs no loader
-# state and replays exactly.
+# Step numbers are defined once, here. `step` is the number of steps done so far, which is the
+# state's counter. A step that the spike guard skipped counts too, because its batch was used.
+# The next update trains on loader.batch(step) and is update number step + 1. That number is
+# OLMo-core's 1-based `global_step`, and it is the number that is logged, checkpointed and
+# compared with recipe.steps. The batch for a step is a pure function of the step, so a resume
+# needs no loader state and replays exactly.
 import argparse
 import dataclasses
 import datetime
@@ -36,12 +37,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import data
 import olmo3
 
-logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes, on every save and restore
-EXIT_STOPPED = 75  # checkpointed before the last step: rerun to resume (EX_TEMPFAIL)
+logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
+EXIT_STOPPED = 75  # checkpointed before the last step, so rerun to resume (EX_TEMPFAIL)
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
-SKIPS_IN_A_ROW = 10  # skipped updates after which a run stops: the guard cannot save it
-TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state; params apart
-RESTART = 596_048  # the first update of stage 1's second part: AI2 restarted after 596,047
+SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
+TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
+RESTART = 596_048  # the first update of stage 1's second part (AI2 restarted after 596,047)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Recipe:
     """How OLMo 3 7B was trained: stage 1 (OLMo-core's OLMo-3-1025-7B-pretrain-1.py)."""
     seq_len: int = 8192
     global_batch: int = 512            # sequences per optimizer step
-    micro_batch: int = 0               # sequences per forward/backward; 0 = the whole batch
+    micro_batch: int = 0               # sequences per forward/backward (0 means the whole batch)
     steps: int = 1_413_814             # one epoch of the mix, ~5.93T tokens
     lr: float = 3e-4
     warmup_steps: int = 2000
@@ -64,40 +65,41 @@ class Recipe:
     spike_guard: bool = True           # skip updates whose loss or grad norm spikes (OLMo-core)
     seed: int = 0                      # model init
     data_seed: int = 34521             # data order (AI2's stage-1 seed)
-    packing: bool = False              # whole documents packed into rows (stage 3)
-    doc_masking: bool = True           # packed documents attend only to themselves, as AI2's
+    packing: bool = False              # packs whole documents into rows (stage 3)
+    doc_masking: bool = True           # packed documents attend only to themselves, as AI2 ran it
     source_group_size: int = 1         # files packed together (OLMo-core's source_group_size)
-    source_permutation_seed: int = -1  # the files shuffled first (OLMo-core's; -1: mix order)
+    source_permutation_seed: int = -1  # OLMo-core's file shuffle seed (-1 keeps the mix order)
     log_every: int = 10
     eval_every: int = 1000
-    eval_limit: int = 500              # documents per perplexity set and per task; 0: all
+    eval_limit: int = 500              # documents per perplexity set and per task (0 means all)
     save_every: int = 1000
-    keep_checkpoints: int = 3          # the newest ones; and for good, every keep_every-th step
+    keep_checkpoints: int = 3          # the newest ones, plus every keep_every-th step for good
     keep_every: int = 5000
 
 
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
                    log_every=25, eval_every=100, save_every=100),
-    # A micro-batch of 64 fits v5p-128 (39 GiB a device) and v5p-64 (80 of 95 GiB; README);
-    # a save every 250 steps is about an hour on v5p-128, as Cloud TPU advises
+    # A micro-batch of 64 fits v5p-128 (39 GiB a device) and v5p-64 (80 of 95 GiB, see README).
+    # Saving every 250 steps means about one save an hour on v5p-128, as Cloud TPU advises.
     "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
-    # Stage 3, the long-context extension that made AI2's released model, as it ran (the cookbook
-    # config OLMo-core's OLMo3-7B-long-context.py reproduces): 50B tokens of 64 x 65,536, packed
-    # documents of the longmino mix in groups of 8 files, from stage 2's weights and Adam state
-    # (--init-from). README: why data seed 4123 and weight decay 0.033.
+    # Stage 3 is the long-context extension that made AI2's released model. This is how it ran
+    # (the cookbook config that OLMo-core's OLMo3-7B-long-context.py reproduces). It trains on
+    # 50B tokens in batches of 64 x 65,536, with documents of the longmino mix packed in groups
+    # of 8 files, and it starts from stage 2's weights and Adam state (--init-from). The README
+    # explains why the data seed is 4123 and the weight decay 0.033.
     "7b-long": Recipe(seq_len=65536, global_batch=64, steps=11_921, lr=2.0712352850360292e-4,
                       warmup_steps=200, schedule="linear", min_lr_ratio=0.0, weight_decay=0.033,
                       data_seed=4123, packing=True, source_group_size=8,
                       source_permutation_seed=123, save_every=250),
 }
 # Stage 2 (OLMo-3-1025-7B-midtrain.py) starts from stage 1's weights *and* Adam state ("warm
-# Adam", --init-from) with a fresh schedule, decaying linearly to 0, and another data seed.
+# Adam", --init-from) with a fresh schedule that decays linearly to 0, and another data seed.
 STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedule="linear",
               min_lr_ratio=0.0, steps=47_684, data_seed=1337)
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
-              "source_permutation_seed")  # a resumed run must keep them, and its data
+              "source_permutation_seed")  # a resumed run must keep these and its data
 CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTION,
            "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
 
@@ -108,13 +110,14 @@ def main(argv=None):
     cfg, r, args = parse_args(argv)
     start_jax(args)
     if args.dry_run:
-        import prepare  # beside the core
+        import prepare  # it lives beside the core
         return prepare.dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
-        import evaluation  # beside the core
+        import evaluation  # it lives beside the core
         return evaluation.main(cfg, r, args)
-    # After start_jax: JAX's distributed start-up installs a SIGTERM handler of its own, which
-    # this one replaces (its preemption sync point misses a SIGTERM before the first step).
+    # This comes after start_jax, because JAX's distributed start-up installs its own SIGTERM
+    # handler and this one replaces it. (JAX's preemption sync point misses a SIGTERM that comes
+    # before the first step.)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
     mesh = olmo3.make_mesh(**args.mesh)
@@ -126,41 +129,43 @@ def train(cfg, r, args, mesh, manager):
     """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
-    loader, heldout = load_data(cfg, r, args, mesh)  # the same token files on every process
+    loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     log, evals = Log(cfg, r, args.out, mesh), None
-    # evaluation.py lives beside the core; with the core alone (a copy of the three files) the
-    # run trains without evaluations, samples or the loss plot
+    # evaluation.py lives beside the core. With the core alone (a copy of the three files), the
+    # run trains without evaluations, samples or the loss plot.
     beside = importlib.util.find_spec("evaluation") is not None
     if args.eval_data or args.eval_tasks or (heldout and beside):
         import evaluation
         sets = args.eval_data if args.eval_data else heldout
         evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
-    target = abstract_state(cfg, r, mesh)  # shapes and shardings: nothing is allocated yet
+    target = abstract_state(cfg, r, mesh)  # only shapes and shardings, with nothing allocated yet
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
     # The loop reads each step's metrics one step late. JAX dispatches a step and returns at
-    # once, before the devices have run it; reading a result (a loss, as a float) waits for it.
-    # So after dispatching step 8 the host reads step 7's metrics (`unread`) while step 8 runs:
-    #   dispatch 8 | read 7: wait for it, log it, count skips, note its stop flag | stop? save?
+    # once, before the devices have run it. Reading a result (a loss, as a float) waits until
+    # the step has run. So after it dispatches step 8, the host reads step 7's metrics (`unread`)
+    # while step 8 runs:
+    #   dispatch 8 | read 7 (wait for it, log it, count skips, note its stop flag) | stop? save?
     #   dispatch 9 | read 8 | ...
-    # A save reads the newest step's metrics first (no checkpoint holds an unchecked state), so
-    # the next turn has none to read. The stop flag is any process's SIGTERM, the same number on
-    # every process, so all of them stop after the same step.
-    unread, stop_requested = None, False  # unread: (number, metrics) of a step not read yet
+    # Before a save, the loop reads the newest step's metrics, so that no checkpoint holds a state
+    # that nobody has checked. The next turn then has no metrics to read. The stop flag says
+    # whether any process got a SIGTERM. Its value is the same on every process, so all of them
+    # stop after the same step.
+    unread, stop_requested = None, False  # unread holds (number, metrics) of a step not read yet
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        metrics["stop"] = stop_signalled(mesh)  # SIGTERM on any process, seen by all
+        metrics["stop"] = stop_signalled(mesh)  # whether any process got SIGTERM, seen by all
         done = step + 1
-        if unread:  # 10 skipped updates in a row: an error, raised here
+        if unread:  # log.check raises an error here after 10 skipped updates in a row
             stop_requested = log.check(*unread)
         unread = (done, metrics)
         if evals and (done % r.eval_every == 0 or done == r.steps):
-            evals(state["params"], done)  # logged
+            evals(state["params"], done)  # the results are logged
         stop = stop_reason(done, args, stop_requested) if done < r.steps else None
         if done % r.save_every == 0 or done == r.steps or stop:
-            stop_requested = log.check(*unread)  # (a stop flag read here: after the next step)
+            stop_requested = log.check(*unread)  # a stop flag read here acts after the next step
             unread = None
             save(manager, done, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -194,32 +199,33 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
                           "--data, --data-root and the mix file on every host")
-    if r.packing:  # process 0 packs the same files into the run directory, once; all read it
+    if r.packing:  # process 0 packs the same files into the run directory once, then all read it
         options |= dict(group_size=r.source_group_size, cache=args.out, rank=jax.process_index())
         loader = data.PackedLoader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     return loader, heldout
 
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
-    # On a pod every process runs this same program but feeds only its own devices. Asked of
-    # any [global_batch, width] array (width 1 will do: only rows are split), the batch's
-    # sharding tells each device's slice of rows: on 2 processes of 2 devices with fsdp=4,
-    # process 1 holds rows 8-15 of 16, in contiguous blocks (OLMo-core's rank r takes rows
-    # r::W; either way the batch, and so the loss, is the same).
+    # On a pod every process runs this same program, but it feeds only its own devices. The
+    # batch's sharding, asked about any [global_batch, width] array, tells which slice of rows
+    # each device holds. Width 1 will do, because only rows are split. For example, on 2
+    # processes of 2 devices each with fsdp=4, process 1 holds rows 8-15 of 16, in contiguous
+    # blocks. (OLMo-core's rank r takes rows r::W instead. Either way the batch is the same, and
+    # so is the loss.)
     index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([np.arange(r.global_batch)[i[0]] for i in index.values()]))
 
 
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
-    # One jax.Array spans every device of every process; make_array_from_callback asks for
-    # each of this process's devices' part (`index`: the rows and columns it holds) and
-    # assembles the global array without moving data between hosts. searchsorted finds those
-    # rows among this process's (loader.rows, sorted): with loader.rows = [8..15] and a device
-    # holding rows 12-15, it takes x[4:8]. (With `tensor` across hosts, two processes read the
-    # same rows.)
+    # One jax.Array spans every device of every process. make_array_from_callback asks for the
+    # part that each of this process's devices holds (`index` gives its rows and columns), and
+    # it assembles the global array without moving data between hosts. searchsorted finds those
+    # rows among this process's rows (loader.rows, which is sorted). With loader.rows = [8..15]
+    # and a device that holds rows 12-15, it takes x[4:8]. (When `tensor` spans hosts, two
+    # processes read the same rows.)
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
-        # index: the (rows, columns) slices of the whole batch that one device holds
+        # `index` is the (rows, columns) slice of the whole batch that one device holds
         mine = lambda index: x[np.searchsorted(loader.rows, np.arange(shape[0])[index[0]])]
         return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), mine)
     return {name: put(x) for name, x in batch.items()}
@@ -229,17 +235,18 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
 
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
-    # The result: {params, opt_state: (clip: (), adam: (count, mu, nu), decay: ()), step,
-    # history}, every leaf a jax.ShapeDtypeStruct (a description: shape, dtype, sharding).
+    # The result is {params, opt_state: (clip: (), adam: (count, mu, nu), decay: ()), step,
+    # history}. Every leaf is a jax.ShapeDtypeStruct, a description with a shape, dtype and
+    # sharding.
     params = olmo3.abstract_params(cfg, mesh)
-    # eval_shape runs a function on descriptions and returns descriptions: Adam's state, here,
-    # with no sharding yet.
+    # eval_shape runs a function on descriptions and returns descriptions. Here it returns
+    # Adam's state, with no sharding yet.
     adam = jax.eval_shape(optimizer(r).init, params)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
-    # optax.tree_map_params finds, in Adam's state, the trees shaped like the params (the two
-    # moments) and calls like_param(state leaf, its param) on each; the rest (Adam's count)
-    # goes through replicated. Every leaf gets its sharding here.
+    # optax.tree_map_params finds the trees in Adam's state that are shaped like the params (the
+    # two moments) and calls like_param(state leaf, its param) on each leaf. The rest (Adam's
+    # count) goes through replicated. Every leaf gets its sharding here.
     opt_state = optax.tree_map_params(optimizer(r), like_param, adam, params,
                                       transform_non_params=replicated)
     return {"params": params, "opt_state": opt_state,
@@ -251,7 +258,7 @@ def shardings_of(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def init_state(cfg, r, target):  # every array created directly with target's sharding
+def init_state(cfg, r, target):  # creates every array directly with target's sharding
     def make(key):
         params = olmo3.init(cfg, key)
         return {"params": params, "opt_state": optimizer(r).init(params), "step": jnp.int32(0),
@@ -260,9 +267,9 @@ def init_state(cfg, r, target):  # every array created directly with target's sh
 
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
-    # The run's newest checkpoint, read straight into target's shardings; else a new state,
-    # with --init-from's weights and Adam state ("warm Adam": the moments and Adam's step count
-    # carry over, the schedule starts again).
+    # The state is the run's newest checkpoint, read straight into target's shardings. Otherwise
+    # it is a new state, with --init-from's weights and Adam state. In this "warm Adam", the
+    # moments and Adam's step count carry over, and the schedule starts again.
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
@@ -271,13 +278,13 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
-    carried = [k for k in ("params", "opt_state") if k in restored]  # a converted one: params
+    carried = [k for k in ("params", "opt_state") if k in restored]  # only params if converted
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
 
 
 # ----------------------------------------------------------------------------- the step
 
-def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the same step
+def compile_step(cfg, r, mesh, target):  # ahead of time (--dry-run compiles the same step)
     micro = r.micro_batch if r.micro_batch else r.global_batch
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     if r.global_batch % micro or micro % dp:
@@ -285,13 +292,14 @@ def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the
                          "data-parallel devices do not divide; pick multiples of each other")
     tokens = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                   sharding=olmo3.batch_sharding(mesh))
-    # The batch described, as the loader gives it: inputs, labels and, packed, segments
+    # The batch is described as the loader gives it: inputs, labels and, when packed, segments
     batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
-    # donate_argnums=0: the old state's buffers are reused for the new state, so the step holds
-    # one copy of the state, not two (the caller must not touch the old one again). cfg and r
-    # are Python values the lambda closes over: baked into the program, like static arguments.
-    # out_shardings: the new state keeps the old one's shardings; None lets XLA place the
-    # metrics. lower() traces the step for these shapes and shardings; compile() builds it.
+    # With donate_argnums=0 the new state reuses the old state's buffers, so the step holds one
+    # copy of the state, not two (the caller must not touch the old one again). cfg and r are
+    # Python values that the lambda closes over, so they are baked into the program, like static
+    # arguments. out_shardings keeps the old state's shardings for the new one, and None lets XLA
+    # place the metrics. lower() traces the step for these shapes and shardings, and compile()
+    # builds it.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -299,9 +307,9 @@ def compile_step(cfg, r, mesh, target):  # ahead of time: --dry-run compiles the
 
 def train_step(state, batch, cfg, r, accum):
     """One update on a global batch in `accum` micro-batches -> (the new state, metrics)."""
-    # batch: inputs, labels and, packed, segments, each [global_batch, seq_len]
+    # batch holds inputs, labels and, when packed, segments, each [global_batch, seq_len]
     params = state["params"]
-    n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)  # the loss: a mean over the batch
+    n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)  # the loss is a mean over the batch
 
     def loss(params, micro):
         segments = micro.get("segments") if r.doc_masking else None  # keep documents apart
@@ -310,7 +318,7 @@ def train_step(state, batch, cfg, r, accum):
         return (ce + z) / n_tokens, ce / n_tokens
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def add_micro(carry, micro):  # carry: (gradients, loss) summed over the micro-batches
+    def add_micro(carry, micro):  # carry sums (gradients, loss) over the micro-batches
         (_, ce), grads = grad_fn(params, micro)
         return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
     if accum == 1:
@@ -321,10 +329,10 @@ def train_step(state, batch, cfg, r, accum):
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     grad_norm = optax.tree.norm(grads)
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
-    skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # NaN: never applied
+    skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
-    # The LR is applied here, from the state's step, not inside optax: a stage starts its
-    # schedule again while Adam's own count (bias correction) carries over from the last.
+    # The LR is applied here, from the state's step, not inside optax. That way a stage starts
+    # its schedule again while Adam's own count (bias correction) carries over from the last.
     lr = schedule(r)(state["step"])
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
@@ -334,8 +342,8 @@ def train_step(state, batch, cfg, r, accum):
 
 
 def split_micro(x, accum: int):
-    # [global, ...] -> [accum, global/accum, ...], row r in micro-batch r % accum, so that every
-    # micro-batch is spread over all the data-parallel devices
+    # [global, ...] -> [accum, global/accum, ...]. Row r goes into micro-batch r % accum, so that
+    # every micro-batch is spread over all the data-parallel devices.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -344,13 +352,15 @@ def split_micro(x, accum: int):
 
 def schedule(r: Recipe):
     """count (updates done) -> the LR of update k = count + 1 (OLMo-core's step k)."""
-    # OLMo-core's formulas, with peak P, floor F = min_lr_ratio * P, warmup W and t_max T:
+    # These are OLMo-core's formulas, with peak P, floor F = min_lr_ratio * P, warmup W and
+    # t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # and F from T on. "olmo3" is stage 1 as AI2 ran it: CosWithWarmup (W = 2000) aimed at 5T
-    # tokens up to update 596,047, the checkpoint -2.py restarted from; then HalfCosWithWarmup
-    # aimed at 7T tokens (W2, T2): (F + P) / 2 * k / W2 for k < W2, then the second half of a
-    # cosine, F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2.
+    # Both stay at F from T on. "olmo3" is stage 1 as AI2 ran it. It runs CosWithWarmup (W = 2000)
+    # aimed at 5T tokens up to update 596,047, the checkpoint that -2.py restarted from. Then it
+    # runs HalfCosWithWarmup aimed at 7T tokens (W2, T2), which is (F + P) / 2 * k / W2 for
+    # k < W2, then the second half of a cosine,
+    # F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2.
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     if r.schedule == "cosine":
@@ -363,14 +373,14 @@ def schedule(r: Recipe):
         # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
         # up). W2 is -2.py's `original_max_steps // 2 + original_warmup_steps // 2`, where
         # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W.
-        # Part 2 starts at update RESTART whatever the batch. With the 7b preset's 512 x 8192,
-        # W2 is 597,046, so part 2 starts inside its own warmup, already at 99.8% of (F + P) / 2:
-        # the LR goes on near where part 1 had come down to, and decays from 597,046 on.
+        # Part 2 starts at update RESTART, whatever the batch. With the 7b preset's 512 x 8192,
+        # W2 is 597,046, so part 2 starts inside its own warmup, already at 99.8% of (F + P) / 2.
+        # So the LR goes on near where part 1 had come down to, and decays from 597,046 on.
         tokens = r.global_batch * r.seq_len
         t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-        # half(k - W2 + T2 - W2): a cosine over 2 (T2 - W2) updates, entered at its midpoint
+        # half(k - W2 + T2 - W2) is a cosine over 2 (T2 - W2) updates, entered at its midpoint
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                     half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
         lr = lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
@@ -378,9 +388,10 @@ def schedule(r: Recipe):
 
 
 def optimizer(r: Recipe):
-    # Clip, Adam, and decoupled weight decay on all but the embedding: OLMo-core decays the norms
-    # and lm_head too. The LR is applied in train_step, from the state's own step counter.
-    # the mask: a tree like params, True where decayed (every weight but those under "embed")
+    # The chain is clip, Adam, and decoupled weight decay on all but the embedding. As OLMo-core
+    # does, it decays the norms and lm_head too. train_step applies the LR, from the state's own
+    # step counter. The mask is a tree like params, True where a weight decays (every weight but
+    # those under "embed").
     decayed = lambda params: {k: jax.tree.map(lambda _: k != "embed", v) for k, v in params.items()}
     return optax.chain(optax.clip_by_global_norm(r.grad_clip),
                        optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps),
@@ -388,34 +399,35 @@ def optimizer(r: Recipe):
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
-    # OLMo-core's SkipStepOptimizer, on values [loss, grad norm]: either one spiking skips the
-    # update (train_step's spikes.any()). history [2, 128]: the last 128 losses (row 0) and grad
-    # norms (row 1), a ring indexed by the step; until it is full, the first `step` slots hold
-    # values. mean and std [2]: one per row, of the values before this step.
+    # This is OLMo-core's SkipStepOptimizer, on values [loss, grad norm]. A spike in either one
+    # skips the update (train_step's spikes.any()). history [2, 128] holds the last 128 losses
+    # (row 0) and grad norms (row 1) in a ring indexed by the step. Until it is full, the first
+    # `step` slots hold values. mean and std [2] have one entry per row, over the values before
+    # this step.
     previous = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(previous, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(previous - 1, 1))  # torch.std's n - 1
-    enough = previous + 1 >= HISTORY // 2  # 64 values, the current one counted, as OLMo-core
-    within = values - mean <= 6 * std  # OLMo-core's test, as written: False for NaN or inf
-    # A value that is not finite is kept out of the history (the mean takes its slot): kept, it
-    # would make every later step a spike until it left the window. (OLMo-core's guard keeps
-    # it; its trainer stops at a non-finite loss.)
+    enough = previous + 1 >= HISTORY // 2  # 64 values, counting the current one, as OLMo-core does
+    within = values - mean <= 6 * std  # OLMo-core's test as written, which is False for NaN or inf
+    # A value that is not finite is kept out of the history, and the mean takes its slot. If it
+    # were kept, it would make every later step a spike until it left the window. (OLMo-core's
+    # guard keeps it, but its trainer stops at a non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
     return enough & ~within, history.at[:, step % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- reporting
 
-# Dense bf16 TFLOP/s per JAX device; TPU7x (Ironwood) has two devices per chip. The first name
+# Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per chip. The first name
 # found in the device's kind counts, so "v5 lite" must come before "v5".
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
 
-class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt, metrics.jsonl
-    # Both are kept in the run directory: a spot slice's disks go when the slice is deleted.
+class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
+    # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -433,8 +445,8 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    def flush(self):  # with each checkpoint: each file whole and atomically (an object store
-        if jax.process_index() == 0:  # cannot append), and loss.png if evaluation.py is here
+    def flush(self):  # with each checkpoint, writes each file whole and atomically, since an object
+        if jax.process_index() == 0:  # store cannot append, plus loss.png if evaluation.py is here
             for name, path in self.files.items():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
@@ -443,11 +455,11 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def check(self, step, metrics):  # -> its stop flag: was any process asked to stop?
-        # A step's metrics: wait for them, count skips (10 in a row stop the run), log a line.
+    def check(self, step, metrics):  # -> its stop flag, True if any process was asked to stop
+        # This waits for a step's metrics, counts skips (10 in a row stop the run) and logs a line.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
-        if m["skipped"]:  # by the spike guard ([loss, grad norm] spiked), or not finite
+        if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
         if self.skipped == SKIPS_IN_A_ROW:  # the last checkpoint is the last good state
@@ -459,7 +471,7 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
-        if self.last:  # the first line's time includes compiling: rates start after it
+        if self.last:  # the first line's time includes compiling, so rates start after it
             rate = (step - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
             mfu = f"{100 * tflops / self.peak:.1f}%" if self.peak else "n/a"
@@ -473,7 +485,7 @@ class Log:  # process 0's console lines and the metric records: RUN_DIR/log.txt,
 
 # ----------------------------------------------------------------------------- command line
 
-def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, flags applied
+def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with the flags applied
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
@@ -504,7 +516,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
             choices=CHOICES.get(f.name), metavar=kind.__name__.upper())
     args = ap.parse_args(argv)
     args.out = args.out if args.out else f"runs/{args.preset}"
-    # every field's flag defaults to None: the fields given are those not None
+    # every field's flag defaults to None, so the fields given are those that are not None
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
     r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
@@ -512,7 +524,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args): the preset's, fla
     return cfg, dataclasses.replace(r, **given(Recipe)), args
 
 
-def boolean(text):  # "true" or "false"; argparse reports anything else
+def boolean(text):  # "true" or "false" (argparse reports anything else)
     return bool(("false", "true").index(text.lower()))
 
 
@@ -526,21 +538,25 @@ def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1
 
 
 def start_jax(args):
-    # Fake CPU devices; then multi-host start-up, which cannot be forgotten: JAX finds its peers
-    # itself on a TPU slice, under SLURM, Open MPI or Kubernetes (--coordinator elsewhere).
+    # This sets up fake CPU devices, then the multi-host start-up, which cannot be forgotten. JAX
+    # finds its peers itself on a TPU slice, under SLURM, Open MPI or Kubernetes. Elsewhere, give
+    # --coordinator.
     if args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # so CPU processes talk
-    if not jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR, else the run's
-        jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")  # restarts
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # so CPU processes can talk
+    # Compiled programs are cached (JAX_COMPILATION_CACHE_DIR, or else in the run directory), so
+    # a restart does not compile the 7B step again
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:
-        # Two failures mean "one process, go on": ValueError, no cluster found here, and
-        # RuntimeError, JAX already running in this process (the tests call main). Two are
-        # real: JaxRuntimeError (a kind of RuntimeError), peers found but not reached, and any
-        # failure with --coordinator, which asked for a cluster.
+        # Two failures mean "one process, go on". A ValueError means no cluster was found here,
+        # and a RuntimeError means JAX is already running in this process (the tests call main).
+        # Two failures are real. A JaxRuntimeError (a kind of RuntimeError) means peers were
+        # found but not reached. Any failure with --coordinator is real, because that flag asked
+        # for a cluster.
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
@@ -548,34 +564,34 @@ def start_jax(args):
 
 
 # =============================================================================
-# Second read: what a pod needs. Checkpoints that survive a kill at any moment and a
-# resume on another mesh; a stop (SIGTERM) that every process acts on at the same step;
-# and the checks that every host sees the same run directory and the same data.
+# Second read: what a pod needs. This part holds checkpoints that survive a kill at any
+# moment and a resume on another mesh, a stop (SIGTERM) that every process acts on at the
+# same step, and the checks that every host sees the same run directory and the same data.
 # =============================================================================
 
 
 # ----------------------------------------------------------------------------- checkpoints
 # Orbax saves asynchronously under a temporary name and commits a step atomically (a rename, or
-# a commit file on gs://); only committed steps are listed, so a kill -9 at any moment loses only
+# a commit file on gs://). Only committed steps are listed, so a kill -9 at any moment loses only
 # the steps since the last commit. A step holds params, train_state and config.
 
-def checkpoints(directory, r=Recipe(), read_only=False):  # r: how many to keep
+def checkpoints(directory, r=Recipe(), read_only=False):  # r says how many to keep
     path = directory if "://" in directory else os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every,
                                            create=not read_only, read_only=read_only)
     return ocp.CheckpointManager(path, options=options)
 
 
-def latest_checkpoint(path):  # of a run directory, or of a converted checkpoint
+def latest_checkpoint(path):  # the newest step of a run directory or of a converted checkpoint
     for directory in (f"{path}/checkpoints", path):
-        step = checkpoints(directory, read_only=True).latest_step()  # None: none, or no folder
+        step = checkpoints(directory, read_only=True).latest_step()  # None if none or no folder
         if step is not None:
             return epath.Path(directory) / str(step)
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
-    # A checkpoint: the params, the rest of a training state if there is one, and the config.
+    # A checkpoint holds the params, the rest of a training state if there is one, and the config.
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
         saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
@@ -591,15 +607,16 @@ def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
 
 
 def restore(step_dir, target, cfg, r=None, loader=None):
-    # The state in a checkpoint step (the params, and the rest if target has it) on target's
-    # shardings, whatever mesh wrote it. A resume (with a recipe) must match the model (every
-    # Config field but NUMERICS), the data order (DATA_ORDER) and the data (its fingerprint);
-    # --init-from only the model, whose yarn_* fields it may change (stage 3 turns YaRN on).
+    # This reads the state in a checkpoint step (the params, and the rest if target has it) onto
+    # target's shardings, whatever mesh wrote it. A resume (with a recipe) must match the model
+    # (every Config field but NUMERICS), the data order (DATA_ORDER) and the data (its
+    # fingerprint). --init-from must match only the model, and it may change the yarn_* fields
+    # (stage 3 turns YaRN on).
     model, saved = saved_config(step_dir)
     fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS]
-    if r is None:  # --init-from: stage 3 turns YaRN on
+    if r is None:  # --init-from, where stage 3 turns YaRN on
         fixed = [f for f in fixed if not f.startswith("yarn_")]
-    # pairs: (a setting, its value in the checkpoint, on the command line), which must be equal
+    # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
     pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
     if r is not None:  # a resume
         pairs += [(f, saved["recipe"].get(f), getattr(r, f)) for f in DATA_ORDER]
@@ -614,10 +631,10 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     return state
 
 
-def read_item(path, tree):  # one item of a checkpoint step, onto tree's shapes and shardings
+def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
     handler = ocp.StandardCheckpointHandler()
     shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
-    if shapes(handler.metadata(path)) != shapes(tree):  # a change of code: an error, no retry
+    if shapes(handler.metadata(path)) != shapes(tree):  # the code changed, so fail with no retry
         raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
                          "does not make (another version wrote it?); resume it with that "
                          "version, or use a new --out")
@@ -625,11 +642,12 @@ def read_item(path, tree):  # one item of a checkpoint step, onto tree's shapes 
 
 
 def resume(manager, target, cfg, r, loader, log):
-    # The state in the newest checkpoint that every process can read. Each process reads it
-    # itself (Orbax's own restore would wait at a barrier for one that failed), retrying what
-    # can pass (I/O, time-outs); an all-gather then decides for all. A step some process cannot
-    # read is renamed <step>.unreadable and the one before is tried. A checkpoint of another
-    # model, data or layout is an error on every process: nothing is retried or renamed.
+    # This returns the state in the newest checkpoint that every process can read. Each process
+    # reads it itself (Orbax's own restore would wait at a barrier for one that failed), and it
+    # retries errors that can pass (I/O, time-outs). An all-gather then decides for all. A step
+    # that some process cannot read is renamed <step>.unreadable, and the one before is tried. A
+    # checkpoint of another model, data or layout is an error on every process, and nothing is
+    # retried or renamed.
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
@@ -651,7 +669,7 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
     for attempt in range(tries):
         try:
             return read()
-        except jax.errors.JaxRuntimeError:  # a failing device: not the files
+        except jax.errors.JaxRuntimeError:  # a failing device, not the files
             raise  # (a SystemExit, for settings or a layout that do not match, passes too)
         except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
             why = str(e).splitlines()[0][:200]
@@ -660,12 +678,12 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
 
 
 def refuse_fresh_start(out):
-    # A run directory where a run has trained never starts over silently: it has unreadable
-    # checkpoints, or metrics but no checkpoint (unless its first save was cut short).
+    # A run directory where a run has trained never starts over silently. Such a directory has
+    # unreadable checkpoints, or metrics but no checkpoint (unless its first save was cut short).
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
-    # metrics and no checkpoint: a run trained here, unless its first save was cut short
+    # metrics and no checkpoint mean a run trained here, unless its first save was cut short
     if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
@@ -677,27 +695,28 @@ def refuse_fresh_start(out):
 STOP = []  # the signal that asked this process to stop, once one came
 
 
-def request_stop(signum, frame):  # checkpoint after this step and exit; Ctrl-C again: now
+def request_stop(signum, frame):  # checkpoint after this step and exit (a second Ctrl-C exits now)
     if STOP and signum == signal.SIGINT:
         raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
     STOP.append(signal.Signals(signum).name)
     print(f"{STOP[0]}: checkpointing after this step, then stopping (Ctrl-C again: stop now)")
 
 
-def stop_signalled(mesh):  # was any process asked to stop? One answer, the same on all
-    # A device array of every device's flag, one per device (P(MESH_AXES): its one dimension
-    # over all three mesh axes); jnp.any over it is an all-reduce, so every process
-    # gets the same answer, read with the step's metrics. (JAX's preemption sync point, which
-    # Orbax offers, misses a SIGTERM that comes before the first step.)
+def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
+    # This builds a device array that holds each device's flag, one per device. P(MESH_AXES)
+    # spreads its one dimension over all three mesh axes. jnp.any over it is an all-reduce, so
+    # every process gets the same answer, which it reads with the step's metrics. (JAX's
+    # preemption sync point, which Orbax offers, misses a SIGTERM that comes before the first
+    # step.)
     flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
                                          lambda _: np.array([bool(STOP)]))  # one per device
     return jnp.any(flags)
 
 
-def stop_reason(step, args, stop_requested):  # why the run stops after this step (None: go on)
+def stop_reason(step, args, stop_requested):  # why the run stops after this step (None means go on)
     if step == args.stop_at:
         return "--stop-at"
-    if stop_requested:  # a step before saw a signal: every process stops now, together
+    if stop_requested:  # an earlier step saw a signal, so every process stops now, together
         return f"{STOP[0]} received" if STOP else "another process was asked to stop"
 
 
@@ -712,7 +731,7 @@ def run_mark(out):  # what process 0 writes into the run directory, as this proc
     return int(mark.read_text()) if mark.exists() else -1
 
 
-def check_processes_agree(value, problem):  # several hosts: the same value on every one
+def check_processes_agree(value, problem):  # on several hosts, checks every one has the same value
     every = multihost_utils.process_allgather(np.int64(value))
     differ = np.flatnonzero(every != every[0]).tolist()  # from process 0's
     if differ:
