@@ -33,7 +33,7 @@ def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tenso
             yield f"model.layers.{i}.{spec.hf}.weight", kind, i
 
 
-def ours(params, kind, layer):  # one of our arrays, or one layer's array for a block weight
+def ours(params, kind, layer):  # our array for `kind` (one layer's, for a block weight)
     return params[kind] if layer is None else params["blocks"][kind][layer]
 
 
@@ -84,7 +84,8 @@ def layer_types(cfg):
 
 
 def config_to_hf(cfg) -> dict:
-    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}  # full may be YaRN
+    # Both start as plain RoPE; `full` is rebound (never mutated) to YaRN's below when it is on
+    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.yarn_factor:  # on the full-attention layers only
         full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
                 "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":

@@ -85,7 +85,7 @@ class Loader:
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
         # Position t predicts token t + 1 when that token is a document's, not padding. A
         # fixed-length row is all document (lengths = seq_len). A packed row ends in padding.
-        real_next = np.arange(1, self.seq_len) < lengths[:, None]
+        real_next = np.arange(1, self.seq_len) < lengths[:, None]  # [rows, T - 1]
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
         return {"inputs": inputs, "labels": labels}
@@ -99,7 +99,7 @@ class Loader:
         return np.stack(inputs).astype(np.int32), np.full(len(ids), self.seq_len)
 
     def tokens(self, f, offset, count):  # reads `count` tokens of file f, from token `offset` on
-        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # bytes
+        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # in bytes
         if self.vocab_size is not None and x.size and x.max() >= self.vocab_size:
             raise SystemExit(f"error: token id {x.max()} >= vocab_size {self.vocab_size} in "
                              f"{self.files[f]}: another tokenizer's; re-tokenize it")
@@ -179,6 +179,7 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         instance = instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
         # Progress shows the MB of token files packed so far (4 bytes a token) and the ETA
+        # instances: the count so far; done: the MB of token files read so far (4e-6 MB a token)
         instances, done = instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
         eta = (sum(loader.sizes) * 4e-6 - done) / done * (time.time() - t)
         print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
@@ -191,29 +192,29 @@ def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of doc
     # OLMo-core sorts them. Each document goes into the bin with the least free space that holds
     # it. Among bins with that space, it takes the one that came down to it first (OLMo-core
     # keeps a FIFO per space). If no bin holds it, it opens a new bin.
-    # `spaces` lists, sorted, the free spaces that some open bin has. bins_with[space] holds those
-    # bins in the order they came down to it. So spaces == sorted(s for s in bins_with if
-    # bins_with[s]). A full bin (space 0) is never listed.
+    # `spaces` lists, sorted, the free spaces that some open bin has. bins_by_space[space] holds
+    # those bins in the order they came down to it. So spaces == sorted(s for s in
+    # bins_by_space if bins_by_space[s]). A full bin (space 0) is never listed.
     # Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0 (3 left) and 5 opens bin 1 (3 left).
     # Then 2 goes to bin 0 (the first to reach 3, leaving 1), 2 to bin 1, and 1 to bin 0. The
     # bins are [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
     order = np.argsort(-lengths.astype(np.int64))
-    bins, spaces, bins_with = [], [], collections.defaultdict(collections.deque)
+    bins, spaces, bins_by_space = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
         i = bisect.bisect_left(spaces, n)  # the least free space that holds n
         if i == len(spaces):  # no open bin holds it, so open a new bin b, all free
             bins.append([])
             b, space = len(bins) - 1, seq_len
-        else:  # take b, the first bin to come down to that space, out of bins_with
+        else:  # take b, the first bin to come down to that space, out of bins_by_space
             space = spaces[i]
-            b = bins_with[space].popleft()
-            if not bins_with[space]:  # no bin is left with that space
+            b = bins_by_space[space].popleft()
+            if not bins_by_space[space]:  # no bin is left with that space
                 del spaces[i]
         bins[b].append(doc)
-        if space > n:  # b is listed under its new space, last in line
-            if not bins_with[space - n]:
+        if space > n:  # b is listed under its new space, last in line (a full bin: never again)
+            if not bins_by_space[space - n]:
                 bisect.insort(spaces, space - n)
-            bins_with[space - n].append(b)
+            bins_by_space[space - n].append(b)
     return bins
 
 
@@ -324,6 +325,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
             # for "bytes", the UTF-8 gives the same ids as tok.encode, much faster
             ids = np.frombuffer(raw, np.uint8) if tok.name == "bytes" else tok.encode(text)
             np.append(ids, tok.eos_id).astype(TOKEN_DTYPE).tofile((train, held)[split])
+            # progress: documents per split, bytes read, seconds since the start
             docs[split], done, seconds = docs[split] + 1, done + len(raw), time.time() - start
             eta = f", ETA {(total - done) / done * seconds:.0f}s" if total else ""
             end = "\r" if sum(docs) % 1000 else "\n"  # a line per 1000 documents

