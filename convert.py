@@ -33,13 +33,16 @@ def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tenso
             yield f"model.layers.{i}.{spec.hf}.weight", kind, i
 
 
-def ours(params, kind, layer):  # our array for `kind` (one layer's, for a block weight)
+# our array for `kind` (one layer's, for a block weight). Basic indexing gives a view, not a
+# copy, so from_hf's writes through it reach params.
+def ours(params, kind, layer):
     return params[kind] if layer is None else params["blocks"][kind][layer]
 
 
 def hf_layout(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
-    # It is a view, not a copy (numpy's .T and slices are views), so from_hf writes HF's tensors
-    # into our arrays through it.
+    # HF's nn.Linear weights are [out, in] and ours [in, out], so they are transposed;
+    # nn.Embedding is [V, D], as ours is. It is a view, not a copy (numpy's .T and slices are
+    # views), so from_hf writes HF's tensors into our arrays through it.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
@@ -52,16 +55,16 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
     # RoPE is set per layer type, in the rope_parameters form or by the legacy rope_scaling key,
     # which transformers applies to the full-attention layers only (AI2's released config uses
-    # that key). In `full`, later keys win, so rope_scaling beats rope_parameters, which beats
-    # rope_theta. AI2's released 7B has rope_theta 500000 and rope_scaling {rope_type: yarn,
-    # factor: 8, ...}. It gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...},
-    # and sliding = plain.
+    # that key). In `full`, later keys win: rope_theta < rope_parameters < rope_scaling. AI2's
+    # released 7B has rope_theta 500000 and rope_scaling {rope_type: yarn, factor: 8, ...}. It
+    # gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, and sliding = plain.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
     plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # OLMo 3's sliding RoPE
     sliding = plain | rope.get("sliding_attention", {})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
+    # the sliding layers must have plain RoPE with the full layers' theta, as OLMo 3's do
     need(sliding == plain, f"sliding layers' RoPE {sliding}, not the full layers' theta unscaled")
     expected = 0.1 * math.log(max(factor, 1)) + 1  # YaRN's attention factor, as OLMo 3 uses it
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
@@ -73,6 +76,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
                        yarn_beta_slow=float(full.get("beta_slow", 1)),
                        yarn_original_context=full.get("original_max_position_embeddings", 8192),
                        tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
+    # (258 is the bytes tokenizer's vocabulary: 256 bytes, EOS and pad)
     need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
          "layer_types differ from OLMo 3's 3 sliding : 1 full")
     return cfg

@@ -85,7 +85,9 @@ class Loader:
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
         # Position t predicts token t + 1 when that token is a document's, not padding. A
         # fixed-length row is all document (lengths = seq_len). A packed row ends in padding.
-        real_next = np.arange(1, self.seq_len) < lengths[:, None]  # [rows, T - 1]
+        # real_next [rows, T - 1]: position t has a target iff t + 1 < length; with length 3
+        # and T = 6, it is [True, True, False, False, False]
+        real_next = np.arange(1, self.seq_len) < lengths[:, None]
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
         return {"inputs": inputs, "labels": labels}
@@ -139,8 +141,9 @@ class PackedLoader(Loader):
         # instance (docs[3]), instance after instance. Instance i's documents are bounds[i] to
         # bounds[i + 1]. With instances [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
         self.docs = np.load(path.open("rb"))
-        self.bounds = np.searchsorted(self.docs[3], np.arange(self.docs[3, -1] + 2))
-        self.set_instances(int(self.docs[3, -1]) + 1)
+        instance = self.docs[3]  # each document's instance, in order
+        self.bounds = np.searchsorted(instance, np.arange(instance[-1] + 2))
+        self.set_instances(int(instance[-1]) + 1)
 
     def read(self, ids):
         inputs, lengths = np.full((len(ids), self.seq_len), self.pad, np.int32), []
@@ -165,25 +168,26 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
     # source_group_size). Instances are numbered group by group, each group's in the order they
     # opened, and each instance's documents are in the order they went in.
     # docs is [3, documents] with rows file, offset, length. packed adds a fourth row, the instance.
-    packed, instances, t, files = [], 0, time.time(), loader.files
+    packed, n_instances, t, files = [], 0, time.time(), loader.files
     for first in range(0, len(files), group_size):
-        docs, last = [], min(first + group_size, len(files))  # the group is files first to last
-        for i in range(first, last):  # docs gets [file, offset, length] of each, in file order
+        per_file, last = [], min(first + group_size, len(files))  # the group: files first to last
+        for i in range(first, last):  # per_file gets [file, offset, length] of each document
             ends = np.flatnonzero(np.fromfile(files[i], TOKEN_DTYPE) == loader.eos) + 1
             begins = np.concatenate([[0], ends])[:-1]  # no document after a file's last EOS
             lengths = np.minimum(ends - begins, loader.seq_len)  # longer ones are cut to seq_len
-            docs.append(np.stack([np.full_like(ends, i), begins, lengths]))
-        docs = np.concatenate(docs, axis=1)
+            per_file.append(np.stack([np.full_like(ends, i), begins, lengths]))
+        docs = np.concatenate(per_file, axis=1)
         bins = pack(docs[2], loader.seq_len)  # lists of document numbers
         order = np.array([d for b in bins for d in b], np.int64)  # bin after bin
-        instance = instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
+        # instance[j]: the instance number of document order[j], bin by bin
+        instance = n_instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
-        # Progress shows the MB of token files packed so far (4 bytes a token) and the ETA
-        # instances: the count so far; done: the MB of token files read so far (4e-6 MB a token)
-        instances, done = instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
+        # The rest is the progress line only. n_instances counts the instances so far; done is
+        # the MB of token files read so far (4 bytes a token; at least 1e-9: the ETA divides by it)
+        n_instances, done = n_instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
         eta = (sum(loader.sizes) * 4e-6 - done) / done * (time.time() - t)
         print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
-              f" MB/s, ETA {eta:.0f}s) into {instances:,} instances", file=sys.stderr)
+              f" MB/s, ETA {eta:.0f}s) into {n_instances:,} instances", file=sys.stderr)
     return np.concatenate(packed, axis=1)
 
 
@@ -192,29 +196,30 @@ def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of doc
     # OLMo-core sorts them. Each document goes into the bin with the least free space that holds
     # it. Among bins with that space, it takes the one that came down to it first (OLMo-core
     # keeps a FIFO per space). If no bin holds it, it opens a new bin.
-    # `spaces` lists, sorted, the free spaces that some open bin has. bins_by_space[space] holds
-    # those bins in the order they came down to it. So spaces == sorted(s for s in
+    # `open_spaces` lists, sorted, the free spaces that some open bin has. bins_by_space[space]
+    # holds those bins in the order they came down to it. So open_spaces == sorted(s for s in
     # bins_by_space if bins_by_space[s]). A full bin (space 0) is never listed.
     # Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0 (3 left) and 5 opens bin 1 (3 left).
     # Then 2 goes to bin 0 (the first to reach 3, leaving 1), 2 to bin 1, and 1 to bin 0. The
     # bins are [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
     order = np.argsort(-lengths.astype(np.int64))
-    bins, spaces, bins_by_space = [], [], collections.defaultdict(collections.deque)
+    bins, open_spaces, bins_by_space = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
-        i = bisect.bisect_left(spaces, n)  # the least free space that holds n
-        if i == len(spaces):  # no open bin holds it, so open a new bin b, all free
+        fit = bisect.bisect_left(open_spaces, n)  # the least free space that holds n
+        if fit == len(open_spaces):  # no open bin holds it, so open a new bin b, all free
             bins.append([])
             b, space = len(bins) - 1, seq_len
         else:  # take b, the first bin to come down to that space, out of bins_by_space
-            space = spaces[i]
+            space = open_spaces[fit]
             b = bins_by_space[space].popleft()
             if not bins_by_space[space]:  # no bin is left with that space
-                del spaces[i]
+                del open_spaces[fit]
         bins[b].append(doc)
         if space > n:  # b is listed under its new space, last in line (a full bin: never again)
             if not bins_by_space[space - n]:
-                bisect.insort(spaces, space - n)
+                bisect.insort(open_spaces, space - n)
             bins_by_space[space - n].append(b)
+        # still: open_spaces == sorted(s for s in bins_by_space if bins_by_space[s])
     return bins
 
 
@@ -252,15 +257,14 @@ def read_mix(path, root=None, tokenizer="dolma2"):
                          "OLMo-core's src/olmo_core/data/mixes/)")
     root = os.fspath(root if root else os.path.dirname(os.path.abspath(path))).rstrip("/")
     name, out = os.path.basename(path).removesuffix(".txt"), []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            label, comma, relative = (x.strip() for x in line.partition(","))
-            if label.startswith("#") or not line.strip():
-                continue
-            if not comma or not relative:
-                raise SystemExit(f"error: {path} line {n} is not 'label,relative/path'; fix it")
-            relative = relative.replace("{TOKENIZER}", mix_tokenizer(name, tokenizer))
-            out.append((label, f"{root}/{relative}", f"{path} line {n}"))
+    for n, line in enumerate(epath.Path(path).read_text().splitlines(), 1):
+        label, comma, relative = (x.strip() for x in line.partition(","))
+        if label.startswith("#") or not line.strip():
+            continue
+        if not comma or not relative:
+            raise SystemExit(f"error: {path} line {n} is not 'label,relative/path'; fix it")
+        relative = relative.replace("{TOKENIZER}", mix_tokenizer(name, tokenizer))
+        out.append((label, f"{root}/{relative}", f"{path} line {n}"))
     return out
 
 
@@ -317,6 +321,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
     os.makedirs(out_dir, exist_ok=True)
     # Remove an earlier run's heldout.txt. This run writes one only if it holds something out.
     epath.Path(out_dir, "heldout.txt").unlink(missing_ok=True)
+    # docs counts the documents written: [train, held out]
     tok, start, done, docs = get_tokenizer(tokenizer), time.time(), 0, [0, 0]
     with open(f"{out_dir}/train.npy", "wb") as train, open(f"{out_dir}/heldout.npy", "wb") as held:
         for text in texts:
@@ -337,8 +342,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
                          "with 'text'")
     for split, n in zip(("train", "heldout"), docs):
         if n:
-            with open(f"{out_dir}/{split}.txt", "w") as f:
-                f.write(f"{split},{split}.npy\n")
+            epath.Path(out_dir, f"{split}.txt").write_text(f"{split},{split}.npy\n")
     if heldout and not docs[1]:
         print(f"note: no document was held out: {heldout} of {docs[0]:,} rounds to none",
               file=sys.stderr)
@@ -376,7 +380,7 @@ def corpus(name, tokenizer):
     return os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "heldout.txt")
 
 
-def stdlib_files():
+def stdlib_files():  # every .py file under the stdlib folder, outside site-packages
     root, skip = sysconfig.get_paths()["stdlib"], {"site-packages", "dist-packages"}
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root)
                   if not skip & set(d.split(os.sep)) for f in files if f.endswith(".py"))

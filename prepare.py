@@ -32,7 +32,7 @@ def main(argv=None):
 
 
 def documents(path):
-    """The text of each non-empty document of a file: a .txt is one, else one JSON per line."""
+    """The text of each document of a file: a .txt is one, else one JSON per line."""
     if path.endswith(".txt"):
         yield data.read_text(path)
         return
@@ -45,8 +45,7 @@ def documents(path):
             except (ValueError, KeyError, TypeError):
                 raise SystemExit(f"error: {path} line {n} is not a JSON object with a 'text' "
                                  "field; fix or remove that line") from None
-            if text:
-                yield text
+            yield text  # main skips an empty one
 
 
 def shakespeare():

@@ -144,37 +144,36 @@ def train(cfg, r, args, mesh, manager):
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
     # The loop reads each step's metrics one step late. JAX dispatches a step and returns at
-    # once, before the devices have run it. Reading a result (a loss, as a float) waits until
-    # the step has run. So after it dispatches step 8, the host reads step 7's metrics (`unread`)
-    # while step 8 runs:
-    #   dispatch 8 | read 7 (wait for it, log it, count skips, note its stop flag) | stop? save?
-    #   dispatch 9 | read 8 | ...
-    # Before a save, the loop reads the newest step's metrics, so that no checkpoint holds a state
-    # that nobody has checked. The next turn then has no metrics to read. The stop flag says
-    # whether any process got a SIGTERM. Its value is the same on every process, so all of them
-    # stop after the same step. Once on, it stays on (STOP only grows), so a later read never
-    # turns it off. A save and a stop, worked through:
-    #   dispatch 250 | read 249 | save: read 250 (its flag is on) | checkpoint 250
-    #   dispatch 251 | nothing to read | stop_requested is on: checkpoint 251, exit 75
+    # once, and reading a result waits until the devices have run it. So after it dispatches
+    # step 8, the host reads step 7's metrics (`unread`) while step 8 runs. read_metrics waits
+    # for them, logs them, counts skipped updates and returns the stop flag. A save first reads
+    # the newest step's metrics, so that no checkpoint holds a state nobody checked, and the
+    # next turn then has none to read.
+    # The stop lines can wait for a second read. The flag says whether any process got a
+    # SIGTERM. It is the same on every process, and once on it stays on, so every process stops
+    # after the same step:
+    #   dispatch 250 | read 249 | save: read 250, whose flag is on | checkpoint 250
+    #   dispatch 251 | nothing to read | the flag is on: checkpoint 251, exit 75
     unread, stop_requested = None, False  # unread holds (number, metrics) of a step not read yet
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # whether any process got SIGTERM, seen by all
         done = step + 1
-        if unread:  # log.check raises an error here after 10 skipped updates in a row
-            stop_requested = log.check(*unread)
+        if unread:  # step done - 1's metrics, read while step done runs (and logged)
+            stop_requested = log.read_metrics(*unread)  # -> did any process get a SIGTERM?
         unread = (done, metrics)
         if evals and (done % r.eval_every == 0 or done == r.steps):
             evals(state["params"], done)  # the results are logged
-        stop = stop_reason(done, args, stop_requested) if done < r.steps else None
-        if done % r.save_every == 0 or done == r.steps or stop:
-            stop_requested = log.check(*unread)  # a stop flag read here acts after the next step
+        # reason uses the flag read above, before this turn's save reads step done's own
+        reason = stop_reason(done, args, stop_requested) if done < r.steps else None
+        if done % r.save_every == 0 or done == r.steps or reason:
+            stop_requested = log.read_metrics(*unread)  # step done's own: it acts next turn
             unread = None
             save(manager, done, state, cfg, r, loader.fingerprint)
             log.flush()
-        if stop:
+        if reason:
             manager.wait_until_finished()
-            log(f"stopped after step {done} ({stop}), checkpointed: rerun to resume")
+            log(f"stopped after step {done} ({reason}), checkpointed: rerun to resume")
             log.flush()
             return EXIT_STOPPED
     manager.wait_until_finished()
@@ -218,7 +217,13 @@ def local_rows(mesh, r):  # the rows of every global batch that this process's d
     # blocks. (OLMo-core's rank r takes rows r::W instead. Either way the batch is the same, and
     # so is the loss.)
     index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
-    return np.unique(np.concatenate([np.arange(r.global_batch)[i[0]] for i in index.values()]))
+    # index: each of this process's devices -> its (rows, columns) slices of the batch
+    return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
+
+
+# index is a tuple of slices, one per dimension: (slice(8, 12), slice(None)) holds rows 8-11 and
+# every column; rows_of(that, 16) is [8, 9, 10, 11]
+rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device's slice holds
 
 
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
@@ -230,10 +235,9 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
     # processes read the same rows.)
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
-        # `index` is the (rows, columns) slice of the whole batch that one device holds; the
-        # columns are always whole (seq is not split). np.arange(shape[0])[index[0]] lists the
-        # device's rows, and searchsorted finds where they are in x.
-        mine = lambda index: x[np.searchsorted(loader.rows, np.arange(shape[0])[index[0]])]
+        # rows_of(index, ...) lists the batch rows that one device holds (its columns are always
+        # whole: seq is not split), and searchsorted finds where those rows are in x.
+        mine = lambda index: x[np.searchsorted(loader.rows, rows_of(index, shape[0]))]
         return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), mine)
     return {name: put(x) for name, x in batch.items()}
 
@@ -249,7 +253,9 @@ def abstract_state(cfg, r, mesh):
     # eval_shape runs a function on descriptions and returns descriptions. Here it returns
     # Adam's state, with no sharding yet.
     adam = jax.eval_shape(optimizer(r).init, params)
+    # replicated(s): s described again, held whole by every device (Adam's count, step, history)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
+    # like_param(s, p): a moment s described with its param p's sharding
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
     # optax.tree_map_params finds the trees in Adam's state that are shaped like the params (the
     # two moments) and calls like_param(state leaf, its param) on each leaf. The rest (Adam's
@@ -327,7 +333,7 @@ def train_step(state, batch, cfg, r, accum):
         return (ce + z) / n_tokens, ce / n_tokens
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def add_micro(carry, micro):  # carry sums (gradients, loss) over the micro-batches
+    def add_micro(carry, micro):  # carry = (summed gradients, summed loss) over micro-batches
         (_, ce), grads = grad_fn(params, micro)
         return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
     if accum == 1:
@@ -339,13 +345,16 @@ def train_step(state, batch, cfg, r, accum):
     grad_norm = optax.tree.norm(grads)
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
+    # updates: Adam's step plus weight_decay * p, so p - lr * u decays by lr * wd * p, as
+    # torch's AdamW does
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
     # The LR is applied here, from the state's step, not inside optax. That way a stage starts
     # its schedule again while Adam's own count (bias correction) carries over from the last.
     lr = schedule(r)(state["step"])
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
-    # upd: a leaf of the update's result; old: the same leaf of the state before it
+    # `new` holds params and opt_state only (step and history always advance). upd is a leaf
+    # of the update's result, and old the same leaf of the state before it.
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     return new | {"step": state["step"] + 1, "history": history}, metrics
@@ -379,7 +388,7 @@ def schedule(r: Recipe):
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
-    else:  # "olmo3"
+    else:  # "olmo3": only the 7b preset uses it (optional on a first read)
         # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
         # up). W2 is -2.py's `original_max_steps // 2 + original_warmup_steps // 2`, where
         # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W.
@@ -397,6 +406,9 @@ def schedule(r: Recipe):
         # half runs from k = W2 to k = T2
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                     half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
+        # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
+        # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
+        # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
         lr = lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
     return lambda count: lr(count + 1)
 
@@ -418,12 +430,12 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # (row 0) and grad norms (row 1) in a ring indexed by the step. Until it is full, the first
     # `step` slots hold values. mean and std [2] have one entry per row, over the values before
     # this step.
-    previous = jnp.minimum(step, HISTORY)  # how many values the history holds
-    held = jnp.arange(HISTORY) < step
-    mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(previous, 1)
+    n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
+    held = jnp.arange(HISTORY) < step  # [128]: which slots hold one
+    mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
-    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(previous - 1, 1))  # torch.std's n - 1
-    enough = previous + 1 >= HISTORY // 2  # 64 values, counting the current one, as OLMo-core does
+    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
+    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting the current one, as OLMo-core does
     within = values - mean <= 6 * std  # OLMo-core's test as written, which is False for NaN or inf
     # A value that is not finite is kept out of the history, and the mean takes its slot. If it
     # were kept, it would make every later step a spike until it left the window. (OLMo-core's
@@ -471,7 +483,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def check(self, step, metrics):  # -> its stop flag, True if any process was asked to stop
+    def read_metrics(self, step, metrics):  # -> the stop flag: was any process asked to stop?
         # This waits for a step's metrics, counts skips (10 in a row stop the run) and logs a line.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
@@ -535,6 +547,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     # every field's flag defaults to None, so the fields given are those that are not None
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
+    # The layers: the preset's recipe, then STAGE2's fields with --stage2, then every flag given
     r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
     return cfg, dataclasses.replace(r, **given(Recipe)), args
@@ -690,12 +703,15 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
         except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
             why = str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
-            time.sleep(2 ** attempt if attempt + 1 < tries else 0)
+            time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
 
 
 def refuse_fresh_start(out):
-    # A run directory where a run has trained never starts over silently. Such a directory has
-    # unreadable checkpoints, or metrics but no checkpoint (unless its first save was cut short).
+    # A run directory where a run has trained never starts over silently. It is called only
+    # when no checkpoint can be resumed, and it tells apart:
+    #   metrics.jsonl and checkpoints/ with only a "tmp" step: the first save was cut short, so
+    #     nothing was lost: start fresh;
+    #   metrics.jsonl without that, or any <step>.unreadable: a run trained here: refuse.
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
@@ -707,14 +723,14 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 
-STOP = []  # the signal that asked this process to stop, once one came
+SIGNALS = []  # the signals this process received (the first asked it to stop)
 
 
 def request_stop(signum, frame):  # checkpoint after this step and exit (a second Ctrl-C exits now)
-    if STOP and signum == signal.SIGINT:
+    if SIGNALS and signum == signal.SIGINT:
         raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
-    STOP.append(signal.Signals(signum).name)
-    print(f"{STOP[0]}: checkpointing after this step, then stopping (Ctrl-C again: stop now)")
+    SIGNALS.append(signal.Signals(signum).name)
+    print(f"{SIGNALS[0]}: checkpointing after this step, then stopping (Ctrl-C again: now)")
 
 
 def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
@@ -724,7 +740,7 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     # preemption sync point, which Orbax offers, misses a SIGTERM that comes before the first
     # step.)
     flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
-                                         lambda _: np.array([bool(STOP)]))  # one per device
+                                         lambda _: np.array([bool(SIGNALS)]))  # one per device
     return jnp.any(flags)
 
 
@@ -732,7 +748,7 @@ def stop_reason(step, args, stop_requested):  # why the run stops after this ste
     if step == args.stop_at:
         return "--stop-at"
     if stop_requested:  # an earlier step saw a signal, so every process stops now, together
-        return f"{STOP[0]} received" if STOP else "another process was asked to stop"
+        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
