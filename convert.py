@@ -33,16 +33,13 @@ def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tenso
             yield f"model.layers.{i}.{spec.hf}.weight", kind, i
 
 
-# our array for `kind` (one layer's, for a block weight). Basic indexing gives a view, not a
-# copy, so from_hf's writes through it reach params.
-def ours(params, kind, layer):
+def ours(params, kind, layer):  # our array for `kind` (one layer's, for a block weight)
     return params[kind] if layer is None else params["blocks"][kind][layer]
 
 
 def hf_layout(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
     # HF's nn.Linear weights are [out, in] and ours [in, out], so they are transposed;
-    # nn.Embedding is [V, D], as ours is. It is a view, not a copy (numpy's .T and slices are
-    # views), so from_hf writes HF's tensors into our arrays through it.
+    # nn.Embedding is [V, D], as ours is.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
@@ -116,7 +113,8 @@ def from_hf(path):
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             handle = safe_open(f"{path}/{name}", framework="np")
-            files |= dict.fromkeys(handle.keys(), handle)  # noqa: SIM118 (not a dict)
+            # handle.keys(): a safetensors handle is not a dict, hence the noqa
+            files |= dict.fromkeys(handle.keys(), handle)  # noqa: SIM118
     names = [name for name, _, _ in hf_tensors(cfg)]
     for what, which in (("is missing", set(names) - set(files)),
                         ("is not OLMo 3's", set(files) - set(names))):
@@ -125,11 +123,14 @@ def from_hf(path):
     # Start from zeros, so that the vocabulary's padding rows stay zero.
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), olmo3.param_specs(cfg),
                           is_leaf=olmo3.is_spec)
+    # Each HF tensor is written into a view of our array: ours() indexes, and hf_layout
+    # transposes and cuts the vocabulary, all numpy views, not copies, so `view[...] = tensor`
+    # lands in params itself.
     for name, kind, layer in hf_tensors(cfg):
         tensor, view = files[name].get_tensor(name), hf_layout(ours(params, kind, layer), kind, cfg)
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
-        view[...] = tensor  # a view into params (transposed, vocab cut), so it writes in place
+        view[...] = tensor
     return cfg, params
 
 
@@ -172,7 +173,7 @@ def main(argv=None):
             train.save(manager, 0, {"params": params}, cfg)
     else:  # a converted checkpoint, or a run's latest
         step_dir = train.latest_checkpoint(args.src)
-        cfg, _ = train.saved_config(step_dir)
+        cfg = olmo3.Config(**train.saved_config(step_dir)["model"])
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
                                 olmo3.param_specs(cfg), is_leaf=olmo3.is_spec)
         # PyTreeCheckpointHandler can read into host memory as numpy, so a 7B need not fit a

@@ -82,6 +82,7 @@ class Loader:
     def batch(self, step):
         """This process's rows of step's batch: inputs, labels (-100: none), int32 [rows, T]."""
         epoch, index = divmod(step, self.steps_per_epoch)
+        # OLMo-core's epochs count from 1
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
         # Position t predicts token t + 1 when that token is a document's, not padding. A
         # fixed-length row is all document (lengths = seq_len). A packed row ends in padding.
@@ -92,7 +93,9 @@ class Loader:
         labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
         return {"inputs": inputs, "labels": labels}
 
-    def read(self, ids):  # -> tokens [len(ids), seq_len] int32, and each row's real length
+    # -> tokens [len(ids), seq_len] int32, and each row's real length (always seq_len here; the
+    # lengths matter for PackedLoader's rows, which end in padding)
+    def read(self, ids):
         # An id is in the last file whose first id is <= it. With first_id [0, 3, 7], ids 0-2
         # are file 0's and 3-6 are file 1's. Id 4 is file 1's instance 1, from token 1 * seq_len on.
         files = np.searchsorted(self.first_id, ids, side="right") - 1
@@ -142,6 +145,7 @@ class PackedLoader(Loader):
         # bounds[i + 1]. With instances [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, in order
+        # instance[-1] + 2 bounds: where each of the instance[-1] + 1 instances starts, then the end
         self.bounds = np.searchsorted(instance, np.arange(instance[-1] + 2))
         self.set_instances(int(instance[-1]) + 1)
 
@@ -179,12 +183,15 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         docs = np.concatenate(per_file, axis=1)
         bins = pack(docs[2], loader.seq_len)  # lists of document numbers
         order = np.array([d for b in bins for d in b], np.int64)  # bin after bin
-        # instance[j]: the instance number of document order[j], bin by bin
+        # instance[j]: the instance number of document order[j], bin by bin. Lengths 5, 5, 2,
+        # 2, 1 give bins [[0, 2, 4], [1, 3]], order [0, 2, 4, 1, 3] and instance [n, n, n, n + 1,
+        # n + 1], n being n_instances.
         instance = n_instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
-        # The rest is the progress line only. n_instances counts the instances so far; done is
-        # the MB of token files read so far (4 bytes a token; at least 1e-9: the ETA divides by it)
-        n_instances, done = n_instances + len(bins), max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
+        n_instances += len(bins)  # the next group's instances are numbered from here
+        # The rest is the progress line only: done is the MB of token files read so far (4 bytes
+        # a token; at least 1e-9, as the ETA divides by it).
+        done = max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
         eta = (sum(loader.sizes) * 4e-6 - done) / done * (time.time() - t)
         print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
               f" MB/s, ETA {eta:.0f}s) into {n_instances:,} instances", file=sys.stderr)
@@ -192,6 +199,7 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
 
 
 def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of document indices
+    # Best-fit decreasing, with a queue of bins for each free-space value.
     # Documents go longest first, in the order of numpy's default (unstable) argsort, as
     # OLMo-core sorts them. Each document goes into the bin with the least free space that holds
     # it. Among bins with that space, it takes the one that came down to it first (OLMo-core
@@ -205,16 +213,16 @@ def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of doc
     order = np.argsort(-lengths.astype(np.int64))
     bins, open_spaces, bins_by_space = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):
-        fit = bisect.bisect_left(open_spaces, n)  # the least free space that holds n
-        if fit == len(open_spaces):  # no open bin holds it, so open a new bin b, all free
+        i_space = bisect.bisect_left(open_spaces, n)  # the index of the least space that holds n
+        if i_space == len(open_spaces):  # no open bin holds it, so open a new bin b, all free
             bins.append([])
             b, space = len(bins) - 1, seq_len
         else:  # take b, the first bin to come down to that space, out of bins_by_space
-            space = open_spaces[fit]
+            space = open_spaces[i_space]
             b = bins_by_space[space].popleft()
             if not bins_by_space[space]:  # no bin is left with that space
-                del open_spaces[fit]
-        bins[b].append(doc)
+                del open_spaces[i_space]
+        bins[b].append(doc)  # b now has space - n free
         if space > n:  # b is listed under its new space, last in line (a full bin: never again)
             if not bins_by_space[space - n]:
                 bisect.insort(open_spaces, space - n)
@@ -383,7 +391,7 @@ def corpus(name, tokenizer):
 def stdlib_files():  # every .py file under the stdlib folder, outside site-packages
     root, skip = sysconfig.get_paths()["stdlib"], {"site-packages", "dist-packages"}
     return sorted(os.path.join(d, f) for d, _, files in os.walk(root)
-                  if not skip & set(d.split(os.sep)) for f in files if f.endswith(".py"))
+                  if not (skip & set(d.split(os.sep))) for f in files if f.endswith(".py"))
 
 
 if __name__ == "__main__":  # prepare.py, beside the core, handles `python data.py tokenize`

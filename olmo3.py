@@ -128,6 +128,7 @@ def init(cfg: Config, key) -> dict:
 def forward(params, tokens, cfg: Config, segments=None):
     """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
     # segments [B, T] int marks packed documents (stage 3). A token sees only its own segment.
+    # The final norm is applied at the end of decoder.
     return unembed(params, decoder(params, embed(params, tokens, cfg), cfg, segments))
 
 
@@ -157,14 +158,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # 2 and 4 are window, cfg
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
-        # Every group starts at a multiple of group_size, so the layer at `layer_in_group` in
-        # any group has the window of layer `layer_in_group` of the model: is_global(j) equals
-        # is_global(g * group_size + j) for every group g. That holds for is_global's
-        # last-layer rule too: group_size divides n_layers (or is all of them), so the model's
-        # last layer is a group's last position, which is global. ropes["full"] is YaRN's table.
+        # Every group has the same window pattern (3 sliding, 1 full), so a layer's window
+        # depends only on its place in the group: is_global(j) equals is_global(g * group_size
+        # + j) for every group g, because group_size divides n_layers (or is all of them); the
+        # model's last layer is a group's last, global. (With one group, j is the absolute
+        # layer.) ropes["full"] is YaRN's table.
         for layer_in_group in range(group_size):
             window = None if cfg.is_global(layer_in_group) else cfg.sliding_window
             p = jax.tree.map(lambda w: w[layer_in_group], p_group)
@@ -174,7 +175,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 
-def block(p, x_BTD, window, rope, cfg: Config, segments=None):  # window is None (full) or W
+# window is None (full) or W. decoder makes arguments 2 and 4 (window, cfg) static.
+def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # Cast every weight to the compute dtype, the norms' too, as OLMo-core's bf16 FSDP and HF in
@@ -263,12 +265,11 @@ def loss_terms(logits, labels, z_loss: float, axis=None):
 def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # Training costs 3 x the forward pass. The forward pass costs 2 FLOPs per matmul weight (not
     # the embedding, which is a gather) and 4 per head dim for each key a query sees.
-    # windows=False counts every layer as full causal, as MaxText does. A window W sees
-    # W - (W^2 - W) / 2S keys on average: query i sees min(i, W) keys, for i = 1..S, and their
-    # sum is SW - W(W - 1) / 2.
+    # seen: the keys a query sees on average, per layer. Query i (i = 1..S) sees i keys in a
+    # full causal layer, (S + 1) / 2 on average, and min(i, W) in a window W, which sum to
+    # SW - W(W - 1) / 2, so W - (W^2 - W) / 2S on average. windows=False counts every layer
+    # as full causal, as MaxText does.
     S, W = seq_len, cfg.sliding_window
-    # seen: the keys a query sees on average, per layer: (S + 1) / 2 in a full causal layer
-    # (query i sees i keys, i = 1..S), fewer in a sliding one shorter than the sequence
     seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
     # Only matmul weights count. Filtering by HF name drops the norms and the embedding (a gather).
@@ -321,7 +322,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
-    # (the last test matters only with a -1: without one, n is the product itself)
+    # valid sizes, no more than there are, and (with a -1) the given sizes divide all of them
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")
@@ -370,7 +371,7 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
         return attention_splash(q, k, v, window, segments)
     if name == "cudnn" or (name == "auto" and backend == "gpu"):
         return attention_cudnn(q, k, v, window, segments)
-    # This is the reference. Heads go first so that both products are plain batched matmuls.
+    # --- The reference. Heads go first so that both products are plain batched matmuls.
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
     # sliding layer, i - j < window (and, with segments, both are in the same one).
     B, T, H, E = q.shape
@@ -413,6 +414,7 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     dp = 1 if mesh.empty else mesh.shape["data"] * mesh.shape["fsdp"]  # data-parallel devices
     pads = ((0, -B % dp), (0, -T % 128))  # for B and T; heads and E are not padded
     q, k, v = (jnp.pad(x, (*pads, (0, 0), (0, 0))) for x in (q, k, v))
+    # padded positions get segment id -1, so they see only each other
     segments = None if segments is None else jnp.pad(segments, pads, constant_values=-1)
     padded = q.shape[1]
     mask = (splash.CausalMask((padded, padded)) if window is None else
@@ -425,15 +427,15 @@ def attention_splash(q, k, v, window: int | None, segments=None):
 
     # k and v keep their K heads. For query head h, the kernel reads kv head h // (H / K).
     def local(q, k, v, segments):  # one device's shard [b, T, h, E] -> the kernel's [h, T, E]
+        # head_shards and q_seq_shards are 1, so nothing is split inside the kernel (shard_map
+        # has split already). The kernel does not scale the scores, so q is scaled first. vmap
+        # maps the kernel over the rows. ids is None with no packing, an empty pytree, which vmap
+        # passes through.
         heads = splash.MultiHeadMask([mask] * q.shape[2])
         kernel = splash.make_splash_mha(heads, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                         interpret=jax.default_backend() != "tpu")
         heads_first = lambda x: x.transpose(0, 2, 1, 3)
         ids = None if segments is None else splash.SegmentIds(segments, segments)  # q, kv
-        # head_shards and q_seq_shards are 1, so nothing is split inside the kernel (shard_map
-        # has split already). The kernel does not scale the scores, so q is scaled first. vmap
-        # maps the kernel over the rows. ids is None with no packing, an empty pytree, which vmap
-        # passes through.
         out = jax.vmap(kernel)(heads_first(q * E ** -0.5), heads_first(k), heads_first(v), ids)
         return heads_first(out)
     if mesh.empty:

@@ -1311,6 +1311,18 @@ def test_resume_refuses_another_model_or_data_order(tmp_path, token_files):
         r"line: 7\)",
     ):
         run_train(tmp_path / "r", token_files, "--steps", "4", "--data-seed", "7")
+    # A checkpoint of another version of the code: a model field this code lacks, and no saved
+    # recipe. One line, and nothing renamed (read_retrying must not take it for a torn file).
+    step_dir = train.latest_checkpoint(str(tmp_path / "r"))
+    config_file = step_dir / "config" / "metadata"  # Orbax's JSON item
+    saved = json.loads(config_file.read_text())
+    saved["model"]["experts"] = 8
+    del saved["recipe"]
+    config_file.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match=r"^error: checkpoint .* has experts=8 \(command line: "
+                       r"None\), seq_len=None \(command line: \d+\)"):
+        run_train(tmp_path / "r", token_files, "--steps", "4")
+    assert step_dir.exists() and not list(step_dir.parent.glob("*.unreadable"))
 
 
 def test_gradient_accumulation_matches_full_batch(tmp_path, token_files):

@@ -150,30 +150,31 @@ def train(cfg, r, args, mesh, manager):
     # the newest step's metrics, so that no checkpoint holds a state nobody checked, and the
     # next turn then has none to read.
     # The stop lines can wait for a second read. The flag says whether any process got a
-    # SIGTERM. It is the same on every process, and once on it stays on, so every process stops
-    # after the same step:
-    #   dispatch 250 | read 249 | save: read 250, whose flag is on | checkpoint 250
-    #   dispatch 251 | nothing to read | the flag is on: checkpoint 251, exit 75
-    unread, stop_requested = None, False  # unread holds (number, metrics) of a step not read yet
+    # SIGTERM, the same on every process. The run stops after the step it has just dispatched
+    # when it reads a flag that is on, at either read:
+    #   dispatch 100 | read 99: flag on | save: read 100 | checkpoint 100, exit 75
+    #   dispatch 250 | read 249 | 250 is a save step: read 250: flag on | checkpoint 250, exit 75
+    unread, stop_flag = None, False  # unread holds (number, metrics) of a step not read yet
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # whether any process got SIGTERM, seen by all
-        done = step + 1
-        if unread:  # step done - 1's metrics, read while step done runs (and logged)
-            stop_requested = log.read_metrics(*unread)  # -> did any process get a SIGTERM?
-        unread = (done, metrics)
-        if evals and (done % r.eval_every == 0 or done == r.steps):
-            evals(state["params"], done)  # the results are logged
-        # reason uses the flag read above, before this turn's save reads step done's own
-        reason = stop_reason(done, args, stop_requested) if done < r.steps else None
-        if done % r.save_every == 0 or done == r.steps or reason:
-            stop_requested = log.read_metrics(*unread)  # step done's own: it acts next turn
+        update = step + 1  # the number of the update just dispatched (OLMo-core's 1-based step)
+        if unread:  # update - 1's metrics, read while update runs (and logged)
+            stop_flag = log.read_metrics(*unread)["stop"]  # did any process get a SIGTERM?
+        unread = (update, metrics)
+        if evals and (update % r.eval_every == 0 or update == r.steps):
+            evals(state["params"], update)  # the results are logged
+        # stop_flag is from update - 1's metrics here: a stop seen there saves now
+        if update % r.save_every == 0 or update == r.steps or stop_reason(update, args, stop_flag):
+            stop_flag = log.read_metrics(*unread)["stop"]  # update's own metrics
             unread = None
-            save(manager, done, state, cfg, r, loader.fingerprint)
+            save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
-        if reason:
+        # again: the save's read of update's own metrics may have just turned the flag on
+        reason = stop_reason(update, args, stop_flag) if update < r.steps else None
+        if reason:  # (a save came first: a stop is always a save step)
             manager.wait_until_finished()
-            log(f"stopped after step {done} ({reason}), checkpointed: rerun to resume")
+            log(f"stopped after step {update} ({reason}), checkpointed: rerun to resume")
             log.flush()
             return EXIT_STOPPED
     manager.wait_until_finished()
@@ -209,6 +210,12 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     return loader, heldout
 
 
+# index is a tuple of slices, one per dimension, that says which part of a global array one
+# device holds: (slice(8, 12), slice(None)) is rows 8-11, every column; rows_of(it, 16) is
+# [8, 9, 10, 11].
+rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device's slice holds
+
+
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
     # On a pod every process runs this same program, but it feeds only its own devices. The
     # batch's sharding, asked about any [global_batch, width] array, tells which slice of rows
@@ -221,11 +228,6 @@ def local_rows(mesh, r):  # the rows of every global batch that this process's d
     return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
 
 
-# index is a tuple of slices, one per dimension: (slice(8, 12), slice(None)) holds rows 8-11 and
-# every column; rows_of(that, 16) is [8, 9, 10, 11]
-rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device's slice holds
-
-
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
     # One jax.Array spans every device of every process. make_array_from_callback asks for the
     # part that each of this process's devices holds (`index` gives its rows and columns), and
@@ -235,10 +237,9 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
     # processes read the same rows.)
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
-        # rows_of(index, ...) lists the batch rows that one device holds (its columns are always
-        # whole: seq is not split), and searchsorted finds where those rows are in x.
-        mine = lambda index: x[np.searchsorted(loader.rows, rows_of(index, shape[0]))]
-        return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), mine)
+        # the columns are always whole (seq is not split)
+        device_rows = lambda index: x[np.searchsorted(loader.rows, rows_of(index, shape[0]))]
+        return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), device_rows)
     return {name: put(x) for name, x in batch.items()}
 
 
@@ -246,16 +247,19 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
 
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
-    # The result is {params, opt_state: (clip: (), adam: (count, mu, nu), decay: ()), step,
-    # history}. Every leaf is a jax.ShapeDtypeStruct, a description with a shape, dtype and
-    # sharding.
+    # The result is {params, opt_state: (clip, adam: (count, mu, nu), decay), step,
+    # history}; clip and decay hold no arrays (optax's EmptyState, and MaskedState around
+    # one). Every leaf is a jax.ShapeDtypeStruct, a description with a shape, dtype and
+    # sharding. Adam's moments get their params' shardings: ZeRO-3, each moment cut exactly like
+    # its param.
     params = olmo3.abstract_params(cfg, mesh)
     # eval_shape runs a function on descriptions and returns descriptions. Here it returns
     # Adam's state, with no sharding yet.
     adam = jax.eval_shape(optimizer(r).init, params)
     # replicated(s): s described again, held whole by every device (Adam's count, step, history)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
-    # like_param(s, p): a moment s described with its param p's sharding
+    # like_param(s, p): a moment s described with its param p's sharding (tree_map_params calls
+    # it as f(state leaf, param leaf)): adam.mu["blocks"]["q"] gets q's sharding
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
     # optax.tree_map_params finds the trees in Adam's state that are shaped like the params (the
     # two moments) and calls like_param(state leaf, its param) on each leaf. The rest (Adam's
@@ -291,7 +295,9 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
-    carried = [k for k in ("params", "opt_state") if k in restored]  # only params if converted
+    # params and opt_state carry over (only params from a converted checkpoint); step and
+    # history stay fresh, so the schedule and the spike guard start again
+    carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
 
 
@@ -334,9 +340,9 @@ def train_step(state, batch, cfg, r, accum):
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def add_micro(carry, micro):  # carry = (summed gradients, summed loss) over micro-batches
-        (_, ce), grads = grad_fn(params, micro)
+        (_, ce), grads = grad_fn(params, micro)  # ((loss with z-loss, aux: ce), grads)
         return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
-    if accum == 1:
+    if accum == 1:  # one micro-batch: the plain step, with no scan around it
         (_, ce), grads = grad_fn(params, batch)
     else:
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
@@ -351,6 +357,7 @@ def train_step(state, batch, cfg, r, accum):
     # The LR is applied here, from the state's step, not inside optax. That way a stage starts
     # its schedule again while Adam's own count (bias correction) carries over from the last.
     lr = schedule(r)(state["step"])
+    # optax's scale_by_adam returns +m / sqrt(v), with no minus sign: the step subtracts it
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
     # `new` holds params and opt_state only (step and history always advance). upd is a leaf
@@ -362,7 +369,8 @@ def train_step(state, batch, cfg, r, accum):
 
 def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...]. Row r goes into micro-batch r % accum, so that
-    # every micro-batch is spread over all the data-parallel devices.
+    # every micro-batch is spread over all the data-parallel devices: reshape to
+    # [global/accum, accum, ...] (row r at [r // accum, r % accum]), then swap the two axes.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -382,13 +390,13 @@ def schedule(r: Recipe):
     # F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2.
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
-    if r.schedule == "cosine":
+    if r.schedule == "cosine":  # optax's decay_steps includes the warmup, so it is T
         lr = cosine(max(r.steps, warmup + 1))
     elif r.schedule == "linear":  # join_schedules counts its second part's steps from W
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
-    else:  # "olmo3": only the 7b preset uses it (optional on a first read)
+    else:  # "olmo3": only the 7b and 7b-wide presets use it (optional on a first read)
         # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
         # up). W2 is -2.py's `original_max_steps // 2 + original_warmup_steps // 2`, where
         # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W.
@@ -403,7 +411,7 @@ def schedule(r: Recipe):
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
         # half(k - W2 + T2 - W2): a cosine from P to F over 2 (T2 - W2) updates, whose second
-        # half runs from k = W2 to k = T2
+        # half runs from k = W2 to k = T2: the shift T2 - 2 W2 puts k = W2 at its midpoint
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                     half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
         # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
@@ -436,7 +444,7 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
     enough = n_held + 1 >= HISTORY // 2  # 64 values, counting the current one, as OLMo-core does
-    within = values - mean <= 6 * std  # OLMo-core's test as written, which is False for NaN or inf
+    within = values - mean <= 6 * std  # OLMo-core's test as written: False for NaN or +inf
     # A value that is not finite is kept out of the history, and the mean takes its slot. If it
     # were kept, it would make every later step a spike until it left the window. (OLMo-core's
     # guard keeps it, but its trainer stops at a non-finite loss.)
@@ -464,7 +472,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.lines = {name: path.read_text().splitlines(True) if path.exists() else []
                       for name, path in self.files.items()}
 
-    def __call__(self, text=None, **record):
+    def __call__(self, text=None, **record):  # log(text) prints; log(**record) is a metric record
         if jax.process_index() == 0 and text:
             print(text, flush=True)
             self.lines["log.txt"].append(text + "\n")
@@ -483,32 +491,33 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def read_metrics(self, step, metrics):  # -> the stop flag: was any process asked to stop?
-        # This waits for a step's metrics, counts skips (10 in a row stop the run) and logs a line.
+    def read_metrics(self, update, metrics):  # -> the metrics, as Python values
+        # This waits for an update's metrics, counts skips (10 in a row stop the run) and logs a
+        # line. m["stop"] is the stop flag: was any process asked to stop?
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
-            self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
-                 f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
+            self(f"step {update}: update skipped (loss {m['loss']:.4f}, grad norm "
+                 f"{m['grad_norm']:.4f})", step=update, spikes=m["spikes"])
         if self.skipped == SKIPS_IN_A_ROW:  # the last checkpoint is the last good state
             self.flush()
-            raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step {step} "
-                             f"(loss {m['loss']}); lower --lr or check the data, and rerun")
-        if step % r.log_every and step != r.steps:
-            return m["stop"]
+            raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
+                             f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
+        if update % r.log_every and update != r.steps:
+            return m
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
-        line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
+        line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
         if self.last:  # the first line's time includes compiling, so rates start after it
-            rate = (step - self.last[0]) * tokens / (now - self.last[1])
+            rate = (update - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
             mfu = f"{100 * tflops / self.peak:.1f}%" if self.peak else "n/a"
-            eta = datetime.timedelta(seconds=round((r.steps - step) * tokens / rate))
+            eta = datetime.timedelta(seconds=round((r.steps - update) * tokens / rate))
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
-        self.last = (step, now)
-        self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
+        self.last = (update, now)
+        self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m["stop"]
+        return m
 
 
 # ----------------------------------------------------------------------------- command line
@@ -630,9 +639,8 @@ def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
 
 
-def saved_config(step_dir):  # -> (the model's Config, the whole saved config)
-    saved = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
-    return olmo3.Config(**saved["model"]), saved
+def saved_config(step_dir):  # -> {"model": Config's fields, "recipe": ..., "data": ...}
+    return ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
 
 
 def restore(step_dir, target, cfg, r=None, loader=None):
@@ -640,15 +648,18 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # target's shardings, whatever mesh wrote it. A resume (with a recipe) must match the model
     # (every Config field but NUMERICS), the data order (DATA_ORDER) and the data (its
     # fingerprint). --init-from must match only the model, and it may change the yarn_* fields
-    # (stage 3 turns YaRN on).
-    model, saved = saved_config(step_dir)
-    fixed = [f for f in vars(cfg) if f not in olmo3.NUMERICS]
+    # (stage 3 turns YaRN on). r is None means --init-from; a recipe means a resume.
+    # The fields are compared as saved, never built into a Config: a checkpoint of another
+    # version (a field more or less) is a one-line mismatch here, not an error that
+    # read_retrying would take for an unreadable file and rename.
+    saved = saved_config(step_dir)
+    fixed = [f for f in {**saved["model"], **vars(cfg)} if f not in olmo3.NUMERICS]
     if r is None:  # --init-from, where stage 3 turns YaRN on
         fixed = [f for f in fixed if not f.startswith("yarn_")]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
-    pairs = [(f, getattr(model, f), getattr(cfg, f)) for f in fixed]
+    pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
     if r is not None:  # a resume
-        pairs += [(f, saved["recipe"].get(f), getattr(r, f)) for f in DATA_ORDER]
+        pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
         pairs += [("data", saved.get("data"), loader.fingerprint)]
     diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
     if diff:
@@ -708,7 +719,8 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
 
 def refuse_fresh_start(out):
     # A run directory where a run has trained never starts over silently. It is called only
-    # when no checkpoint can be resumed, and it tells apart:
+    # when no committed checkpoint exists, so checkpoints/ can hold only "tmp" steps (saves cut
+    # short) and renamed <step>.unreadable ones. It tells apart:
     #   metrics.jsonl and checkpoints/ with only a "tmp" step: the first save was cut short, so
     #     nothing was lost: start fresh;
     #   metrics.jsonl without that, or any <step>.unreadable: a run trained here: refuse.
@@ -735,7 +747,8 @@ def request_stop(signum, frame):  # checkpoint after this step and exit (a secon
 
 def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
     # This builds a device array that holds each device's flag, one per device. P(MESH_AXES)
-    # spreads its one dimension over all three mesh axes. jnp.any over it is an all-reduce, so
+    # is P(("data", "fsdp", "tensor")): one tuple, so its one dimension is cut over all three
+    # mesh axes. jnp.any over it is an all-reduce, so
     # every process gets the same answer, which it reads with the step's metrics. (JAX's
     # preemption sync point, which Orbax offers, misses a SIGTERM that comes before the first
     # step.)
@@ -744,10 +757,10 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     return jnp.any(flags)
 
 
-def stop_reason(step, args, stop_requested):  # why the run stops after this step (None means go on)
-    if step == args.stop_at:
+def stop_reason(update, args, stop_flag):  # why the run stops after update (None: it goes on)
+    if update == args.stop_at:
         return "--stop-at"
-    if stop_requested:  # an earlier step saw a signal, so every process stops now, together
+    if stop_flag:  # an earlier step saw a signal, so every process stops now, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
