@@ -310,8 +310,8 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 # device then sees q as [4096, 2048]). After `o` and `down` it all-reduces over `tensor`,
 # because each partner summed half of the heads or of the MLP. In the backward pass it
 # reduce-scatters each gradient back to its fsdp shard. QK-norm's statistics span all heads,
-# so with `tensor` XLA sums them across the partners too. data=N keeps N whole copies of the
-# weights and all-reduces their gradients.
+# so with `tensor` XLA sums them across the partners too. data=N keeps N copies of the
+# weights (each one split over fsdp) and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,
@@ -346,7 +346,8 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
 
 
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
-    # The mesh is the one that train.main (or a test) sets with `with jax.set_mesh(mesh)`. With
+    # The mesh is the one that train.main (or evaluation.main, prepare.dry_run, a test) sets
+    # with `with jax.set_mesh(mesh)`. With
     # no mesh, nothing is pinned. Pinned activations keep their rows split over the
     # data-parallel devices. Left alone, XLA may choose to gather a whole batch onto every device.
     if jax.sharding.get_abstract_mesh().empty:

@@ -47,7 +47,7 @@ RESTART = 596_048  # the first update of stage 1's second part (AI2 restarted af
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """How OLMo 3 7B was trained: stage 1 (OLMo-core's OLMo-3-1025-7B-pretrain-1.py)."""
+    """Training settings. Stage 1's (pretrain-1.py) as defaults; RECIPES["7b"] adds its schedule."""
     seq_len: int = 8192
     global_batch: int = 512            # sequences per optimizer step
     micro_batch: int = 0               # sequences per forward/backward (0 means the whole batch)
@@ -146,12 +146,13 @@ def train(cfg, r, args, mesh, manager):
     # The loop reads each step's metrics one step late. JAX dispatches a step and returns at
     # once, and reading a result waits until the devices have run it. So after it dispatches
     # step 8, the host reads step 7's metrics (`unread`) while step 8 runs. read_metrics waits
-    # for them, logs them, counts skipped updates and returns the stop flag. A save first reads
+    # for them, logs them, counts skipped updates and returns them, the stop flag among them.
+    # A save first reads
     # the newest step's metrics, so that no checkpoint holds a state nobody checked, and the
     # next turn then has none to read.
     # The stop lines can wait for a second read. The flag says whether any process got a
-    # SIGTERM, the same on every process. The run stops after the step it has just dispatched
-    # when it reads a flag that is on, at either read:
+    # SIGTERM, the same on every process. A flag that is on (or --stop-at) makes this step a
+    # save step, and the run stops only right after a save, if the flag is on by then:
     #   dispatch 100 | read 99: flag on | save: read 100 | checkpoint 100, exit 75
     #   dispatch 250 | read 249 | 250 is a save step: read 250: flag on | checkpoint 250, exit 75
     unread, stop_flag = None, False  # unread holds (number, metrics) of a step not read yet
@@ -164,19 +165,17 @@ def train(cfg, r, args, mesh, manager):
         unread = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        # stop_flag is from update - 1's metrics here: a stop seen there saves now
-        if update % r.save_every == 0 or update == r.steps or stop_reason(update, args, stop_flag):
+        if update % r.save_every == 0 or update == r.steps or stop_flag or update == args.stop_at:
             stop_flag = log.read_metrics(*unread)["stop"]  # update's own metrics
             unread = None
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
-        # again: the save's read of update's own metrics may have just turned the flag on
-        reason = stop_reason(update, args, stop_flag) if update < r.steps else None
-        if reason:  # (a save came first: a stop is always a save step)
-            manager.wait_until_finished()
-            log(f"stopped after step {update} ({reason}), checkpointed: rerun to resume")
-            log.flush()
-            return EXIT_STOPPED
+            reason = stop_reason(update, args, stop_flag) if update < r.steps else None
+            if reason:
+                manager.wait_until_finished()
+                log(f"stopped after step {update} ({reason}), checkpointed: rerun to resume")
+                log.flush()
+                return EXIT_STOPPED
     manager.wait_until_finished()
     if args.samples and have_evaluation:
         import evaluation
@@ -566,6 +565,7 @@ def boolean(text):  # "true" or "false" (argparse reports anything else)
     return bool(("false", "true").index(text.lower()))
 
 
+# An axis left out is 1: --mesh tensor=2 on 8 devices uses 2 of them (fsdp=-1,tensor=2 uses 8).
 def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1}
     sizes = {"data": 1, "fsdp": 1, "tensor": 1}
     for name, _, value in (part.partition("=") for part in text.split(",")):
