@@ -165,7 +165,7 @@ def train(cfg, r, args, mesh, manager):
         unread = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        if update % r.save_every == 0 or update == r.steps or stop_flag or update == args.stop_at:
+        if update % r.save_every == 0 or update == r.steps or stop_reason(update, args, stop_flag):
             stop_flag = log.read_metrics(*unread)["stop"]  # update's own metrics
             unread = None
             save(manager, update, state, cfg, r, loader.fingerprint)
