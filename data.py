@@ -346,8 +346,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
                   f"at {done / 1e6 / seconds:.1f} MB/s{eta}", end=end, file=sys.stderr)
     print(file=sys.stderr)
     if docs[0] == 0:
-        raise SystemExit("error: no documents to train on: give a non-empty .txt, or JSON lines "
-                         "with 'text'")
+        raise SystemExit("error: no documents to train on; give non-empty text or JSON lines")
     for split, n in zip(("train", "heldout"), docs):
         if n:
             epath.Path(out_dir, f"{split}.txt").write_text(f"{split},{split}.npy\n")

@@ -5,9 +5,10 @@ its run, on any mesh. A run stopped before its last step checkpoints and exits w
 # Read this file top-down. It starts with the recipe, then `main` and `train` (setup, then the
 # loop), then the helpers in the order `train` calls them: data, the state, the step, the
 # optimizer, reporting and the command line. Below the "second read" banner is what a pod needs:
-# checkpoints and resume, stopping every process at one step, and the checks that the hosts
-# agree. `r` is always the Recipe, and `cfg` is the model's olmo3.Config. The README has a JAX
-# glossary for nanoGPT readers.
+# checkpoints and resume, stopping every process at one step, and what runs across hosts (JAX's
+# start-up, feeding each host's devices their rows, and the checks that the hosts agree).
+# `r` is always the Recipe, and `cfg` is the model's olmo3.Config. The README has a JAX glossary
+# for nanoGPT readers.
 #
 # Step numbers are defined once, here. `step` is the number of steps done so far, which is the
 # state's counter. A step that the spike guard skipped counts too, because its batch was used.
@@ -108,7 +109,7 @@ CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTI
 
 def main(argv=None):
     cfg, r, args = parse_args(argv)
-    start_jax(args)
+    start_jax(args)  # fake CPU devices if asked, and the multi-host start-up (second read)
     if args.dry_run:
         import prepare  # it lives beside the core
         return prepare.dry_run(cfg, r, args)
@@ -143,34 +144,28 @@ def train(cfg, r, args, mesh, manager):
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # The loop reads each step's metrics one step late. JAX dispatches a step and returns at
-    # once, and reading a result waits until the devices have run it. So after it dispatches
-    # step 8, the host reads step 7's metrics (`unread`) while step 8 runs. read_metrics waits
-    # for them, logs them, counts skipped updates and returns them, the stop flag among them.
-    # A save first reads
-    # the newest step's metrics, so that no checkpoint holds a state nobody checked, and the
-    # next turn then has none to read.
-    # The stop lines can wait for a second read. The flag says whether any process got a
-    # SIGTERM, the same on every process. A flag that is on (or --stop-at) makes this step a
-    # save step, and the run stops only right after a save, if the flag is on by then:
-    #   dispatch 100 | read 99: flag on | save: read 100 | checkpoint 100, exit 75
-    #   dispatch 250 | read 249 | 250 is a save step: read 250: flag on | checkpoint 250, exit 75
-    unread, stop_flag = None, False  # unread holds (number, metrics) of a step not read yet
+    # JAX runs a step asynchronously. step_fn returns at once while the devices work on, and
+    # reading a result waits for them. So the loop reads each step's metrics one step late.
+    # log.later(update, metrics) keeps this update's metrics and reads update - 1's, which are
+    # ready by then. A save step reads its own metrics first (log.read_now), so that no
+    # checkpoint holds a state whose loss nobody has looked at.
+    # Stopping can wait for the second read. Each step also carries a stop flag, the same on
+    # every process: did any process get a SIGTERM? The host sees it with the metrics, in
+    # log.stop_flag. A flag that is on, or --stop-at, makes the step a save step, and the run
+    # exits right after that save.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
+        # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        metrics["stop"] = stop_signalled(mesh)  # whether any process got SIGTERM, seen by all
+        metrics["stop"] = stop_signalled(mesh)  # did any process get a SIGTERM? (seen by all)
         update = step + 1  # the number of the update just dispatched (OLMo-core's 1-based step)
-        if unread:  # update - 1's metrics, read while update runs (and logged)
-            stop_flag = log.read_metrics(*unread)["stop"]  # did any process get a SIGTERM?
-        unread = (update, metrics)
+        log.later(update, metrics)  # reads and logs update - 1's metrics while update runs
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        if update % r.save_every == 0 or update == r.steps or stop_reason(update, args, stop_flag):
-            stop_flag = log.read_metrics(*unread)["stop"]  # update's own metrics
-            unread = None
+        if update % r.save_every == 0 or update == r.steps or stop_reason(update, args, log):
+            log.read_now()  # update's own metrics
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
-            reason = stop_reason(update, args, stop_flag) if update < r.steps else None
+            reason = stop_reason(update, args, log) if update < r.steps else None
             if reason:
                 manager.wait_until_finished()
                 log(f"stopped after step {update} ({reason}), checkpointed: rerun to resume")
@@ -196,6 +191,7 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
     elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
         heldout = os.path.join(source, "heldout.txt")
+    # rows: the rows of each batch that this process's devices hold (all of them on one host)
     options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
     # The plain Loader comes first even for packing: the hosts compare its fingerprint (the
@@ -207,39 +203,6 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         options |= dict(group_size=r.source_group_size, cache=args.out, rank=jax.process_index())
         loader = data.PackedLoader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     return loader, heldout
-
-
-# index is a tuple of slices, one per dimension, that says which part of a global array one
-# device holds: (slice(8, 12), slice(None)) is rows 8-11, every column; rows_of(it, 16) is
-# [8, 9, 10, 11].
-rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device's slice holds
-
-
-def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
-    # On a pod every process runs this same program, but it feeds only its own devices. The
-    # batch's sharding, asked about any [global_batch, width] array, tells which slice of rows
-    # each device holds. Width 1 will do, because only rows are split. For example, on 2
-    # processes of 2 devices each with fsdp=4, process 1 holds rows 8-15 of 16, in contiguous
-    # blocks. (OLMo-core's rank r takes rows r::W instead. Either way the batch is the same, and
-    # so is the loss.)
-    index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
-    # index: each of this process's devices -> its (rows, columns) slices of the batch
-    return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
-
-
-def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
-    # One jax.Array spans every device of every process. make_array_from_callback asks for the
-    # part that each of this process's devices holds (`index` gives its rows and columns), and
-    # it assembles the global array without moving data between hosts. searchsorted finds those
-    # rows among this process's rows (loader.rows, which is sorted). With loader.rows = [8..15]
-    # and a device that holds rows 12-15, it takes x[4:8]. (When `tensor` spans hosts, two
-    # processes read the same rows.)
-    def put(x):  # x [len(loader.rows), seq_len]
-        shape = (loader.global_batch, x.shape[1])
-        # the columns are always whole (seq is not split)
-        device_rows = lambda index: x[np.searchsorted(loader.rows, rows_of(index, shape[0]))]
-        return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), device_rows)
-    return {name: put(x) for name, x in batch.items()}
 
 
 # ----------------------------------------------------------------------------- the state
@@ -465,6 +428,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started, self.last, self.skipped = time.time(), None, 0
+        self.unread, self.stop_flag = [], False  # [(update, its metrics)] not read yet; see later
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -490,10 +454,19 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def read_metrics(self, update, metrics):  # -> the metrics, as Python values
+    def later(self, update, metrics):  # reads the metrics kept last time, and keeps update's
+        self.read_now()
+        self.unread.append((update, metrics))
+
+    def read_now(self):  # reads the kept metrics, if any
+        while self.unread:
+            self.read_metrics(*self.unread.pop())
+
+    def read_metrics(self, update, metrics):
         # This waits for an update's metrics, counts skips (10 in a row stop the run) and logs a
-        # line. m["stop"] is the stop flag: was any process asked to stop?
+        # line. It also keeps the stop flag: was any process asked to stop?
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
+        self.stop_flag = m["stop"]
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {update}: update skipped (loss {m['loss']:.4f}, grad norm "
@@ -503,7 +476,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
         if update % r.log_every and update != r.steps:
-            return m
+            return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -516,7 +489,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (update, now)
         self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m
 
 
 # ----------------------------------------------------------------------------- command line
@@ -575,36 +547,11 @@ def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1
     return sizes
 
 
-def start_jax(args):
-    # This sets up fake CPU devices, then the multi-host start-up, which cannot be forgotten. JAX
-    # finds its peers itself on a TPU slice, under SLURM, Open MPI or Kubernetes. Elsewhere, give
-    # --coordinator.
-    if args.devices:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.devices)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # so CPU processes can talk
-    # Compiled programs are cached (JAX_COMPILATION_CACHE_DIR, or else in the run directory), so
-    # a restart does not compile the 7B step again
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
-    try:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except (ValueError, RuntimeError) as e:
-        # Two errors mean "one process, go on": a ValueError (no cluster was found here) and a
-        # RuntimeError (JAX already runs in this process, as when the tests call main). Two
-        # others are real and raised: a JaxRuntimeError (a kind of RuntimeError), which means
-        # peers were found but not reached, and any error with --coordinator, which asked for
-        # a cluster.
-        if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
-            raise
-    if jax.process_count() > 1 and not jax.distributed.is_initialized():
-        raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
-
-
 # =============================================================================
 # Second read: what a pod needs. This part holds checkpoints that survive a kill at any
 # moment and a resume on another mesh, a stop (SIGTERM) that every process acts on at the
-# same step, and the checks that every host sees the same run directory and the same data.
+# same step, and what runs across hosts: JAX's start-up, each host feeding its own devices
+# their rows of the batch, and the checks that every host sees the same run directory and data.
 # =============================================================================
 
 
@@ -653,9 +600,9 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # version (a field more or less) is a one-line mismatch here, not an error that
     # read_retrying would take for an unreadable file and rename.
     saved = saved_config(step_dir)
-    fixed = [f for f in {**saved["model"], **vars(cfg)} if f not in olmo3.NUMERICS]
-    if r is None:  # --init-from, where stage 3 turns YaRN on
-        fixed = [f for f in fixed if not f.startswith("yarn_")]
+    # fixed: the model fields that must be equal (--init-from, r is None, may change yarn_*)
+    fixed = [f for f in {**saved["model"], **vars(cfg)}
+             if f not in olmo3.NUMERICS and (r is not None or not f.startswith("yarn_"))]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
     pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
     if r is not None:  # a resume
@@ -676,8 +623,7 @@ def read_item(path, tree):  # reads one item of a checkpoint step onto tree's sh
     shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
     if shapes(handler.metadata(path)) != shapes(tree):  # the code changed, so fail with no retry
         raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
-                         "does not make (another version wrote it?); resume it with that "
-                         "version, or use a new --out")
+                         "does not make; resume with the version that wrote it, or a new --out")
     return handler.restore(path, args=ocp.args.StandardRestore(tree))
 
 
@@ -757,14 +703,75 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     return jnp.any(flags)
 
 
-def stop_reason(update, args, stop_flag):  # why the run stops after update (None: it goes on)
+def stop_reason(update, args, log):  # why the run stops after update (None: it goes on)
     if update == args.stop_at:
         return "--stop-at"
-    if stop_flag:  # an earlier step saw a signal, so every process stops now, together
+    if log.stop_flag:  # the newest metrics read say a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
+# On one machine with one process, these are simple: start_jax finds no cluster, local_rows is
+# every row, and device_batch cuts the batch over this machine's devices.
+
+def start_jax(args):
+    # This sets up fake CPU devices, then the multi-host start-up, which cannot be forgotten. JAX
+    # finds its peers itself on a TPU slice, under SLURM, Open MPI or Kubernetes. Elsewhere, give
+    # --coordinator.
+    if args.devices:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # so CPU processes can talk
+    # Compiled programs are cached (JAX_COMPILATION_CACHE_DIR, or else in the run directory), so
+    # a restart does not compile the 7B step again
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
+    try:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except (ValueError, RuntimeError) as e:
+        # Two errors mean "one process, go on": a ValueError (no cluster was found here) and a
+        # RuntimeError (JAX already runs in this process, as when the tests call main). Two
+        # others are real and raised: a JaxRuntimeError (a kind of RuntimeError), which means
+        # peers were found but not reached, and any error with --coordinator, which asked for
+        # a cluster.
+        if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
+            raise
+    if jax.process_count() > 1 and not jax.distributed.is_initialized():
+        raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
+
+
+# index is a tuple of slices, one per dimension, that says which part of a global array one
+# device holds: (slice(8, 12), slice(None)) is rows 8-11, every column; rows_of(it, 16) is
+# [8, 9, 10, 11].
+rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device's slice holds
+
+
+def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
+    # On a pod every process runs this same program, but it feeds only its own devices. The
+    # batch's sharding, asked about any [global_batch, width] array, tells which slice of rows
+    # each device holds. Width 1 will do, because only rows are split. For example, on 2
+    # processes of 2 devices each with fsdp=4, process 1 holds rows 8-15 of 16, in contiguous
+    # blocks. (OLMo-core's rank r takes rows r::W instead. Either way the batch is the same, and
+    # so is the loss.)
+    index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
+    # index: each of this process's devices -> its (rows, columns) slices of the batch
+    return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
+
+
+def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
+    # One jax.Array spans every device of every process. make_array_from_callback asks for the
+    # part that each of this process's devices holds (`index` gives its rows and columns), and
+    # it assembles the global array without moving data between hosts. searchsorted finds those
+    # rows among this process's rows (loader.rows, which is sorted). With loader.rows = [8..15]
+    # and a device that holds rows 12-15, it takes x[4:8]. (When `tensor` spans hosts, two
+    # processes read the same rows.)
+    def put(x):  # x [len(loader.rows), seq_len]
+        shape = (loader.global_batch, x.shape[1])
+        # the columns are always whole (seq is not split)
+        device_rows = lambda index: x[np.searchsorted(loader.rows, rows_of(index, shape[0]))]
+        return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), device_rows)
+    return {name: put(x) for name, x in batch.items()}
+
 
 def run_mark(out):  # what process 0 writes into the run directory, as this process reads it
     mark = epath.Path(out) / "run-mark.txt"
