@@ -55,6 +55,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     # that key). In `full`, later keys win: rope_theta < rope_parameters < rope_scaling. AI2's
     # released 7B has rope_theta 500000 and rope_scaling {rope_type: yarn, factor: 8, ...}. It
     # gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, and sliding = plain.
+    # The other form is rope_parameters = {"full_attention": {rope_type: yarn, factor: 8, ...},
+    # "sliding_attention": {rope_type: default, rope_theta: 500000}}, with the same result.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
@@ -113,7 +115,8 @@ def from_hf(path):
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             handle = safe_open(f"{path}/{name}", framework="np")
-            # handle.keys(): a safetensors handle is not a dict, hence the noqa
+            # maps each tensor name in this file to the open file that holds it (handle.keys():
+            # a safetensors handle is not a dict, hence the noqa)
             files |= dict.fromkeys(handle.keys(), handle)  # noqa: SIM118
     names = [name for name, _, _ in hf_tensors(cfg)]
     for what, which in (("is missing", set(names) - set(files)),

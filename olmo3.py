@@ -41,12 +41,13 @@ class Config:
     norm_eps: float = 1e-6
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
-    remat: bool = False                # recompute each layer in the backward pass
+    remat: bool = False                # keep only each layer's input for the backward pass
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property
     def padded_vocab(self) -> int:
-        return -(-self.vocab_size // 128) * 128  # a multiple of 128, as OLMo-core does
+        # a multiple of 128, as OLMo-core does (-(-a // b) is a / b rounded up)
+        return -(-self.vocab_size // 128) * 128
 
     def is_global(self, layer: int) -> bool:
         return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
@@ -134,7 +135,10 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    return constrain(x, "batch", "seq", None)  # pin its sharding (a no-op without a mesh)
+    # constrain pins x's sharding by logical axes: rows over the data-parallel devices. The
+    # table that maps them to mesh axes, olmo3.AXIS_RULES, comes below. Without a mesh it does
+    # nothing.
+    return constrain(x, "batch", "seq", None)
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
@@ -144,14 +148,20 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # Here is the order it runs in, for the 7B:
     # 1. `groups` puts 32 layers in 8 groups of 4 (sliding, sliding, sliding, full). Each weight
     #    [32, ...] becomes [8, 4, ...].
-    # 2. lax.scan(group, x, groups) means `for g in groups: x, _ = group(x, g)`, compiled once
-    #    for every g. A scanned function returns (the carry, a per-step output), here (x, None).
+    # 2. lax.scan(group, x, groups) means `for g in groups: x, _ = group(x, g)`. `group` is
+    #    compiled once and run 8 times, each time with one slice along axis 0 of every leaf of
+    #    `groups` (one group's weights, [4, ...]). A scanned function returns (the carry, a
+    #    per-step output), here (x, None).
     # 3. `group` unrolls its 4 layers. Each is `layer`, which is `block` under jax.checkpoint.
-    #    The checkpoint policy says what the backward pass keeps. Without remat it keeps the
+    #    jax.checkpoint is always applied, and remat only picks the policy. (Without any
+    #    checkpoint, autodiff would keep every intermediate of the layer, the [B, H, T, T]
+    #    attention probabilities included.) The policy says what
+    #    the backward pass keeps. Without remat it keeps the
     #    matmuls' outputs and recomputes the cheap rest: on v5p-128 the 7B then needs 39 GiB a
     #    device (the README's table). With remat it keeps nothing but the layer's input.
-    #    Arguments 2 and 4 (window, cfg) are static. They are Python values baked into the
-    #    compiled layer, so each window compiles its own.
+    #    Arguments 2 and 4 (window, cfg) are static: they are not arrays, and attention
+    #    branches on window in Python. They are baked into the compiled layer, so each window
+    #    compiles its own.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
@@ -161,11 +171,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
-        # Every group has the same window pattern (3 sliding, 1 full), so a layer's window
-        # depends only on its place in the group: is_global(j) equals is_global(g * group_size
-        # + j) for every group g, because group_size divides n_layers (or is all of them); the
-        # model's last layer is a group's last, global. (With one group, j is the absolute
-        # layer.) ropes["full"] is YaRN's table.
+        # group_size divides n_layers (or is all of them), so layer g * group_size + j is
+        # global exactly when j is the group's last. A layer's window therefore depends only on
+        # j, its place in the group. ropes["full"] is YaRN's table.
         for layer_in_group in range(group_size):
             window = None if cfg.is_global(layer_in_group) else cfg.sliding_window
             p = jax.tree.map(lambda w: w[layer_in_group], p_group)
@@ -242,6 +250,8 @@ def rope_tables(positions, cfg: Config, full: bool):
 
 
 def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result in x's dtype
+    # Rotate-half: dimension i pairs with i + E/2, and the pair turns by the angle
+    # position * inv_freq[i]. rope_tables repeats the angles twice along E for that reason.
     x32 = x_BTHE.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -256,6 +266,7 @@ def loss_terms(logits, labels, z_loss: float, axis=None):
     # and keeps the softmax normaliser near 1.
     valid = labels >= 0
     lse = jax.nn.logsumexp(logits, axis=-1)
+    # -100 is no index, so it is read as 0 here; those positions are masked out below anyway
     target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
     ce = jnp.sum(jnp.where(valid, lse - target, 0.0), axis)
     z = z_loss * jnp.sum(jnp.where(valid, lse * lse, 0.0), axis)

@@ -76,7 +76,9 @@ def dry_run(cfg, r, args):
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
     mesh = olmo3.make_mesh(**args.mesh, devices=devices)
-    # the timer covers describing the state and compiling the step
+    # The timer covers describing the state and compiling the step. compile() runs the real
+    # compiler for these devices (libtpu for a topology), and nothing executes. It runs under
+    # the mesh, as training does, because olmo3.constrain reads the mesh while tracing.
     t, target = time.time(), train.abstract_state(cfg, r, mesh)
     with jax.set_mesh(mesh):
         m = train.compile_step(cfg, r, mesh, target).memory_analysis()

@@ -128,6 +128,7 @@ def main(argv=None):
 
 def train(cfg, r, args, mesh, manager):
     """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
+    # (second read) every host must see the run directory that process 0 writes
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
@@ -146,8 +147,9 @@ def train(cfg, r, args, mesh, manager):
     step_fn = compile_step(cfg, r, mesh, target)
     # JAX runs a step asynchronously. step_fn returns at once while the devices work on, and
     # reading a result waits for them. So the loop reads each step's metrics one step late.
-    # log.later(update, metrics) keeps this update's metrics and reads update - 1's, which are
-    # ready by then. A save step reads its own metrics first (log.read_now), so that no
+    # log.later(update, metrics) keeps this update's metrics and reads update - 1's. If they
+    # are not ready, that read waits, but update is already queued, so the devices never sit
+    # idle. A save step reads its own metrics first (log.read_now), so that no
     # checkpoint holds a state whose loss nobody has looked at.
     # Stopping can wait for the second read. Each step also carries a stop flag, the same on
     # every process: did any process get a SIGTERM? The host sees it with the metrics, in
@@ -165,6 +167,8 @@ def train(cfg, r, args, mesh, manager):
             log.read_now()  # update's own metrics
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
+            # read_now has just read update's stop flag, so ask again. (After the last step
+            # there is nothing left to stop: the run ends with 0.)
             reason = stop_reason(update, args, log) if update < r.steps else None
             if reason:
                 manager.wait_until_finished()
@@ -209,24 +213,23 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
-    # The result is {params, opt_state: (clip, adam: (count, mu, nu), decay), step,
-    # history}; clip and decay hold no arrays (optax's EmptyState, and MaskedState around
-    # one). Every leaf is a jax.ShapeDtypeStruct, a description with a shape, dtype and
-    # sharding. Adam's moments get their params' shardings: ZeRO-3, each moment cut exactly like
-    # its param.
-    params = olmo3.abstract_params(cfg, mesh)
-    # eval_shape runs a function on descriptions and returns descriptions. Here it returns
-    # Adam's state, with no sharding yet.
-    adam = jax.eval_shape(optimizer(r).init, params)
-    # replicated(s): s described again, held whole by every device (Adam's count, step, history)
-    replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
-    # like_param(s, p): a moment s described with its param p's sharding (tree_map_params calls
-    # it as f(state leaf, param leaf)): adam.mu["blocks"]["q"] gets q's sharding
+    # It is used three ways: init_state creates the arrays with its shardings, restore reads a
+    # checkpoint onto them, and compile_step compiles the step for them.
+    # Every leaf of the result is a jax.ShapeDtypeStruct: a shape, a dtype and a sharding.
+    # init_state's jit (out_shardings) and a restore need every leaf's sharding up front, and
+    # eval_shape gives the optimizer's state none, so the moments get theirs here, by hand.
+    params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
+    # jax.eval_shape runs optax's init on these descriptions and returns descriptions: the
+    # optimizer's state (clip, adam: (count, mu, nu), decay), with no shardings yet. Clip and
+    # decay hold no arrays (optax's EmptyState, and a MaskedState around one).
+    unsharded = jax.eval_shape(optimizer(r).init, params)
+    # Now every leaf gets a sharding. Adam's moments mu and nu are trees shaped like the params,
+    # and each of their leaves is cut like its param (ZeRO-3): mu["blocks"]["q"] is cut like q.
+    # optax.tree_map_params finds those trees and calls like_param(leaf, its param) on each
+    # leaf. Every other leaf (Adam's count) goes to replicated: held whole by every device.
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
-    # optax.tree_map_params finds the trees in Adam's state that are shaped like the params (the
-    # two moments) and calls like_param(state leaf, its param) on each leaf. The rest (Adam's
-    # count) goes through replicated. Every leaf gets its sharding here.
-    opt_state = optax.tree_map_params(optimizer(r), like_param, adam, params,
+    replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
+    opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
                                       transform_non_params=replicated)
     return {"params": params, "opt_state": opt_state,
             "step": replicated(jax.ShapeDtypeStruct((), jnp.int32)),
@@ -247,8 +250,9 @@ def init_state(cfg, r, target):  # creates every array directly with target's sh
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
     # The state is the run's newest checkpoint, read straight into target's shardings. Otherwise
-    # it is a new state, with --init-from's weights and Adam state. In this "warm Adam", the
-    # moments and Adam's step count carry over, and the schedule starts again.
+    # it is a fresh state, into which --init-from (if given) copies its weights and Adam state.
+    # In this "warm Adam", the moments and Adam's step count carry over, and the schedule
+    # starts again.
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
@@ -310,11 +314,11 @@ def train_step(state, batch, cfg, r, accum):
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = optax.tree.norm(grads)  # before clipping, which is the optimizer's first step
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
-    # updates: Adam's step plus weight_decay * p, so p - lr * u decays by lr * wd * p, as
-    # torch's AdamW does
+    # The optimizer clips, then takes Adam's step. updates is Adam's step plus weight_decay * p,
+    # so p - lr * u decays by lr * wd * p, as torch's AdamW does
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
     # The LR is applied here, from the state's step, not inside optax. That way a stage starts
     # its schedule again while Adam's own count (bias correction) carries over from the last.
@@ -325,6 +329,7 @@ def train_step(state, batch, cfg, r, accum):
     # `new` holds params and opt_state only (step and history always advance). upd is a leaf
     # of the update's result, and old the same leaf of the state before it.
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
+    # The logged loss is the cross-entropy alone: z-loss is trained on, not logged
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     return new | {"step": state["step"] + 1, "history": history}, metrics
 
@@ -345,11 +350,9 @@ def schedule(r: Recipe):
     # t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # Both stay at F from T on. "olmo3" is stage 1 as AI2 ran it. It runs CosWithWarmup (W = 2000)
-    # aimed at 5T tokens up to update 596,047, the checkpoint that -2.py restarted from. Then it
-    # runs HalfCosWithWarmup aimed at 7T tokens (W2, T2), which is (F + P) / 2 * k / W2 for
-    # k < W2, then the second half of a cosine,
-    # F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2.
+    # Both stay at F from T on. The "olmo3" schedule's second part (below) is
+    #   HalfCosWithWarmup: (F + P) / 2 k / W for k < W, then
+    #                      F + (P - F) (1 + cos(pi (k - W + T - W) / (2 (T - W)))) / 2
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     if r.schedule == "cosine":  # optax's decay_steps includes the warmup, so it is T
@@ -359,21 +362,23 @@ def schedule(r: Recipe):
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
     else:  # "olmo3": only the 7b and 7b-wide presets use it (optional on a first read)
-        # T is the token budget over the tokens per step, rounded up (-(-a // b) is a / b rounded
-        # up). W2 is -2.py's `original_max_steps // 2 + original_warmup_steps // 2`, where
-        # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W.
-        # Part 2 starts at update RESTART, whatever the batch. With the 7b preset's 512 x 8192
-        # (4,194,304 tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046. So part 2
-        # starts inside its own warmup, already at 99.8% of (F + P) / 2: the LR goes on near
-        # where part 1 had come down to. At k = W2 the warmup ends at (F + P) / 2, and `half`,
-        # entered at its midpoint T2 - W2, is (F + P) / 2 there too: the two pieces meet, and the
-        # LR decays from 597,046 to F at T2.
+        # AI2 ran stage 1 in two parts. Part 1 (-1.py) is the cosine above, aimed at 5T tokens
+        # (T1 updates). AI2 stopped it after update 596,047 and restarted (-2.py). Part 2, from
+        # update RESTART on, is OLMo-core's HalfCosWithWarmup aimed at 7T tokens (T2 updates).
+        # Its warmup climbs to (F + P) / 2 at update W2. After W2 it is the second half of a
+        # cosine from P to F, which takes the LR from (F + P) / 2 down to F at T2.
+        # For the 7b preset (512 x 8192 = 4,194,304 tokens a step), T1 = 1,192,093,
+        # T2 = 1,668,931 and W2 = 597,046. So part 2 starts inside its own warmup, at 99.8% of
+        # (F + P) / 2, close to where part 1 had come down to.
         tokens = r.global_batch * r.seq_len
-        t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
+        t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
+        # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
+        # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
+        # half(n) is a cosine from P to F over 2 (T2 - W2) updates. At update k it is given
+        # n = k - W2 + (T2 - W2), so at k = W2 it is at its midpoint, (F + P) / 2, where the
+        # warmup ends, and at k = T2 it reaches F.
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-        # half(k - W2 + T2 - W2): a cosine from P to F over 2 (T2 - W2) updates, whose second
-        # half runs from k = W2 to k = T2: the shift T2 - 2 W2 puts k = W2 at its midpoint
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                     half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
         # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
@@ -428,7 +433,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started, self.last, self.skipped = time.time(), None, 0
-        self.unread, self.stop_flag = [], False  # [(update, its metrics)] not read yet; see later
+        # unread: [(update, its metrics)], not read yet (at most one entry; see later)
+        self.unread, self.stop_flag = [], False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -459,7 +465,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.unread.append((update, metrics))
 
     def read_now(self):  # reads the kept metrics, if any
-        while self.unread:
+        if self.unread:
             self.read_metrics(*self.unread.pop())
 
     def read_metrics(self, update, metrics):
@@ -600,7 +606,8 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # version (a field more or less) is a one-line mismatch here, not an error that
     # read_retrying would take for an unreadable file and rename.
     saved = saved_config(step_dir)
-    # fixed: the model fields that must be equal (--init-from, r is None, may change yarn_*)
+    # fixed: the model fields that must be equal, among the field names of both (the dict
+    # merge keeps their order). --init-from (r is None) may change the yarn_* fields.
     fixed = [f for f in {**saved["model"], **vars(cfg)}
              if f not in olmo3.NUMERICS and (r is not None or not f.startswith("yarn_"))]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
@@ -667,9 +674,10 @@ def refuse_fresh_start(out):
     # A run directory where a run has trained never starts over silently. It is called only
     # when no committed checkpoint exists, so checkpoints/ can hold only "tmp" steps (saves cut
     # short) and renamed <step>.unreadable ones. It tells apart:
-    #   metrics.jsonl and checkpoints/ with only a "tmp" step: the first save was cut short, so
-    #     nothing was lost: start fresh;
-    #   metrics.jsonl without that, or any <step>.unreadable: a run trained here: refuse.
+    # - Any <step>.unreadable: a run trained here, so refuse.
+    # - metrics.jsonl and no "tmp" step: a run trained here, so refuse.
+    # - metrics.jsonl and a "tmp" step: the first save was cut short, so nothing was lost, and
+    #   the run starts fresh. (No metrics.jsonl: nothing ran here.)
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
