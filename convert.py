@@ -97,7 +97,7 @@ def config_to_hf(cfg) -> dict:
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # None in small test models
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
             **{key: getattr(cfg, name) for name, key in HF_CONFIG.items()},
-            # the trained context, 8,192, or YaRN's factor times it (65,536 after stage 3)
+            # yarn_original_context (8,192, OLMo 3's trained context), or YaRN's factor times it
             "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,

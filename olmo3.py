@@ -153,15 +153,17 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     #    `groups` (one group's weights, [4, ...]). A scanned function returns (the carry, a
     #    per-step output), here (x, None).
     # 3. `group` unrolls its 4 layers. Each is `layer`, which is `block` under jax.checkpoint.
-    #    jax.checkpoint is always applied, and remat only picks the policy. (Without any
-    #    checkpoint, autodiff would keep every intermediate of the layer, the [B, H, T, T]
-    #    attention probabilities included.) The policy says what
-    #    the backward pass keeps. Without remat it keeps the
-    #    matmuls' outputs and recomputes the cheap rest: on v5p-128 the 7B then needs 39 GiB a
-    #    device (the README's table). With remat it keeps nothing but the layer's input.
-    #    Arguments 2 and 4 (window, cfg) are static: they are not arrays, and attention
-    #    branches on window in Python. They are baked into the compiled layer, so each window
-    #    compiles its own.
+    #    - jax.checkpoint is always applied, and remat only picks the policy, which says what
+    #      the backward pass keeps. (Without any checkpoint, autodiff would keep every
+    #      intermediate of the layer.)
+    #    - Without remat (dots_saveable) it keeps the matmuls' outputs and recomputes the cheap
+    #      rest. On v5p-128 the 7B then needs 39 GiB a device (the README's table). Batched
+    #      matmuls count too, so the reference attention's [B, H, T, T] scores are kept; splash
+    #      is a kernel, not a matmul.
+    #    - With remat it keeps nothing but the layer's input.
+    #    - Arguments 2 and 4 (window, cfg) are static: they are not arrays, and attention
+    #      branches on window in Python. They are baked into the compiled layer, so each window
+    #      compiles its own.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
@@ -171,9 +173,10 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
-        # group_size divides n_layers (or is all of them), so layer g * group_size + j is
-        # global exactly when j is the group's last. A layer's window therefore depends only on
-        # j, its place in the group. ropes["full"] is YaRN's table.
+        # With groups of global_every layers, layer g * group_size + j is global exactly when j
+        # is the group's last, so is_global(j) gives the right window. When global_every does
+        # not divide n_layers, all layers are one group, and j is the absolute layer number.
+        # ropes["full"] is YaRN's table.
         for layer_in_group in range(group_size):
             window = None if cfg.is_global(layer_in_group) else cfg.sliding_window
             p = jax.tree.map(lambda w: w[layer_in_group], p_group)

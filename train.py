@@ -151,10 +151,10 @@ def train(cfg, r, args, mesh, manager):
     # are not ready, that read waits, but update is already queued, so the devices never sit
     # idle. A save step reads its own metrics first (log.read_now), so that no
     # checkpoint holds a state whose loss nobody has looked at.
-    # Stopping can wait for the second read. Each step also carries a stop flag, the same on
-    # every process: did any process get a SIGTERM? The host sees it with the metrics, in
-    # log.stop_flag. A flag that is on, or --stop-at, makes the step a save step, and the run
-    # exits right after that save.
+    # Stopping can wait for the second read. After each step, stop_signalled computes a stop
+    # flag, the same on every process: did any process get a SIGTERM? The host sees it with
+    # the metrics, in log.stop_flag. A flag that is on, or --stop-at, makes the step a save
+    # step, and the run exits right after that save.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
@@ -163,6 +163,7 @@ def train(cfg, r, args, mesh, manager):
         log.later(update, metrics)  # reads and logs update - 1's metrics while update runs
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
+        # log.stop_flag is the flag of the last metrics read (update - 1's); read_now updates it
         if update % r.save_every == 0 or update == r.steps or stop_reason(update, args, log):
             log.read_now()  # update's own metrics
             save(manager, update, state, cfg, r, loader.fingerprint)
@@ -335,9 +336,9 @@ def train_step(state, batch, cfg, r, accum):
 
 
 def split_micro(x, accum: int):
-    # [global, ...] -> [accum, global/accum, ...]. Row r goes into micro-batch r % accum, so that
+    # [global, ...] -> [accum, global/accum, ...]. Row i goes into micro-batch i % accum, so that
     # every micro-batch is spread over all the data-parallel devices: reshape to
-    # [global/accum, accum, ...] (row r at [r // accum, r % accum]), then swap the two axes.
+    # [global/accum, accum, ...] (row i at [i // accum, i % accum]), then swap the two axes.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
