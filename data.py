@@ -87,7 +87,9 @@ class Loader:
         # Position t predicts token t + 1 when that token is a document's, not padding. A
         # fixed-length row is all document (lengths = seq_len). A packed row ends in padding.
         # real_next [rows, T - 1]: position t has a target iff t + 1 < length; with length 3
-        # and T = 6, it is [True, True, False, False, False]
+        # and T = 6, it is [True, True, False, False, False]. In a packed row a document's EOS
+        # is labelled with the next document's first token, as OLMo-core's get_labels (a plain
+        # shift, masking only padding) labels it.
         real_next = np.arange(1, self.seq_len) < lengths[:, None]
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)

@@ -13,9 +13,14 @@
 # and including its EOS, is one instance, cut to seq_len. A set's CE loss is the summed loss over
 # the real next-token targets divided by the number of document tokens, and PPL is exp(CE).
 #
-# Downstream tasks follow olmo_eval's tasks.py. The context and the continuation are tokenized
-# separately, with no BOS and no EOS. The model reads (context + continuation[:-1]), cut from the
-# left to seq_len. A continuation's score is the sum of its tokens' log-probabilities.
+# Downstream tasks (OLMES) follow olmo_eval's tasks.py. A task is a file of requests, one per
+# (question, answer choice): ARC-Easy's question 7 with four choices is four requests, with
+# doc_id 7 and idx 0 to 3, and each says the right idx in its label. A request's score is the
+# sum of the log-probabilities of its continuation (the choice) after its context (the
+# question). The choice with the best score (or score per character, per token) is the model's
+# answer, and the accuracy counts the right ones. The context and the continuation are
+# tokenized separately, with no BOS and no EOS. The model reads (context + continuation[:-1]),
+# cut from the left to seq_len.
 import dataclasses
 import functools
 import gzip

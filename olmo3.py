@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)  # frozen: hashable, so jit can take it as a static argument
 class Config:
     """The model (OLMo 3 7B by default). The training recipe is train.Recipe."""
     d_model: int = 4096
@@ -142,28 +142,18 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
-    # Layers go in groups of `global_every` (3 sliding, 1 full), or all in one group when that
-    # does not divide n_layers. Within a group the layers are unrolled, so each knows its window
-    # statically. The groups are scanned, as MaxText does, so a 32-layer model compiles one group.
-    # Here is the order it runs in, for the 7B:
-    # 1. `groups` puts 32 layers in 8 groups of 4 (sliding, sliding, sliding, full). Each weight
-    #    [32, ...] becomes [8, 4, ...].
-    # 2. lax.scan(group, x, groups) means `for g in groups: x, _ = group(x, g)`. `group` is
-    #    compiled once and run 8 times, each time with one slice along axis 0 of every leaf of
-    #    `groups` (one group's weights, [4, ...]). A scanned function returns (the carry, a
-    #    per-step output), here (x, None).
-    # 3. `group` unrolls its 4 layers. Each is `layer`, which is `block` under jax.checkpoint.
-    #    - jax.checkpoint is always applied, and remat only picks the policy, which says what
-    #      the backward pass keeps. (Without any checkpoint, autodiff would keep every
-    #      intermediate of the layer.)
-    #    - Without remat (dots_saveable) it keeps the matmuls' outputs and recomputes the cheap
-    #      rest. On v5p-128 the 7B then needs 39 GiB a device (the README's table). Batched
-    #      matmuls count too, so the reference attention's [B, H, T, T] scores are kept; splash
-    #      is a kernel, not a matmul.
-    #    - With remat it keeps nothing but the layer's input.
-    #    - Arguments 2 and 4 (window, cfg) are static: they are not arrays, and attention
-    #      branches on window in Python. They are baked into the compiled layer, so each window
-    #      compiles its own.
+    # The 7B's 32 layers run as 8 groups of 4 (sliding, sliding, sliding, full), as MaxText
+    # runs them, so that the compiler sees 4 layers, not 32:
+    # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...].
+    # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, where g is one
+    #    group's weights [4, ...]. `group` is compiled once and run 8 times.
+    # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
+    # When global_every does not divide n_layers, all layers are one group.
+    # A layer is `block` under jax.checkpoint, whose policy says what the backward pass keeps
+    # (with no checkpoint, it would keep every intermediate): the matmuls' outputs by default
+    # (dots_saveable; the reference attention's [B, H, T, T] scores are one), or with
+    # --remat true only the layer's input. window and cfg (arguments 2 and 4) are static:
+    # baked into the compiled layer, so each window compiles its own.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
@@ -361,9 +351,9 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
 
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
     # The mesh is the one that train.main (or evaluation.main, prepare.dry_run, a test) sets
-    # with `with jax.set_mesh(mesh)`. With
-    # no mesh, nothing is pinned. Pinned activations keep their rows split over the
-    # data-parallel devices. Left alone, XLA may choose to gather a whole batch onto every device.
+    # with `with jax.set_mesh(mesh)`; with no mesh, nothing is pinned. Pinned activations keep
+    # their rows split over the data-parallel devices. Left alone, XLA may choose to gather a
+    # whole batch onto every device.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

@@ -145,37 +145,28 @@ def train(cfg, r, args, mesh, manager):
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # JAX runs a step asynchronously. step_fn returns at once while the devices work on, and
-    # reading a result waits for them. So the loop reads each step's metrics one step late.
-    # log.later(update, metrics) keeps this update's metrics and reads update - 1's. If they
-    # are not ready, that read waits, but update is already queued, so the devices never sit
-    # idle. A save step reads its own metrics first (log.read_now), so that no
-    # checkpoint holds a state whose loss nobody has looked at.
-    # Stopping can wait for the second read. After each step, stop_signalled computes a stop
-    # flag, the same on every process: did any process get a SIGTERM? The host sees it with
-    # the metrics, in log.stop_flag. A flag that is on, or --stop-at, makes the step a save
-    # step, and the run exits right after that save.
+    # JAX runs a step asynchronously: step_fn returns at once while the devices work on, and
+    # reading a result waits for them. So the loop reads each step's metrics one step late,
+    # while the next step runs, and the devices never sit idle. A save step first reads its own
+    # metrics (log.read_now): no checkpoint holds a state whose loss nobody has looked at.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        metrics["stop"] = stop_signalled(mesh)  # did any process get a SIGTERM? (seen by all)
+        metrics["stop"] = stop_signalled(mesh)  # did any process get a SIGTERM? (second read)
         update = step + 1  # the number of the update just dispatched (OLMo-core's 1-based step)
         log.later(update, metrics)  # reads and logs update - 1's metrics while update runs
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        # log.stop_flag is the flag of the last metrics read (update - 1's); read_now updates it
-        if update % r.save_every == 0 or update == r.steps or stop_reason(update, args, log):
+        stop = stop_reason(update, args, log)  # None, or why the run stops after this update
+        if update % r.save_every == 0 or update == r.steps or stop:
             log.read_now()  # update's own metrics
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
-            # read_now has just read update's stop flag, so ask again. (After the last step
-            # there is nothing left to stop: the run ends with 0.)
-            reason = stop_reason(update, args, log) if update < r.steps else None
-            if reason:
-                manager.wait_until_finished()
-                log(f"stopped after step {update} ({reason}), checkpointed: rerun to resume")
-                log.flush()
-                return EXIT_STOPPED
+        if stop and update < r.steps:  # (after the last step the run ends with 0)
+            manager.wait_until_finished()
+            log(f"stopped after step {update} ({stop}), checkpointed: rerun to resume")
+            log.flush()
+            return EXIT_STOPPED
     manager.wait_until_finished()
     if args.samples and have_evaluation:
         import evaluation
@@ -214,20 +205,16 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
-    # It is used three ways: init_state creates the arrays with its shardings, restore reads a
-    # checkpoint onto them, and compile_step compiles the step for them.
-    # Every leaf of the result is a jax.ShapeDtypeStruct: a shape, a dtype and a sharding.
-    # init_state's jit (out_shardings) and a restore need every leaf's sharding up front, and
-    # eval_shape gives the optimizer's state none, so the moments get theirs here, by hand.
+    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding). init_state creates the
+    # arrays with these shardings, restore reads a checkpoint onto them, and compile_step
+    # compiles the step for them.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # jax.eval_shape runs optax's init on these descriptions and returns descriptions: the
-    # optimizer's state (clip, adam: (count, mu, nu), decay), with no shardings yet. Clip and
-    # decay hold no arrays (optax's EmptyState, and a MaskedState around one).
+    # The optimizer's state, (clip, adam: (count, mu, nu), decay), as descriptions: eval_shape
+    # runs optax's init on descriptions, allocating nothing. Its leaves have no sharding yet.
     unsharded = jax.eval_shape(optimizer(r).init, params)
-    # Now every leaf gets a sharding. Adam's moments mu and nu are trees shaped like the params,
-    # and each of their leaves is cut like its param (ZeRO-3): mu["blocks"]["q"] is cut like q.
-    # optax.tree_map_params finds those trees and calls like_param(leaf, its param) on each
-    # leaf. Every other leaf (Adam's count) goes to replicated: held whole by every device.
+    # Adam's mu and nu are trees like params, and each leaf is cut like its param (ZeRO-3):
+    # tree_map_params calls like_param(leaf, its param) on them. The rest (Adam's count) is
+    # replicated: every device holds it whole.
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
@@ -434,8 +421,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started, self.last, self.skipped = time.time(), None, 0
-        # unread: [(update, its metrics)], not read yet (at most one entry; see later)
-        self.unread, self.stop_flag = [], False
+        # unread: (update, its metrics) kept by `later` and not read yet, or None
+        self.unread, self.stop_flag = None, False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -463,15 +450,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def later(self, update, metrics):  # reads the metrics kept last time, and keeps update's
         self.read_now()
-        self.unread.append((update, metrics))
+        self.unread = (update, metrics)
 
     def read_now(self):  # reads the kept metrics, if any
-        if self.unread:
-            self.read_metrics(*self.unread.pop())
-
-    def read_metrics(self, update, metrics):
         # This waits for an update's metrics, counts skips (10 in a row stop the run) and logs a
         # line. It also keeps the stop flag: was any process asked to stop?
+        if self.unread is None:
+            return
+        (update, metrics), self.unread = self.unread, None  # take them, and empty the slot
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.stop_flag = m["stop"]
         self.skipped = self.skipped + 1 if m["skipped"] else 0
@@ -713,9 +699,12 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 
 def stop_reason(update, args, log):  # why the run stops after update (None: it goes on)
+    # log.stop_flag comes with the newest metrics read: update - 1's, so every process sees a
+    # SIGTERM one step after it came, and all stop after the same update. (A save step's
+    # read_now reads update's own flag too late for this step's decision; the next step stops.)
     if update == args.stop_at:
         return "--stop-at"
-    if log.stop_flag:  # the newest metrics read say a process got a signal: all stop, together
+    if log.stop_flag:  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
