@@ -16,7 +16,8 @@
 #    with gcsfuse is local too (this is how MaxText reads AI2's data).
 # 4. `tokenize` turns documents into token ids (EOS after every document, no BOS) and writes
 #    them as headerless little-endian uint32 files (OLMo's ".npy" token files), plus mix files
-#    that list them. A hash of each document's text picks train or held-out, so no text is in both.
+#    that list them. A hash of each document's text picks train or held-out, so no text is in both
+#    (exact copies; a near-copy hashes otherwise).
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
 import bisect
 import collections
@@ -301,7 +302,7 @@ Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id e
 
 @cache
 def get_tokenizer(name):
-    """"dolma2" (OLMo 3's tokenizer) or "bytes" (UTF-8 bytes; tiny and offline)."""
+    """The tokenizer "dolma2" (OLMo 3's) or "bytes" (UTF-8 bytes; tiny and offline)."""
     if name == "bytes":  # a token per byte, plus 256 and 257 for <|endoftext|> and <|pad|>
         as_bytes = {256: b"<|endoftext|>", 257: b"<|pad|>"} | {i: bytes([i]) for i in range(256)}
         decode = lambda ids: b"".join(as_bytes[i] for i in ids).decode(errors="replace")

@@ -63,6 +63,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         results, names = {}, {}
         # Perplexity uses the training loss, a softmax over the padded vocabulary, as OLMo-core
         # computes it. Tasks compare continuations over HF's real vocabulary, as olmo_eval does.
+        # (Weights converted from HF have zero rows in the padding, whose 74 logits are then 0:
+        # a perplexity a little above OLMo-core's for its own checkpoint.)
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
             # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.
@@ -96,6 +98,7 @@ def score(params, cfg, mesh, rows, vocab, batch, width):
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])
+    # index: the tuple of slices (rows, columns) that one device holds of the global array.
     # Every process holds the whole batch here, so any device's index (its slices) works on it
     # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])

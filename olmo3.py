@@ -160,12 +160,13 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # static: window, cfg
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
         # With groups of global_every layers, layer g * group_size + j is global exactly when j
-        # is the group's last, so is_global(j) gives the right window. When global_every does
-        # not divide n_layers, all layers are one group, and j is the absolute layer number.
+        # is the group's last, so is_global(j) gives the right window (group 1's j = 3 is layer
+        # 7, full). When global_every does not divide n_layers, all layers are one group, and j
+        # is the absolute layer number.
         # ropes["full"] is YaRN's table.
         for layer_in_group in range(group_size):
             window = None if cfg.is_global(layer_in_group) else cfg.sliding_window
@@ -310,12 +311,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 # 2 ways along heads (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an
 # eighth of its Adam moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each
 # device holds 128 sequences, the same ones as its tensor partner. XLA inserts the
-# communication. Before a layer's matmuls it all-gathers the fsdp shards of the weights (a
-# device then sees q as [4096, 2048]). After `o` and `down` it all-reduces over `tensor`,
-# because each partner summed half of the heads or of the MLP. In the backward pass it
-# reduce-scatters each gradient back to its fsdp shard. QK-norm's statistics span all heads,
-# so with `tensor` XLA sums them across the partners too. data=N keeps N copies of the
-# weights (each one split over fsdp) and all-reduces their gradients.
+# communication, and what it typically chooses is this. Before a layer's matmuls it all-gathers
+# the fsdp shards of the weights (a device then sees q as [4096, 2048]). After `o` and `down`
+# it all-reduces over `tensor`, because each partner summed half of the heads or of the MLP.
+# In the backward pass it reduce-scatters each gradient back to its fsdp shard. QK-norm's
+# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N
+# keeps N copies of the weights (each one split over fsdp) and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,

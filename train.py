@@ -43,7 +43,8 @@ EXIT_STOPPED = 75  # checkpointed before the last step, so rerun to resume (EX_T
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
-RESTART = 596_048  # the first update of stage 1's second part (AI2 restarted after 596,047)
+# the first update of stage 1's second part (AI2 restarted after 596,047, with the 7b's batch)
+RESTART = 596_048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Recipe:
     """Training settings. Stage 1's (pretrain-1.py) as defaults; RECIPES["7b"] adds its schedule."""
     seq_len: int = 8192
     global_batch: int = 512            # sequences per optimizer step
-    micro_batch: int = 0               # sequences per forward/backward (0 means the whole batch)
+    micro_batch: int = 0               # sequences per forward/backward over all devices (0: all)
     steps: int = 1_413_814             # one epoch of the mix, ~5.93T tokens
     lr: float = 3e-4
     warmup_steps: int = 2000
@@ -147,8 +148,11 @@ def train(cfg, r, args, mesh, manager):
     step_fn = compile_step(cfg, r, mesh, target)
     # JAX runs a step asynchronously: step_fn returns at once while the devices work on, and
     # reading a result waits for them. So the loop reads each step's metrics one step late,
-    # while the next step runs, and the devices never sit idle. A save step first reads its own
-    # metrics (log.read_now): no checkpoint holds a state whose loss nobody has looked at.
+    # while the next step runs, and the devices do not wait for the host between steps (they
+    # do at an evaluation and a save). Iteration `update` of the loop:
+    #   dispatch update -> read update - 1's metrics and stop flag -> evaluate, if due ->
+    #   decide on that flag -> save, if due or stopping (reading update's own metrics first) ->
+    #   stop, if decided.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
@@ -210,11 +214,14 @@ def abstract_state(cfg, r, mesh):
     # compiles the step for them.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     # The optimizer's state, (clip, adam: (count, mu, nu), decay), as descriptions: eval_shape
-    # runs optax's init on descriptions, allocating nothing. Its leaves have no sharding yet.
+    # runs optax's init on descriptions, allocating nothing. The descriptions it returns carry
+    # no sharding, so each leaf is given one here.
     unsharded = jax.eval_shape(optimizer(r).init, params)
     # Adam's mu and nu are trees like params, and each leaf is cut like its param (ZeRO-3):
-    # tree_map_params calls like_param(leaf, its param) on them. The rest (Adam's count) is
-    # replicated: every device holds it whole.
+    # tree_map_params calls like_param(leaf, its param) on them, so mu["blocks"]["q"] takes
+    # params["blocks"]["q"].sharding. It calls transform_non_params on every other leaf (Adam's
+    # count), which is replicated: every device holds it whole. The result is
+    # (EmptyState, ScaleByAdamState(count: replicated, mu, nu: like params), MaskedState(...)).
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
@@ -326,6 +333,8 @@ def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...]. Row i goes into micro-batch i % accum, so that
     # every micro-batch is spread over all the data-parallel devices: reshape to
     # [global/accum, accum, ...] (row i at [i // accum, i % accum]), then swap the two axes.
+    # A device holds a contiguous block of rows, and each micro-batch takes every accum-th row
+    # of it, so every micro-batch's rows stay on the devices that hold them: nothing moves.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -593,9 +602,9 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # version (a field more or less) is a one-line mismatch here, not an error that
     # read_retrying would take for an unreadable file and rename.
     saved = saved_config(step_dir)
-    # fixed: the model fields that must be equal, among the field names of both (the dict
-    # merge keeps their order). --init-from (r is None) may change the yarn_* fields.
-    fixed = [f for f in {**saved["model"], **vars(cfg)}
+    # fixed: the model fields that must be equal, among the field names of both versions
+    # (dict.fromkeys: each name once, in order). --init-from (r is None) may change yarn_*.
+    fixed = [f for f in dict.fromkeys([*saved["model"], *vars(cfg)])
              if f not in olmo3.NUMERICS and (r is not None or not f.startswith("yarn_"))]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
     pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
