@@ -187,8 +187,8 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         bins = pack(docs[2], loader.seq_len)  # lists of document numbers
         order = np.array([d for b in bins for d in b], np.int64)  # bin after bin
         # instance[j]: the instance number of document order[j], bin by bin. Lengths 5, 5, 2,
-        # 2, 1 give bins [[0, 2, 4], [1, 3]], order [0, 2, 4, 1, 3] and instance [n, n, n, n + 1,
-        # n + 1], n being n_instances.
+        # 2, 1 in rows of 8 give bins [[0, 2, 4], [1, 3]], order [0, 2, 4, 1, 3] and instance
+        # [n, n, n, n + 1, n + 1], n being n_instances.
         instance = n_instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
         n_instances += len(bins)  # the next group's instances are numbered from here

@@ -287,10 +287,10 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every sharding in the project comes
-# from it. Sequences are split over both data-parallel axes. Weights are split ZeRO-3 style
-# over fsdp and Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are
-# not split. A tuple splits one dimension over several mesh axes, so "batch" is split over
-# data x fsdp devices.
+# from it. A batch's rows (sequences) are split over both data-parallel axes. Weights are split
+# ZeRO-3 style over fsdp and Megatron style over tensor. Axes not named here ("layers", "norm",
+# "seq") are not split. A tuple splits one dimension over several mesh axes, so "batch" is
+# split over data x fsdp devices.
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 

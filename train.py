@@ -539,7 +539,8 @@ def boolean(text):  # "true" or "false" (argparse reports anything else)
     return bool(("false", "true").index(text.lower()))
 
 
-# An axis left out is 1: --mesh tensor=2 on 8 devices uses 2 of them (fsdp=-1,tensor=2 uses 8).
+# An axis left out of --mesh is 1: tensor=2 on 8 devices uses 2 (fsdp=-1,tensor=2 uses all 8).
+# (olmo3.make_mesh's own default is fsdp=-1.)
 def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1}
     sizes = {"data": 1, "fsdp": 1, "tensor": 1}
     for name, _, value in (part.partition("=") for part in text.split(",")):
@@ -672,8 +673,9 @@ def refuse_fresh_start(out):
     # short) and renamed <step>.unreadable ones. It tells apart:
     # - Any <step>.unreadable: a run trained here, so refuse.
     # - metrics.jsonl and no "tmp" step: a run trained here, so refuse.
-    # - metrics.jsonl and a "tmp" step: the first save was cut short, so nothing was lost, and
-    #   the run starts fresh. (No metrics.jsonl: nothing ran here.)
+    # - metrics.jsonl and a "tmp" step: the first save was cut short, so no checkpoint was
+    #   lost (only the steps before it), and the run starts fresh. (No metrics.jsonl: nothing
+    #   ran here.)
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
