@@ -123,7 +123,7 @@ def from_hf(path):
                         ("is not OLMo 3's", set(files) - set(names))):
         if which:
             raise SystemExit(f"error: {path}: tensor {min(which)} {what} ({len(which)} in all)")
-    # Start from zeros, so that the vocabulary's padding rows stay zero.
+    # Start from zeros: the embedding's padding rows stay zero (no token id reads them).
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), olmo3.param_specs(cfg),
                           is_leaf=olmo3.is_spec)
     # Each HF tensor is written into a view of our array: ours() indexes, and hf_layout
@@ -134,6 +134,13 @@ def from_hf(path):
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
         view[...] = tensor
+    # The lm_head's padding columns, absent from HF files, get the mean of its real columns. A
+    # padded logit is then the mean real logit, so the loss's softmax over the padded vocabulary
+    # adds at most ln(1 + 74 / 100,278) nats to HF's (Jensen: the mean of exp >= exp of the
+    # mean). Zero columns would add 74 logits of 0: up to ln(75) nats when z-loss has brought
+    # the logsumexp near 0. (OLMo-core's load_hf_model draws them around the mean instead,
+    # with transformers' mean_resizing.)
+    params["lm_head"].T[cfg.vocab_size:] = params["lm_head"].T[:cfg.vocab_size].mean(0)
     return cfg, params
 
 
@@ -187,8 +194,7 @@ def main(argv=None):
     if args.verify:
         import evaluation  # beside the core (torch, transformers) and never imported to train
         evaluation.verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
-    print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters (with the vocabulary padded "
-          f"to {cfg.padded_vocab:,} as trained; {cfg.vocab_size:,} in HF files)")
+    print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters (the vocabulary padded)")
 
 
 if __name__ == "__main__":

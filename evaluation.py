@@ -63,8 +63,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         results, names = {}, {}
         # Perplexity uses the training loss, a softmax over the padded vocabulary, as OLMo-core
         # computes it. Tasks compare continuations over HF's real vocabulary, as olmo_eval does.
-        # (Weights converted from HF have zero rows in the padding, whose 74 logits are then 0:
-        # a perplexity a little above OLMo-core's for its own checkpoint.)
+        # (Weights converted from HF fill the padding with the mean real column: see
+        # convert.from_hf, which bounds what the padding adds.)
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
             # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.

@@ -211,6 +211,19 @@ def test_logits_match_hugging_face(tmp_path, n_kv_heads):
     assert results["bfloat16"]["kl"] < 2e-3 and results["bfloat16"]["top1"] > 0.95, results
 
 
+def test_converted_padding_adds_at_most_its_bound_to_the_loss(tmp_path):
+    """HF files hold no padding columns of lm_head. from_hf gives them the real columns' mean, so
+    the training softmax, over the padded vocabulary, exceeds HF's by at most ln(1 + pad / V)."""
+    cfg, params = convert.from_hf(make_hf_checkpoint(small_config(), tmp_path / "hf", std=0.3))
+    V, pad = cfg.vocab_size, cfg.padded_vocab - cfg.vocab_size  # 300 ids, 84 padding columns
+    columns = params["lm_head"].T  # [padded_vocab, D]
+    assert pad == 84 and (columns[V:] == columns[:V].mean(0)).all() and columns[V:].any()
+    tokens = np.random.default_rng(0).integers(0, V, (2, 64))
+    logits = olmo3.forward(params, tokens, cfg)
+    added = jax.nn.logsumexp(logits, -1) - jax.nn.logsumexp(logits[..., :V], -1)
+    assert float(added.max()) <= np.log1p(pad / V) + 1e-6
+
+
 def tensors(folder):
     from safetensors.numpy import load_file
 
