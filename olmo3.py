@@ -160,13 +160,15 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # static: window, cfg
+    # block(p, x, window, rope, cfg, segments): arguments 2 and 4 are static
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
         # With groups of global_every layers, layer g * group_size + j is global exactly when j
         # is the group's last, so is_global(j) gives the right window (group 1's j = 3 is layer
-        # 7, full). When global_every does not divide n_layers, all layers are one group, and j
-        # is the absolute layer number.
+        # 7, full). One compiled `group` runs for every group, so it cannot know which group it
+        # is, and only j, a Python int, can choose a static window. When global_every does not
+        # divide n_layers, all layers are one group, and j is the absolute layer number.
         # ropes["full"] is YaRN's table.
         for layer_in_group in range(group_size):
             window = None if cfg.is_global(layer_in_group) else cfg.sliding_window

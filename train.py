@@ -222,6 +222,8 @@ def abstract_state(cfg, r, mesh):
     # params["blocks"]["q"].sharding. It calls transform_non_params on every other leaf (Adam's
     # count), which is replicated: every device holds it whole. The result is
     # (EmptyState, ScaleByAdamState(count: replicated, mu, nu: like params), MaskedState(...)).
+    # For the tiny preset on 8 devices with fsdp=4,tensor=2, mu["blocks"]["q"] is (4, 256, 256)
+    # fp32 with P(None, "fsdp", "tensor"), as q is, and count is () with P().
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
@@ -335,6 +337,8 @@ def split_micro(x, accum: int):
     # [global/accum, accum, ...] (row i at [i // accum, i % accum]), then swap the two axes.
     # A device holds a contiguous block of rows, and each micro-batch takes every accum-th row
     # of it, so every micro-batch's rows stay on the devices that hold them: nothing moves.
+    # With 8 rows, accum 2 and 2 devices, device 0 holds rows 0-3: micro-batch 0 takes its
+    # rows 0 and 2, and micro-batch 1 its rows 1 and 3.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -482,7 +486,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
-        if self.last:  # the first line's time includes compiling, so rates start after it
+        if self.last:  # rates start at the second line: the first has no line before it
             rate = (update - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
             mfu = f"{100 * tflops / self.peak:.1f}%" if self.peak else "n/a"
@@ -711,8 +715,10 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 def stop_reason(update, args, log):  # why the run stops after update (None: it goes on)
     # log.stop_flag comes with the newest metrics read: update - 1's, so every process sees a
-    # SIGTERM one step after it came, and all stop after the same update. (A save step's
-    # read_now reads update's own flag too late for this step's decision; the next step stops.)
+    # SIGTERM one step after it came, and all stop after the same update. For example, a
+    # SIGTERM that comes after iteration 7 computed its flag is in iteration 8's flag, which
+    # is read at iteration 9: all save update 9 and stop. (A save step's read_now reads update's
+    # own flag too late for this step's decision; the next step stops.)
     if update == args.stop_at:
         return "--stop-at"
     if log.stop_flag:  # a process got a signal: all stop, together
