@@ -161,7 +161,8 @@ def train(cfg, r, args, mesh, manager):
         log.later(update, metrics)  # reads and logs update - 1's metrics while update runs
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        stop = stop_reason(update, args, log)  # None, or why the run stops after this update
+        # stop: None, or why the run stops after this update (log.stop_flag: the newest read)
+        stop = stop_reason(update, args, log.stop_flag)
         if update % r.save_every == 0 or update == r.steps or stop:
             log.read_now()  # update's own metrics
             save(manager, update, state, cfg, r, loader.fingerprint)
@@ -249,7 +250,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     # The state is the run's newest checkpoint, read straight into target's shardings. Otherwise
     # it is a fresh state, into which --init-from (if given) copies its weights and Adam state.
     # In this "warm Adam", the moments and Adam's step count carry over, and the schedule
-    # starts again.
+    # starts again. (resume, refuse_fresh_start and restore are in the second read.)
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
@@ -713,15 +714,15 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     return jnp.any(flags)
 
 
-def stop_reason(update, args, log):  # why the run stops after update (None: it goes on)
-    # log.stop_flag comes with the newest metrics read: update - 1's, so every process sees a
-    # SIGTERM one step after it came, and all stop after the same update. For example, a
-    # SIGTERM that comes after iteration 7 computed its flag is in iteration 8's flag, which
-    # is read at iteration 9: all save update 9 and stop. (A save step's read_now reads update's
-    # own flag too late for this step's decision; the next step stops.)
+def stop_reason(update, args, stop_flag):  # why the run stops after update (None: it goes on)
+    # stop_flag comes with the newest metrics read (log.stop_flag): update - 1's, so every
+    # process sees a SIGTERM one step after it came, and all stop after the same update. For
+    # example, a SIGTERM that comes after iteration 7 computed its flag is in iteration 8's
+    # flag, which is read at iteration 9: all save update 9 and stop. (A save step's read_now
+    # reads update's own flag too late for this step's decision; the next step stops.)
     if update == args.stop_at:
         return "--stop-at"
-    if log.stop_flag:  # a process got a signal: all stop, together
+    if stop_flag:  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
