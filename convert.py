@@ -137,9 +137,9 @@ def from_hf(path):
     # The lm_head's padding columns, absent from HF files, get the mean of its real columns. A
     # padded logit is then the mean real logit, so the loss's softmax over the padded vocabulary
     # adds at most ln(1 + 74 / 100,278) nats to HF's (Jensen: the mean of exp >= exp of the
-    # mean). Zero columns would add 74 logits of 0: up to ln(75) nats when z-loss has brought
-    # the logsumexp near 0. (OLMo-core's load_hf_model draws them around the mean instead,
-    # with transformers' mean_resizing.)
+    # mean). Zero columns would add 74 logits of 0: ln(75) nats at a logsumexp of 0 (where
+    # z-loss pushes it), more below it. (OLMo-core's load_hf_model draws them around the mean
+    # instead, with transformers' mean_resizing.)
     params["lm_head"].T[cfg.vocab_size:] = params["lm_head"].T[:cfg.vocab_size].mean(0)
     return cfg, params
 

@@ -15,9 +15,9 @@
 #    folder into the token files, in order. The files are local. On a pod, a bucket mounted
 #    with gcsfuse is local too (this is how MaxText reads AI2's data).
 # 4. `tokenize` turns documents into token ids (EOS after every document, no BOS) and writes
-#    them as headerless little-endian uint32 files (OLMo's ".npy" token files), plus mix files
-#    that list them. A hash of each document's text picks train or held-out, so no text is in both
-#    (exact copies; a near-copy hashes otherwise).
+#    them as headerless little-endian uint32 files (OLMo's ".npy" token files, which are not
+#    NumPy's .npy format), plus mix files that list them. A hash of each document's text picks
+#    train or held-out, so no text is in both (exact copies; a near-copy hashes otherwise).
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
 import bisect
 import collections

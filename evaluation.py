@@ -56,7 +56,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
                 for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, tasks_spec.split(","))}
-    batch = r.micro_batch if r.micro_batch else r.global_batch  # rows that one step's memory holds
+    step_rows = r.micro_batch if r.micro_batch else r.global_batch  # what a step's memory holds
 
     def evaluate(params, step=None):
         # results for eval.json; names for the log: AI2's eval/lm/SET/PPL, eval/downstream/...
@@ -66,14 +66,14 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         # (Weights converted from HF fill the padding with the mean real column: see
         # convert.from_hf, which bounds what the padding adds.)
         for name, rows in ppl_rows.items():
-            logp = score(params, cfg, mesh, rows, cfg.padded_vocab, batch, r.seq_len)
+            logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
             # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
             names |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
         for name, (metric, requests, rows) in tasks.items():
-            logp = score(params, cfg, mesh, rows, cfg.vocab_size, batch, r.seq_len)
+            logp = score(params, cfg, mesh, rows, cfg.vocab_size, step_rows, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
             names[f"eval/downstream/{name}/{metric}"] = results[name][metric]
         # eval/lm/c4_en/PPL -> c4_en/PPL
@@ -90,21 +90,22 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
     return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]
 
 
-# rows: (inputs, labels) pairs; vocab: the softmax's width; batch: how many rows a step runs
-# (a count here, not train.py's dict of arrays); width: the padded row length
-def score(params, cfg, mesh, rows, vocab, batch, width):
+# rows: (inputs, labels) pairs; vocab: the softmax's width; step_rows: how many rows one step
+# runs; width: the padded row length
+def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # Batches padded to [batch, width] (so one shape compiles) run on every device of every host.
+    # Batches padded to [step_rows, width] (so one shape compiles) run on every device of every
+    # host.
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
-    batch += -batch % (mesh.shape["data"] * mesh.shape["fsdp"])
+    step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     # index: the tuple of slices (rows, columns) that one device holds of the global array.
     # Every process holds the whole batch here, so any device's index (its slices) works on it
     # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
-    for start in range(0, len(rows), batch):
-        x, y = np.zeros((batch, width), np.int32), np.full((batch, width), -100, np.int32)
-        for row, (inputs, labels) in enumerate(rows[start:start + batch]):
+    for start in range(0, len(rows), step_rows):
+        x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
+        for row, (inputs, labels) in enumerate(rows[start:start + step_rows]):
             x[row, :len(inputs)], y[row, :len(labels)] = inputs, labels
         sums = logprobs(params, put(x), put(y), cfg, vocab)  # a global array over the devices
         out.append(multihost_utils.process_allgather(sums, tiled=True))  # all of it, on each host
@@ -302,8 +303,9 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
 @functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""
-    # Each new token comes from a forward pass over the whole text so far. This uses no KV cache
-    # and one compiled program. (With splash, a prompt batch that does not divide the
+    # Each new token comes from a forward pass over the whole buffer [B, P + n_new], the
+    # prompt and the tokens so far (later positions do not change earlier ones). This uses no
+    # KV cache, and one compiled program. (With splash, a prompt batch that does not divide the
     # data-parallel devices is padded inside olmo3.attention_splash, not here.)
     key = jax.random.key(0) if key is None else key
     P = prompts.shape[1]

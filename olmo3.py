@@ -162,17 +162,16 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # block(p, x, window, rope, cfg, segments): arguments 2 and 4 are static
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
+    # windows[j]: the window of layer j of every group, the same in each: [W, W, W, None] for
+    # the 7B (None: full). Layer g * group_size + j is full exactly when j is the group's last,
+    # so is_global(j) answers for every group. When global_every does not divide n_layers,
+    # there is one group, and j is the layer's own number.
+    windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
-        # With groups of global_every layers, layer g * group_size + j is global exactly when j
-        # is the group's last, so is_global(j) gives the right window (group 1's j = 3 is layer
-        # 7, full). One compiled `group` runs for every group, so it cannot know which group it
-        # is, and only j, a Python int, can choose a static window. When global_every does not
-        # divide n_layers, all layers are one group, and j is the absolute layer number.
-        # ropes["full"] is YaRN's table.
-        for layer_in_group in range(group_size):
-            window = None if cfg.is_global(layer_in_group) else cfg.sliding_window
-            p = jax.tree.map(lambda w: w[layer_in_group], p_group)
+        for j, window in enumerate(windows):  # unrolled: each window is a Python value
+            p = jax.tree.map(lambda w: w[j], p_group)  # layer j's weights
+            # ropes["full"] is YaRN's table
             x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
     x, _ = jax.lax.scan(group, x, groups)

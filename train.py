@@ -1,7 +1,7 @@
 """Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
-its run, on any mesh. A run stopped before its last step checkpoints and exits with code 75."""
+its run (on any mesh that splits it). A run stopped early checkpoints and exits with code 75."""
 # Read this file top-down. It starts with the recipe, then `main` and `train` (setup, then the
 # loop), then the helpers in the order `train` calls them: data, the state, the step, the
 # optimizer, reporting and the command line. Below the "second read" banner is what a pod needs:
@@ -158,13 +158,15 @@ def train(cfg, r, args, mesh, manager):
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # did any process get a SIGTERM? (second read)
         update = step + 1  # the number of the update just dispatched (OLMo-core's 1-based step)
-        log.later(update, metrics)  # reads and logs update - 1's metrics while update runs
+        log.read_previous_and_keep(update, metrics)  # update - 1's, while update runs
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        # stop: None, or why the run stops after this update (log.stop_flag: the newest read)
+        # stop: None, or why the run stops after this update. log.stop_flag is update - 1's
+        # flag, read just above with its metrics (second read).
         stop = stop_reason(update, args, log.stop_flag)
         if update % r.save_every == 0 or update == r.steps or stop:
-            log.read_now()  # update's own metrics
+            # update's own metrics (its stop flag too, which decides at the next iteration)
+            log.read_now()
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -216,10 +218,12 @@ def abstract_state(cfg, r, mesh):
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     # The optimizer's state, (clip, adam: (count, mu, nu), decay), as descriptions: eval_shape
     # runs optax's init on descriptions, allocating nothing. The descriptions it returns carry
-    # no sharding, so each leaf is given one here.
+    # no sharding, so each leaf is given one here (else a restore would not know where to put
+    # Adam's moments, twice the params' size).
     unsharded = jax.eval_shape(optimizer(r).init, params)
-    # Adam's mu and nu are trees like params, and each leaf is cut like its param (ZeRO-3):
-    # tree_map_params calls like_param(leaf, its param) on them, so mu["blocks"]["q"] takes
+    # Adam's mu and nu are trees like params, and each leaf is cut like its param (ZeRO-3).
+    # tree_map_params asks the optimizer which parts of its state are shaped like the params,
+    # and calls like_param(leaf, its param) on them, so mu["blocks"]["q"] takes
     # params["blocks"]["q"].sharding. It calls transform_non_params on every other leaf (Adam's
     # count), which is replicated: every device holds it whole. The result is
     # (EmptyState, ScaleByAdamState(count: replicated, mu, nu: like params), MaskedState(...)).
@@ -320,7 +324,7 @@ def train_step(state, batch, cfg, r, accum):
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
     # The LR is applied here, from the state's step, not inside optax. That way a stage starts
     # its schedule again while Adam's own count (bias correction) carries over from the last.
-    lr = schedule(r)(state["step"])
+    lr = schedule(r)(state["step"])  # the LR of update step + 1
     # optax's scale_by_adam returns +m / sqrt(v), with no minus sign: the step subtracts it
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
@@ -382,7 +386,7 @@ def schedule(r: Recipe):
         # warmup ends, and at k = T2 it reaches F.
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
-                                    half(k - warmup2 + t_max2 - warmup2))  # F from T2 on
+                                    half((k - warmup2) + (t_max2 - warmup2)))  # F from T2 on
         # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
         # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
         # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
@@ -435,7 +439,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started, self.last, self.skipped = time.time(), None, 0
-        # unread: (update, its metrics) kept by `later` and not read yet, or None
+        # unread: (update, its metrics) kept by read_previous_and_keep, not read yet, or None
         self.unread, self.stop_flag = None, False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
@@ -462,7 +466,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def later(self, update, metrics):  # reads the metrics kept last time, and keeps update's
+    def read_previous_and_keep(self, update, metrics):  # reads the ones kept last time
         self.read_now()
         self.unread = (update, metrics)
 
@@ -718,8 +722,7 @@ def stop_reason(update, args, stop_flag):  # why the run stops after update (Non
     # stop_flag comes with the newest metrics read (log.stop_flag): update - 1's, so every
     # process sees a SIGTERM one step after it came, and all stop after the same update. For
     # example, a SIGTERM that comes after iteration 7 computed its flag is in iteration 8's
-    # flag, which is read at iteration 9: all save update 9 and stop. (A save step's read_now
-    # reads update's own flag too late for this step's decision; the next step stops.)
+    # flag, which is read at iteration 9: all save update 9 and stop.
     if update == args.stop_at:
         return "--stop-at"
     if stop_flag:  # a process got a signal: all stop, together
