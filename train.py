@@ -8,14 +8,7 @@ its run (on any mesh that splits it). A run stopped early checkpoints and exits 
 # checkpoints and resume, stopping every process at one step, and what runs across hosts (JAX's
 # start-up, feeding each host's devices their rows, and the checks that the hosts agree).
 # `r` is always the Recipe, and `cfg` is the model's olmo3.Config. The README has a JAX glossary
-# for nanoGPT readers.
-#
-# Step numbers are defined once, here. `step` is the number of steps done so far, which is the
-# state's counter. A step that the spike guard skipped counts too, because its batch was used.
-# The next update trains on loader.batch(step) and is update number step + 1. That number is
-# OLMo-core's 1-based `global_step`, and it is the number that is logged, checkpointed and
-# compared with recipe.steps. The batch for a step is a pure function of the step, so a resume
-# needs no loader state and replays exactly.
+# for nanoGPT readers. The step numbers are defined above the loop in `train`.
 import argparse
 import dataclasses
 import datetime
@@ -146,27 +139,28 @@ def train(cfg, r, args, mesh, manager):
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # JAX runs a step asynchronously: step_fn returns at once while the devices work on, and
-    # reading a result waits for them. So the loop reads each step's metrics one step late,
-    # while the next step runs, and the devices do not wait for the host between steps (they
-    # do at an evaluation and a save). Iteration `update` of the loop:
-    #   dispatch update -> read update - 1's metrics and stop flag -> evaluate, if due ->
-    #   decide on that flag -> save, if due or stopping (reading update's own metrics first) ->
-    #   stop, if decided.
+    # Step numbers: `step` counts the updates done (the state's counter; an update the spike
+    # guard skipped counts too, as its batch was used). The batch of a step is a pure function
+    # of it, so a resume needs no loader state and replays exactly. The update an iteration
+    # dispatches is update = step + 1, OLMo-core's 1-based global_step: the number that is
+    # logged, checkpointed and compared with r.steps.
+    # nanoGPT's loss.item() makes the CPU wait for the GPU after every step. Here step_fn returns
+    # at once while the devices work on (JAX runs a step asynchronously), and the loop reads a
+    # step's metrics one iteration later, while the next step runs. So the devices do not wait
+    # for the host between steps; only an evaluation and a save do. The stop flag (did any
+    # process get a SIGTERM?) rides with the metrics, so every host reads it at the same update.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        metrics["stop"] = stop_signalled(mesh)  # did any process get a SIGTERM? (second read)
-        update = step + 1  # the number of the update just dispatched (OLMo-core's 1-based step)
-        log.read_previous_and_keep(update, metrics)  # update - 1's, while update runs
+        metrics["stop"] = stop_signalled(mesh)  # the stop flag (second read)
+        update = step + 1
+        log.read_pending()  # update - 1's metrics and stop flag: waits for them, not for update
+        log.pending = (update, metrics)  # read at the next iteration, or below if update saves
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        # stop: None, or why the run stops after this update. log.stop_flag is update - 1's
-        # flag, read just above with its metrics (second read).
-        stop = stop_reason(update, args, log.stop_flag)
+        stop = stop_reason(update, args, log.stop_flag)  # None, or why the run stops now
         if update % r.save_every == 0 or update == r.steps or stop:
-            # update's own metrics (its stop flag too, which decides at the next iteration)
-            log.read_now()
+            log.read_pending()  # update's own metrics, before its checkpoint
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -216,19 +210,14 @@ def abstract_state(cfg, r, mesh):
     # arrays with these shardings, restore reads a checkpoint onto them, and compile_step
     # compiles the step for them.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # The optimizer's state, (clip, adam: (count, mu, nu), decay), as descriptions: eval_shape
-    # runs optax's init on descriptions, allocating nothing. The descriptions it returns carry
-    # no sharding, so each leaf is given one here (else a restore would not know where to put
-    # Adam's moments, twice the params' size).
+    # eval_shape runs optax's init on descriptions, allocating nothing, and returns the
+    # optimizer's state, (clip, adam: (count, mu, nu), decay), as descriptions with no sharding.
     unsharded = jax.eval_shape(optimizer(r).init, params)
-    # Adam's mu and nu are trees like params, and each leaf is cut like its param (ZeRO-3).
-    # tree_map_params asks the optimizer which parts of its state are shaped like the params,
-    # and calls like_param(leaf, its param) on them, so mu["blocks"]["q"] takes
-    # params["blocks"]["q"].sharding. It calls transform_non_params on every other leaf (Adam's
-    # count), which is replicated: every device holds it whole. The result is
-    # (EmptyState, ScaleByAdamState(count: replicated, mu, nu: like params), MaskedState(...)).
-    # For the tiny preset on 8 devices with fsdp=4,tensor=2, mu["blocks"]["q"] is (4, 256, 256)
-    # fp32 with P(None, "fsdp", "tensor"), as q is, and count is () with P().
+    # tree_map_params asks the optimizer which parts of its state are shaped like the params
+    # (Adam's mu and nu), and gives each of their leaves its param's sharding (like_param:
+    # ZeRO-3). Every other leaf (Adam's count) goes to transform_non_params: replicated, held
+    # whole by every device. With tiny on fsdp=4,tensor=2, mu["blocks"]["q"] is (4, 256, 256) with
+    # P(None, "fsdp", "tensor"), as q is, and count is () with P().
     like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
@@ -316,20 +305,19 @@ def train_step(state, batch, cfg, r, accum):
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
+    # optax gives Adam's direction u: the gradients clipped, then m / sqrt(v) plus wd * p (as
+    # torch's AdamW decays), with no minus sign and no LR. The LR comes from the state's own
+    # step, so a stage restarts its schedule while Adam's count (bias correction) carries over.
+    updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
+    lr = schedule(r)(state["step"])  # the LR of update step + 1
+    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+    # Then the spike guard decides whether to keep the update (nanoGPT has no such check)
     grad_norm = optax.tree.norm(grads)  # before clipping, which is the optimizer's first step
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
-    # The optimizer clips, then takes Adam's step. updates is Adam's step plus weight_decay * p,
-    # so p - lr * u decays by lr * wd * p, as torch's AdamW does
-    updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
-    # The LR is applied here, from the state's step, not inside optax. That way a stage starts
-    # its schedule again while Adam's own count (bias correction) carries over from the last.
-    lr = schedule(r)(state["step"])  # the LR of update step + 1
-    # optax's scale_by_adam returns +m / sqrt(v), with no minus sign: the step subtracts it
-    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
-    # `new` holds params and opt_state only (step and history always advance). upd is a leaf
-    # of the update's result, and old the same leaf of the state before it.
+    # (step and history always advance). upd is a leaf of the update's result, and old the same
+    # leaf of the state before it.
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     # The logged loss is the cross-entropy alone: z-loss is trained on, not logged
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
@@ -439,8 +427,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started, self.last, self.skipped = time.time(), None, 0
-        # unread: (update, its metrics) kept by read_previous_and_keep, not read yet, or None
-        self.unread, self.stop_flag = None, False
+        # pending: (update, its metrics), kept by the loop and not read yet, or None
+        self.pending, self.stop_flag = None, False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -466,16 +454,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def read_previous_and_keep(self, update, metrics):  # reads the ones kept last time
-        self.read_now()
-        self.unread = (update, metrics)
-
-    def read_now(self):  # reads the kept metrics, if any
+    def read_pending(self):  # reads the pending metrics, if any
         # This waits for an update's metrics, counts skips (10 in a row stop the run) and logs a
         # line. It also keeps the stop flag: was any process asked to stop?
-        if self.unread is None:
+        if self.pending is None:
             return
-        (update, metrics), self.unread = self.unread, None  # take them, and empty the slot
+        (update, metrics), self.pending = self.pending, None  # take them, and empty the slot
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.stop_flag = m["stop"]
         self.skipped = self.skipped + 1 if m["skipped"] else 0
@@ -612,10 +596,10 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # version (a field more or less) is a one-line mismatch here, not an error that
     # read_retrying would take for an unreadable file and rename.
     saved = saved_config(step_dir)
-    # fixed: the model fields that must be equal, among the field names of both versions
-    # (dict.fromkeys: each name once, in order). --init-from (r is None) may change yarn_*.
-    fixed = [f for f in dict.fromkeys([*saved["model"], *vars(cfg)])
-             if f not in olmo3.NUMERICS and (r is not None or not f.startswith("yarn_"))]
+    names = dict.fromkeys([*saved["model"], *vars(cfg)])  # both versions' fields, each once
+    # how the model runs may differ, and so may YaRN for --init-from (stage 3 turns it on)
+    may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
+    fixed = [f for f in names if not may_differ(f)]  # the model fields that must be equal
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
     pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
     if r is not None:  # a resume
@@ -709,10 +693,9 @@ def request_stop(signum, frame):  # checkpoint after this step and exit (a secon
 def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
     # This builds a device array that holds each device's flag, one per device. P(MESH_AXES)
     # is P(("data", "fsdp", "tensor")): one tuple, so its one dimension is cut over all three
-    # mesh axes. jnp.any over it is an all-reduce, so
-    # every process gets the same answer, which it reads with the step's metrics. (JAX's
-    # preemption sync point, which Orbax offers, misses a SIGTERM that comes before the first
-    # step.)
+    # mesh axes. jnp.any over it is an all-reduce, so every process gets the same answer,
+    # which it reads with the step's metrics. (JAX's preemption sync point, which Orbax
+    # offers, misses a SIGTERM that comes before the first step.)
     flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
                                          lambda _: np.array([bool(SIGNALS)]))  # one per device
     return jnp.any(flags)
