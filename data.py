@@ -139,7 +139,7 @@ class PackedLoader(Loader):
         if rank == 0 and not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.with_suffix(".tmp").open("wb") as f:  # then renamed, so never half there
-                np.save(f, pack_documents(self, group_size))
+                np.save(f, pack_documents(self, group_size))  # NumPy's .npy, unlike token files
             path.with_suffix(".tmp").replace(path)
         while not path.exists():  # wait while process 0 packs
             time.sleep(5)

@@ -309,7 +309,7 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     # data-parallel devices is padded inside olmo3.attention_splash, not here.)
     key = jax.random.key(0) if key is None else key
     P = prompts.shape[1]
-    tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # later positions do not change earlier ones
+    tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # [B, P + n_new]
 
     def next_token(tokens, i_key):
         i, key = i_key

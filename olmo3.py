@@ -150,21 +150,23 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
     # When global_every does not divide n_layers, all layers are one group.
     # A layer is `block` under jax.checkpoint, whose policy says what the backward pass keeps
-    # (with no checkpoint, it would keep every intermediate): the matmuls' outputs by default
+    # (with no checkpoint, it would keep every intermediate that the backward pass uses): the
+    # matmuls' outputs by default
     # (dots_saveable; the reference attention's [B, H, T, T] scores are one), or with
-    # --remat true only the layer's input. window and cfg (arguments 2 and 4) are static:
-    # baked into the compiled layer, so each window compiles its own.
+    # --remat true only the layer's input.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    # block(p, x, window, rope, cfg, segments): arguments 2 and 4 are static
+    # block(p, x, window, rope, cfg, segments): window (2) and cfg (4) are static, Python
+    # values baked into the traced layer, so each window is traced on its own
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
     # windows[j]: the window of layer j of every group, the same in each: [W, W, W, None] for
     # the 7B (None: full). Layer g * group_size + j is full exactly when j is the group's last,
-    # so is_global(j) answers for every group. When global_every does not divide n_layers,
+    # so is_global(j) answers for every group (its `or layer == n_layers - 1` clause holds
+    # for the last layer, a group's last anyway). When global_every does not divide n_layers,
     # there is one group, and j is the layer's own number.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
@@ -178,7 +180,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 
-# window is None (full) or W. decoder makes arguments 2 and 4 (window, cfg) static.
+# window is None (full) or W (decoder makes window and cfg static).
 def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

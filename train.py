@@ -42,7 +42,7 @@ RESTART = 596_048
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Training settings. Stage 1's (pretrain-1.py) as defaults; RECIPES["7b"] adds its schedule."""
+    """Training settings: stage 1's (pretrain-1.py), but a plain cosine (RECIPES["7b"]: AI2's)."""
     seq_len: int = 8192
     global_batch: int = 512            # sequences per optimizer step
     micro_batch: int = 0               # sequences per forward/backward over all devices (0: all)
@@ -144,11 +144,16 @@ def train(cfg, r, args, mesh, manager):
     # of it, so a resume needs no loader state and replays exactly. The update an iteration
     # dispatches is update = step + 1, OLMo-core's 1-based global_step: the number that is
     # logged, checkpointed and compared with r.steps.
-    # nanoGPT's loss.item() makes the CPU wait for the GPU after every step. Here step_fn returns
-    # at once while the devices work on (JAX runs a step asynchronously), and the loop reads a
-    # step's metrics one iteration later, while the next step runs. So the devices do not wait
-    # for the host between steps; only an evaluation and a save do. The stop flag (did any
-    # process get a SIGTERM?) rides with the metrics, so every host reads it at the same update.
+    # nanoGPT's loss.item() makes the CPU wait for the GPU at each log line (by default every
+    # step). Here step_fn returns at once while the devices work on (JAX runs a step
+    # asynchronously), and the loop reads a step's metrics one iteration later, while the next
+    # step runs. So the devices do not wait for the host between steps; only an evaluation and
+    # a save do. The stop flag (did any process get a SIGTERM?) rides with the metrics, so
+    # every host reads it at the same update. One iteration, for update u:
+    #   dispatch u -> read u - 1's metrics and flag -> keep u's -> evaluate, if due -> decide
+    #   on u - 1's flag -> save, if due or stopping (reading u's metrics first, so no
+    #   checkpoint holds a loss nobody looked at) -> stop, if decided.
+    # A SIGTERM after iteration 7 built its flag is in 8's flag, read at 9: all save 9 and stop.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
@@ -218,7 +223,8 @@ def abstract_state(cfg, r, mesh):
     # ZeRO-3). Every other leaf (Adam's count) goes to transform_non_params: replicated, held
     # whole by every device. With tiny on fsdp=4,tensor=2, mu["blocks"]["q"] is (4, 256, 256) with
     # P(None, "fsdp", "tensor"), as q is, and count is () with P().
-    like_param = lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
+    # like_param(an optimizer leaf, its param); replicated(an optimizer leaf)
+    like_param = lambda leaf, p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=p.sharding)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
                                       transform_non_params=replicated)
@@ -305,7 +311,8 @@ def train_step(state, batch, cfg, r, accum):
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    # optax gives Adam's direction u: the gradients clipped, then m / sqrt(v) plus wd * p (as
+    # optax gives Adam's direction u: the gradients clipped, then m / (sqrt(v) + eps) (both
+    # bias-corrected) plus wd * p (as
     # torch's AdamW decays), with no minus sign and no LR. The LR comes from the state's own
     # step, so a stage restarts its schedule while Adam's count (bias correction) carries over.
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
