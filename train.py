@@ -2,13 +2,9 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). A run stopped early checkpoints and exits with code 75."""
-# Read this file top-down. It starts with the recipe, then `main` and `train` (setup, then the
-# loop), then the helpers in the order `train` calls them: data, the state, the step, the
-# optimizer, reporting and the command line. Below the "second read" banner is what a pod needs:
-# checkpoints and resume, stopping every process at one step, and what runs across hosts (JAX's
-# start-up, feeding each host's devices their rows, and the checks that the hosts agree).
-# `r` is always the Recipe, and `cfg` is the model's olmo3.Config. The README has a JAX glossary
-# for nanoGPT readers. The step numbers are defined above the loop in `train`.
+# Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in
+# the order `train` calls them. Below the "second read" banner is what only a pod needs.
+# `r` is always the Recipe and `cfg` the model's olmo3.Config. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -139,33 +135,26 @@ def train(cfg, r, args, mesh, manager):
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # Step numbers: `step` counts the updates done (the state's counter; an update the spike
-    # guard skipped counts too, as its batch was used). The batch of a step is a pure function
-    # of it, so a resume needs no loader state and replays exactly. The update an iteration
-    # dispatches is update = step + 1, OLMo-core's 1-based global_step: the number that is
-    # logged, checkpointed and compared with r.steps.
-    # nanoGPT's loss.item() makes the CPU wait for the GPU at each log line (by default every
-    # step). Here step_fn returns at once while the devices work on (JAX runs a step
-    # asynchronously), and the loop reads a step's metrics one iteration later, while the next
-    # step runs. So the devices do not wait for the host between steps; only an evaluation and
-    # a save do. The stop flag (did any process get a SIGTERM?) rides with the metrics, so
-    # every host reads it at the same update. One iteration, for update u:
-    #   dispatch u -> read u - 1's metrics and flag -> keep u's -> evaluate, if due -> decide
-    #   on u - 1's flag -> save, if due or stopping (reading u's metrics first, so no
-    #   checkpoint holds a loss nobody looked at) -> stop, if decided.
-    # A SIGTERM after iteration 7 built its flag is in 8's flag, read at 9: all save 9 and stop.
+    # `step` counts the updates done (a skipped one too). A step's batch is a pure function of
+    # it, so a resume replays exactly. Each iteration makes update = step + 1 (OLMo-core's
+    # 1-based global_step), the number that is logged, saved and compared with r.steps.
+    # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
+    # loss.item() waits for the GPU, the loop reads an update's metrics one iteration later,
+    # while the next update runs, so the devices never wait for the host (only an evaluation or
+    # a save does). The stop flag (did any process get a SIGTERM?) rides with the metrics, so
+    # every host sees it after the same update.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # the stop flag (second read)
         update = step + 1
-        log.read_pending()  # update - 1's metrics and stop flag: waits for them, not for update
-        log.pending = (update, metrics)  # read at the next iteration, or below if update saves
+        log.read_pending()  # logs update - 1's metrics and keeps its stop flag
+        log.pending = (update, metrics)  # read at the next iteration (or before a save)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         stop = stop_reason(update, args, log.stop_flag)  # None, or why the run stops now
         if update % r.save_every == 0 or update == r.steps or stop:
-            log.read_pending()  # update's own metrics, before its checkpoint
+            log.read_pending()  # so no checkpoint holds a loss nobody looked at
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -211,19 +200,13 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
-    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding). init_state creates the
-    # arrays with these shardings, restore reads a checkpoint onto them, and compile_step
-    # compiles the step for them.
+    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
+    # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # eval_shape runs optax's init on descriptions, allocating nothing, and returns the
-    # optimizer's state, (clip, adam: (count, mu, nu), decay), as descriptions with no sharding.
+    # eval_shape runs optax's init on descriptions, allocating nothing. Its result, (clip, adam:
+    # (count, mu, nu), decay), has no shardings: tree_map_params gives the leaves shaped like a
+    # param (mu, nu) that param's sharding (ZeRO-3), and the others (count) a replicated one.
     unsharded = jax.eval_shape(optimizer(r).init, params)
-    # tree_map_params asks the optimizer which parts of its state are shaped like the params
-    # (Adam's mu and nu), and gives each of their leaves its param's sharding (like_param:
-    # ZeRO-3). Every other leaf (Adam's count) goes to transform_non_params: replicated, held
-    # whole by every device. With tiny on fsdp=4,tensor=2, mu["blocks"]["q"] is (4, 256, 256) with
-    # P(None, "fsdp", "tensor"), as q is, and count is () with P().
-    # like_param(an optimizer leaf, its param); replicated(an optimizer leaf)
     like_param = lambda leaf, p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=p.sharding)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
     opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
@@ -276,12 +259,10 @@ def compile_step(cfg, r, mesh, target):  # ahead of time (--dry-run compiles the
                                   sharding=olmo3.batch_sharding(mesh))
     # The batch is described as the loader gives it: inputs, labels and, when packed, segments
     batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
-    # With donate_argnums=0 the new state reuses the old state's buffers, so the step holds one
-    # copy of the state, not two (the caller must not touch the old one again). cfg and r are
-    # Python values that the lambda closes over, so they are baked into the program, like static
-    # arguments. out_shardings keeps the old state's shardings for the new one, and None lets XLA
-    # place the metrics. lower() traces the step for these shapes and shardings, and compile()
-    # builds it.
+    # donate_argnums=0: the new state reuses the old state's buffers, so memory holds one copy
+    # (the caller must not touch the old one again). cfg and r are baked into the program, as
+    # static arguments would be. out_shardings keeps the state's shardings (None: XLA places the
+    # metrics). lower() traces the step for these shapes and shardings; compile() builds it.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -311,20 +292,18 @@ def train_step(state, batch, cfg, r, accum):
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    # optax gives Adam's direction u: the gradients clipped, then m / (sqrt(v) + eps) (both
-    # bias-corrected) plus wd * p (as
-    # torch's AdamW decays), with no minus sign and no LR. The LR comes from the state's own
-    # step, so a stage restarts its schedule while Adam's count (bias correction) carries over.
+    # optax gives Adam's direction: clipped gradients, then m / (sqrt(v) + eps), bias-corrected,
+    # plus wd * p (as torch's AdamW). The LR comes from the state's own step, so a stage restarts
+    # its schedule while Adam's count carries over.
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
     lr = schedule(r)(state["step"])  # the LR of update step + 1
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-    # Then the spike guard decides whether to keep the update (nanoGPT has no such check)
+    # The spike guard (OLMo-core's; nanoGPT has none) may skip the update: then params and
+    # opt_state stay as they were, while step and history advance.
     grad_norm = optax.tree.norm(grads)  # before clipping, which is the optimizer's first step
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
-    new = {"params": new_params, "opt_state": opt_state}  # a skipped update keeps the old ones
-    # (step and history always advance). upd is a leaf of the update's result, and old the same
-    # leaf of the state before it.
+    new = {"params": new_params, "opt_state": opt_state}
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     # The logged loss is the cross-entropy alone: z-loss is trained on, not logged
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
@@ -332,13 +311,10 @@ def train_step(state, batch, cfg, r, accum):
 
 
 def split_micro(x, accum: int):
-    # [global, ...] -> [accum, global/accum, ...]. Row i goes into micro-batch i % accum, so that
-    # every micro-batch is spread over all the data-parallel devices: reshape to
-    # [global/accum, accum, ...] (row i at [i // accum, i % accum]), then swap the two axes.
-    # A device holds a contiguous block of rows, and each micro-batch takes every accum-th row
-    # of it, so every micro-batch's rows stay on the devices that hold them: nothing moves.
-    # With 8 rows, accum 2 and 2 devices, device 0 holds rows 0-3: micro-batch 0 takes its
-    # rows 0 and 2, and micro-batch 1 its rows 1 and 3.
+    # [global, ...] -> [accum, global/accum, ...], with row i in micro-batch i % accum. A device
+    # holds a block of rows, and each micro-batch takes every accum-th row of each block, so it
+    # spans all data-parallel devices and no row moves. (8 rows, accum 2, 2 devices: device 0
+    # holds rows 0-3, its rows 0 and 2 go to micro-batch 0, rows 1 and 3 to micro-batch 1.)
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -364,21 +340,18 @@ def schedule(r: Recipe):
                                   [warmup])
     else:  # "olmo3": only the 7b and 7b-wide presets use it (optional on a first read)
         # AI2 ran stage 1 in two parts. Part 1 (-1.py) is the cosine above, aimed at 5T tokens
-        # (T1 updates). AI2 stopped it after update 596,047 and restarted (-2.py). Part 2, from
-        # update RESTART on, is OLMo-core's HalfCosWithWarmup aimed at 7T tokens (T2 updates).
-        # Its warmup climbs to (F + P) / 2 at update W2. After W2 it is the second half of a
-        # cosine from P to F, which takes the LR from (F + P) / 2 down to F at T2.
-        # For the 7b preset (512 x 8192 = 4,194,304 tokens a step), T1 = 1,192,093,
-        # T2 = 1,668,931 and W2 = 597,046. So part 2 starts inside its own warmup, at 99.8% of
-        # (F + P) / 2, close to where part 1 had come down to.
+        # (T1 updates); AI2 stopped it after update 596,047. Part 2 (-2.py), from RESTART on, is
+        # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at update W2, then
+        # the second half of a cosine from P to F, reaching F at T2. For the 7b preset (4,194,304
+        # tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts inside
+        # its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
         tokens = r.global_batch * r.seq_len
         t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
         # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
         # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
         warmup2 = int(5e12) // tokens // 2 + warmup // 2
-        # half(n) is a cosine from P to F over 2 (T2 - W2) updates. At update k it is given
-        # n = k - W2 + (T2 - W2), so at k = W2 it is at its midpoint, (F + P) / 2, where the
-        # warmup ends, and at k = T2 it reaches F.
+        # half is a cosine from P to F over 2 (T2 - W2) updates. Update k is its step
+        # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2.
         half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
         part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                     half((k - warmup2) + (t_max2 - warmup2)))  # F from T2 on
@@ -390,10 +363,8 @@ def schedule(r: Recipe):
 
 
 def optimizer(r: Recipe):
-    # The chain is clip, Adam, and decoupled weight decay on all but the embedding. As OLMo-core
-    # does, it decays the norms and lm_head too. train_step applies the LR, from the state's own
-    # step counter. The mask is a tree like params, True where a weight decays (every weight but
-    # those under "embed").
+    # Clip, Adam, then decoupled weight decay on every weight but the embedding (the norms and
+    # lm_head too, as OLMo-core). train_step applies the LR. The mask is True where a weight decays.
     decayed = lambda params: {k: jax.tree.map(lambda _: k != "embed", v) for k, v in params.items()}
     return optax.chain(optax.clip_by_global_norm(r.grad_clip),
                        optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps),
@@ -401,11 +372,9 @@ def optimizer(r: Recipe):
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
-    # This is OLMo-core's SkipStepOptimizer, on values [loss, grad norm]. A spike in either one
-    # skips the update (train_step's spikes.any()). history [2, 128] holds the last 128 losses
-    # (row 0) and grad norms (row 1) in a ring indexed by the step. Until it is full, the first
-    # `step` slots hold values. mean and std [2] have one entry per row, over the values before
-    # this step.
+    # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
+    # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
+    # 128, only the first `step` slots hold values). mean and std [2]: one per row.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
@@ -413,9 +382,9 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
     enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from update 64 on)
     within = values - mean <= 6 * std  # OLMo-core's test as written: False for NaN or +inf
-    # A value that is not finite is kept out of the history, and the mean takes its slot. If it
-    # were kept, it would make every later step a spike until it left the window. (OLMo-core's
-    # guard keeps it, but its trainer stops at a non-finite loss.)
+    # A value that is not finite is kept out of the history (the mean takes its slot), or every
+    # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
+    # stops at the non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
     return enough & ~within, history.at[:, step % HISTORY].set(kept)
 
@@ -551,10 +520,9 @@ def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1
 
 
 # =============================================================================
-# Second read: what a pod needs. This part holds checkpoints that survive a kill at any
-# moment and a resume on another mesh, a stop (SIGTERM) that every process acts on at the
-# same step, and what runs across hosts: JAX's start-up, each host feeding its own devices
-# their rows of the batch, and the checks that every host sees the same run directory and data.
+# Second read: what a pod needs. Checkpoints that survive a kill at any moment and resume on
+# another mesh, a SIGTERM that every process acts on at the same step, and what runs across
+# hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts agree.
 # =============================================================================
 
 
@@ -594,17 +562,14 @@ def saved_config(step_dir):  # -> {"model": Config's fields, "recipe": ..., "dat
 
 
 def restore(step_dir, target, cfg, r=None, loader=None):
-    # This reads the state in a checkpoint step (the params, and the rest if target has it) onto
-    # target's shardings, whatever mesh wrote it. A resume (with a recipe) must match the model
-    # (every Config field but NUMERICS), the data order (DATA_ORDER) and the data (its
-    # fingerprint). --init-from must match only the model, and it may change the yarn_* fields
-    # (stage 3 turns YaRN on). r is None means --init-from; a recipe means a resume.
-    # The fields are compared as saved, never built into a Config: a checkpoint of another
-    # version (a field more or less) is a one-line mismatch here, not an error that
-    # read_retrying would take for an unreadable file and rename.
+    # Reads a checkpoint step (params, and the rest if target has it) onto target's shardings,
+    # whatever mesh wrote it. A resume (r given) must match the model (every Config field but
+    # NUMERICS), the data order (DATA_ORDER) and the data; --init-from (r None) must match only
+    # the model, and may turn YaRN on (stage 3). Fields are compared as saved, not built into a
+    # Config, so another version's checkpoint is a one-line mismatch here, not an error that
+    # read_retrying would take for an unreadable file.
     saved = saved_config(step_dir)
     names = dict.fromkeys([*saved["model"], *vars(cfg)])  # both versions' fields, each once
-    # how the model runs may differ, and so may YaRN for --init-from (stage 3 turns it on)
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
     fixed = [f for f in names if not may_differ(f)]  # the model fields that must be equal
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
@@ -632,12 +597,10 @@ def read_item(path, tree):  # reads one item of a checkpoint step onto tree's sh
 
 
 def resume(manager, target, cfg, r, loader, log):
-    # This returns the state in the newest checkpoint that every process can read. Each process
-    # reads it itself (Orbax's own restore would wait at a barrier for one that failed), and it
-    # retries errors that can pass (I/O, time-outs). An all-gather then decides for all. A step
-    # that some process cannot read is renamed <step>.unreadable, and the one before is tried. A
-    # checkpoint of another model, data or layout is an error on every process, and nothing is
-    # retried or renamed.
+    # The newest checkpoint that every process can read. Each process reads it itself (Orbax's
+    # restore would wait at a barrier for one that failed), retrying errors that can pass, and an
+    # all-gather decides for all. A step some process cannot read is renamed <step>.unreadable,
+    # and the one before is tried. Another model, data or layout is an error, never renamed.
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
@@ -668,14 +631,10 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
 
 
 def refuse_fresh_start(out):
-    # A run directory where a run has trained never starts over silently. It is called only
-    # when no committed checkpoint exists, so checkpoints/ can hold only "tmp" steps (saves cut
-    # short) and renamed <step>.unreadable ones. It tells apart:
-    # - Any <step>.unreadable: a run trained here, so refuse.
-    # - metrics.jsonl and no "tmp" step: a run trained here, so refuse.
-    # - metrics.jsonl and a "tmp" step: the first save was cut short, so no checkpoint was
-    #   lost (only the steps before it), and the run starts fresh. (No metrics.jsonl: nothing
-    #   ran here.)
+    # A directory where a run trained never starts over silently. With no committed checkpoint,
+    # checkpoints/ can hold only "tmp" steps (saves cut short) and <step>.unreadable ones.
+    # Refuse if any is unreadable, or if metrics.jsonl exists with no "tmp" step. metrics.jsonl
+    # and a "tmp" step mean the first save was cut short: nothing was lost, so start fresh.
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
@@ -698,22 +657,18 @@ def request_stop(signum, frame):  # checkpoint after this step and exit (a secon
 
 
 def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
-    # This builds a device array with one entry per device: its process's flag (a signal comes
-    # to a process, and each of its devices holds a copy). P(MESH_AXES)
-    # is P(("data", "fsdp", "tensor")): one tuple, so its one dimension is cut over all three
-    # mesh axes. jnp.any over it is an all-reduce, so every process gets the same answer,
-    # which it reads with the step's metrics. (JAX's preemption sync point, which Orbax
-    # offers, misses a SIGTERM that comes before the first step.)
+    # One entry per device, its process's flag. P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts
+    # the one dimension over all three mesh axes. jnp.any over it is an all-reduce, so every
+    # process gets the same answer. (JAX's preemption sync point, which Orbax offers, misses a
+    # SIGTERM that comes before the first step.)
     flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
                                          lambda _: np.array([bool(SIGNALS)]))  # one per device
     return jnp.any(flags)
 
 
 def stop_reason(update, args, stop_flag):  # why the run stops after update (None: it goes on)
-    # stop_flag comes with the newest metrics read (log.stop_flag): update - 1's, so every
-    # process sees a SIGTERM one step after it came, and all stop after the same update. For
-    # example, a SIGTERM that comes after iteration 7 computed its flag is in iteration 8's
-    # flag, which is read at iteration 9: all save update 9 and stop.
+    # stop_flag came with update - 1's metrics, so all processes stop after the same update. A
+    # SIGTERM that comes after iteration 7 computed its flag is in 8's, read at 9: all save 9.
     if update == args.stop_at:
         return "--stop-at"
     if stop_flag:  # a process got a signal: all stop, together
@@ -725,9 +680,8 @@ def stop_reason(update, args, stop_flag):  # why the run stops after update (Non
 # every row, and device_batch cuts the batch over this machine's devices.
 
 def start_jax(args):
-    # This sets up fake CPU devices, then the multi-host start-up, which cannot be forgotten. JAX
-    # finds its peers itself on a TPU slice, under SLURM, Open MPI or Kubernetes. Elsewhere, give
-    # --coordinator.
+    # Fake CPU devices, then the multi-host start-up, which cannot be forgotten. JAX finds its
+    # peers itself on a TPU slice, under SLURM, Open MPI or Kubernetes; elsewhere, --coordinator.
     if args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
@@ -739,11 +693,9 @@ def start_jax(args):
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:
-        # Two errors mean "one process, go on": a ValueError (no cluster was found here) and a
-        # RuntimeError (JAX already runs in this process, as when the tests call main). Two
-        # others are real and raised: a JaxRuntimeError (a kind of RuntimeError), which means
-        # peers were found but not reached, and any error with --coordinator, which asked for
-        # a cluster.
+        # "One process, go on": a ValueError (no cluster here) or a RuntimeError (JAX already
+        # runs, as when the tests call main). Raised: a JaxRuntimeError (peers found but not
+        # reached) and any error with --coordinator, which asked for a cluster.
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
@@ -757,24 +709,20 @@ rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device
 
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
-    # On a pod every process runs this same program, but it feeds only its own devices. The
-    # batch's sharding, asked about any [global_batch, width] array, tells which slice of rows
-    # each device holds. Width 1 will do, because only rows are split. For example, on 2
-    # processes of 2 devices each with fsdp=4, process 1 holds rows 8-15 of 16, in contiguous
-    # blocks. (OLMo-core's rank r takes rows r::W instead. Either way the batch is the same, and
-    # so is the loss.)
-    index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
+    # Every process runs this same program but feeds only its own devices. The batch sharding
+    # says which rows each device holds (width 1 will do: only rows are split). On 2 processes
+    # of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16. (OLMo-core's rank r takes rows
+    # r::W instead; the batch, and so the loss, is the same.)
     # index: each of this process's devices -> its (rows, columns) slices of the batch
+    index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
 
 
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
     # One jax.Array spans every device of every process. make_array_from_callback asks for the
-    # part that each of this process's devices holds (`index` gives its rows and columns), and
-    # it assembles the global array without moving data between hosts. searchsorted finds those
-    # rows among this process's rows (loader.rows, which is sorted). With loader.rows = [8..15]
-    # and a device that holds rows 12-15, it takes x[4:8]. (When `tensor` spans hosts, two
-    # processes read the same rows.)
+    # part each of this process's devices holds (`index`: its rows and columns) and assembles
+    # the global array with no data moving between hosts. searchsorted finds those rows among
+    # loader.rows (sorted): with rows [8..15], a device holding rows 12-15 takes x[4:8].
     def put(x):  # x [len(loader.rows), seq_len]
         shape = (loader.global_batch, x.shape[1])
         # the columns are always whole (seq is not split)
