@@ -140,6 +140,7 @@ def from_hf(path):
     # mean). Zero columns would add 74 logits of 0: ln(75) nats at a logsumexp of 0 (where
     # z-loss pushes it), more below it. (OLMo-core's load_hf_model draws them around the mean
     # instead, with transformers' mean_resizing.)
+    # lm_head is [D, V]; its .T is a [V, D] view, so this writes the padding columns in place
     params["lm_head"].T[cfg.vocab_size:] = params["lm_head"].T[:cfg.vocab_size].mean(0)
     return cfg, params
 

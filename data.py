@@ -45,9 +45,10 @@ class Loader:
 
     def __init__(self, source, seq_len, global_batch, seed, rows=None, tokenizer="dolma2",
                  root=None, vocab_size=None, permutation_seed=-1):
-        # `rows` are the rows of every global batch that this process reads. The default is all
-        # of them. On a pod it is train.local_rows, the rows this process's devices hold.
-        # `permutation_seed` is OLMo-core's source_permutation_seed (-1 keeps the files' order).
+        # (second read) `rows` are the rows of every global batch that this process reads: all
+        # of them by default. On a pod they are train.local_rows, the rows its devices hold (on
+        # 2 processes with fsdp=4, process 1 reads rows 8-15 of 16). `permutation_seed` is
+        # OLMo-core's source_permutation_seed (stage 3; -1 keeps the files' order).
         self.files = resolve_source(source, tokenizer, root)
         # OLMo-core shuffles the file indices with random.Random(seed). Shuffling the list with
         # it gives the same permutation.

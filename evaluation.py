@@ -51,12 +51,13 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     def evaluate(params, step=None):
         # results for eval.json; names for the log: AI2's eval/lm/SET/PPL, eval/downstream/...
         results, names = {}, {}
-        # Perplexity is the training loss, over the padded vocabulary, as OLMo-core computes
-        # it; tasks use HF's real vocabulary, as olmo_eval does. (convert.from_hf bounds what
-        # the padding adds for weights converted from HF.)
+        # Perplexity uses the training loss function, over the padded vocabulary, as OLMo-core
+        # computes it; tasks use HF's real vocabulary, as olmo_eval does. (convert.from_hf bounds
+        # what the padding adds for weights converted from HF.)
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
-            # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we.
+            # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we
+            # (lm_evaluator.py since PR #159: its last label is -100, a loss of 0 that counts).
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
@@ -87,7 +88,9 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     # Every process holds the whole batch here, so each device takes its slices (`index`) of it
-    # (train.device_batch does the same with only the process's own rows).
+    # (train.device_batch does the same with only the process's own rows). With 8 rows over 4
+    # devices, a device holds x[2:4] of the [8, width] batch; `sums` [8] is one global array,
+    # which process_allgather copies whole to every host.
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
@@ -191,15 +194,16 @@ def request_rows(requests, tokenizer, seq_len):
 def metric_value(metric, requests, scores, tokens):
     """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
     # by_doc = {doc_id: {idx: score / size}}, each continuation's normalised score, and
-    # gold = {doc_id: the right idx}. setdefault keeps a pair's first score, as ICLMetric does.
+    # gold = {doc_id: the right idx}. setdefault keeps a pair's first score if a file lists it
+    # twice, as ICLMetric does.
     by_doc, gold = {}, {}
     for req, s, n in zip(requests, scores, tokens):
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    if DIVIDE_BY[metric] == "bytes":  # one score a document (the right continuation's), in
-        # nats per byte: bits = -nats * log2(e)
+    if DIVIDE_BY[metric] == "bytes":  # one score a document (load_task kept only the right
+        # continuation), in nats per byte: bits = -nats * log2(e)
         value = np.mean([-s * LOG2_E for by_idx in by_doc.values() for s in by_idx.values()])
     else:  # argmax over the idx 0..k-1 (the first on a tie): by_doc {7: {0: -3.1, 1: -2.4}}
         # and gold {7: 1} make document 7 right

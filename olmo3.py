@@ -5,11 +5,11 @@
 # no biases and an untied lm_head. It has three sliding-window layers for every full-attention
 # one, and the last layer is always full.
 #
-# Read the file top to bottom. It has Config, param_specs, forward (embed -> decoder -> block ->
-# unembed) and loss_terms, then the sharding (the comment at make_mesh says what each device
-# holds), and the attention kernels last. The model is a pytree (nested dict) of arrays. One
-# Spec per weight drives `init` and `abstract_params` (shapes and shardings), and its Hugging
-# Face name drives convert.py.
+# The file has Config, param_specs, forward (embed -> decoder -> block -> unembed) and loss_terms,
+# then the sharding (the comment at make_mesh says what each device holds), and the attention
+# kernels last. Read it in that order, looking ahead for what block calls. The model is a pytree
+# (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params` (shapes and
+# shardings), and its Hugging Face name drives convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -149,25 +149,25 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     #    group's weights [4, ...]. `group` is compiled once and run 8 times.
     # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
     # When global_every does not divide n_layers, all layers are one group.
+    # Shapes: blocks["q"] [32, D, H*E] -> groups["q"] [8, 4, D, H*E] -> p_group [4, D, H*E]
+    # -> a layer's p [D, H*E].
+    group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
+    groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
+    positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
+    ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # Every layer is `block` under jax.checkpoint, with or without --remat; remat only picks
     # the policy, which says what the backward pass keeps. By default (dots_saveable) it keeps
     # the matmuls' outputs (the reference attention's [B, H, T, T] scores are one) and
     # recomputes the rest (norms, RoPE, softmax, SiLU); with --remat true it keeps only the
     # layer's input. (With no checkpoint, autodiff would keep every intermediate it uses.)
-    group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
-    groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
-    positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
-    ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # block(p, x, window, rope, cfg, segments): window (2) and cfg (4) are static, Python
     # values baked into the traced layer, so each window is traced on its own
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
-    # windows[j]: the window of layer j of every group, the same in each: [4096, 4096, 4096,
-    # None] for the 7B, [64, 64, 64, None] for tiny (None: full). Layer g * group_size + j is
-    # full exactly when j is the group's last, so is_global(j) answers for every group (its
-    # `or layer == n_layers - 1` clause holds for the last layer, a group's last anyway). When
-    # global_every does not divide n_layers, there is one group, and j is the layer's number.
+    # windows[j]: the window of layer j of every group: [4096, 4096, 4096, None] for the 7B,
+    # [64, 64, 64, None] for tiny (None: full). Layer j of each group is full iff j is the
+    # group's last, so is_global(j) answers for all groups (with one group, j is the layer).
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
@@ -194,6 +194,7 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     q_BTHE = apply_rope(q.reshape(B, T, H, E), *rope)
     k_BTKE = apply_rope(k.reshape(B, T, K, E), *rope)
     v_BTKE = dense(x_BTD, p["v"]).reshape(B, T, K, E)
+    # attention (below, after the sharding) picks a kernel; all compute the same thing
     out = attention(q_BTHE, k_BTKE, v_BTKE, window, cfg, segments).reshape(B, T, H * E)
     # The norms sit on each sub-block's output, not its input (OLMo-core's ReorderedNormBlock).
     h = x_BTD + rms_norm(dense(out, p["o"]), p["attn_norm"], cfg.norm_eps)
@@ -344,7 +345,7 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
     # split is an error here.
     def place(path, spec):
         sharding = NamedSharding(mesh, logical_to_spec(spec.axes))
-        try:
+        try:  # shard_shape raises if the mesh does not divide a dimension it splits
             sharding.shard_shape(spec.shape)
         except ValueError:
             raise SystemExit(f"error: weight {jax.tree_util.keystr(path)} {spec.shape} does not "
@@ -354,9 +355,10 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
 
 
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
-    # The mesh is the one that train.main (or evaluation.main, prepare.dry_run, a test) sets
-    # with `with jax.set_mesh(mesh)`; with no mesh, nothing is pinned. Pinned activations keep
-    # their rows split over the data-parallel devices. Left alone, XLA may choose to gather a
+    # The mesh is the one that train.main (or evaluation.main, prepare.dry_run, a test) sets with
+    # `with jax.set_mesh(mesh)`. While tracing, get_abstract_mesh() returns it (its axis names and
+    # sizes, no devices); with no mesh set it is empty, and nothing is pinned. Pinned activations
+    # keep their rows split over the data-parallel devices. Left alone, XLA may choose to gather a
     # whole batch onto every device.
     if jax.sharding.get_abstract_mesh().empty:
         return x

@@ -92,8 +92,8 @@ def dry_run(cfg, r, args):
         print(f"{jax.tree_util.keystr(path):22} {str(x.shape):22} one device holds "
               f"{str(x.sharding.shard_shape(x.shape)):22} {x.sharding.spec}")
     # XLA's accounting per device adds the arguments (the state's shard and the batch's rows),
-    # the outputs less those written into donated arguments (the aliased new state), and the
-    # temporaries.
+    # the outputs less those written into donated arguments (the new state reuses the old
+    # one's memory, which the arguments already count), and the temporaries.
     outputs = m.output_size_in_bytes - m.alias_size_in_bytes
     total = m.argument_size_in_bytes + outputs + m.temp_size_in_bytes
     print(f"per device: arguments {gib(m.argument_size_in_bytes)}, temporaries "

@@ -38,7 +38,7 @@ RESTART = 596_048
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Training settings: AI2's stage 1 (both parts), but a plain cosine; 7b has AI2's LR."""
+    """Training settings: AI2's stage 1, but a plain cosine; 7b has AI2's two-part schedule."""
     seq_len: int = 8192
     global_batch: int = 512            # sequences per optimizer step
     micro_batch: int = 0               # sequences per forward/backward over all devices (0: all)
@@ -122,6 +122,7 @@ def train(cfg, r, args, mesh, manager):
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
+    # log(text) prints a line (process 0's); log(**record) adds a record to metrics.jsonl
     log, evals = Log(cfg, r, args.out, mesh), None
     # evaluation.py lives beside the core. With the core alone (a copy of the three files), the
     # run trains without evaluations, samples or the loss plot.
@@ -139,22 +140,24 @@ def train(cfg, r, args, mesh, manager):
     # it, so a resume replays exactly. Each iteration makes update = step + 1 (OLMo-core's
     # 1-based global_step), the number that is logged, saved and compared with r.steps.
     # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
-    # loss.item() waits for the GPU, the loop reads an update's metrics one iteration later,
-    # while the next update runs, so the devices never wait for the host (only an evaluation or
-    # a save does). The stop flag (did any process get a SIGTERM?) rides with the metrics, so
-    # every host sees it after the same update.
+    # loss.item() waits for the GPU at each log line (every step by default), this loop reads an
+    # update's metrics one iteration later, while the next update runs, so the devices do not
+    # wait for the host to read them. The stop flag (did any process get a SIGTERM?) rides with
+    # the metrics, so every host sees it after the same update.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # the stop flag (second read)
         update = step + 1
-        log.read_pending()  # logs update - 1's metrics and keeps its stop flag
+        # read_pending logs update - 1's metrics and returns its stop flag (it also ends the run
+        # after SKIPS_IN_A_ROW skipped updates)
+        stop_flag = log.read_pending()
         log.pending = (update, metrics)  # read at the next iteration (or before a save)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        stop = stop_reason(update, args, log.stop_flag)  # None, or why the run stops now
+        stop = stop_reason(update, args, stop_flag)  # None, or why the run stops now
         if update % r.save_every == 0 or update == r.steps or stop:
-            log.read_pending()  # so no checkpoint holds a loss nobody looked at
+            log.read_pending()  # update's own, so the log saved with its checkpoint reaches it
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -206,6 +209,8 @@ def abstract_state(cfg, r, mesh):
     # eval_shape runs optax's init on descriptions, allocating nothing. Its result, (clip, adam:
     # (count, mu, nu), decay), has no shardings: tree_map_params gives the leaves shaped like a
     # param (mu, nu) that param's sharding (ZeRO-3), and the others (count) a replicated one.
+    # E.g. opt_state[1].mu["blocks"]["q"] gets params["blocks"]["q"].sharding; opt_state[1].count
+    # gets P(). (opt_state[1] is Adam's state in the chain.)
     unsharded = jax.eval_shape(optimizer(r).init, params)
     like_param = lambda leaf, p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=p.sharding)
     replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
@@ -216,8 +221,7 @@ def abstract_state(cfg, r, mesh):
             "history": replicated(jax.ShapeDtypeStruct((2, HISTORY), jnp.float32))}
 
 
-def shardings_of(tree):
-    return jax.tree.map(lambda x: x.sharding, tree)
+shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
 def init_state(cfg, r, target):  # creates every array directly with target's sharding
@@ -430,11 +434,11 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def read_pending(self):  # reads the pending metrics, if any
-        # This waits for an update's metrics, counts skips (10 in a row stop the run) and logs a
-        # line. It also keeps the stop flag: was any process asked to stop?
+    def read_pending(self):  # -> the stop flag of the newest metrics read
+        # This waits for the pending update's metrics, if any, counts skips (10 in a row stop the
+        # run), logs a line and keeps the stop flag: was any process asked to stop?
         if self.pending is None:
-            return
+            return self.stop_flag
         (update, metrics), self.pending = self.pending, None  # take them, and empty the slot
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.stop_flag = m["stop"]
@@ -447,7 +451,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
         if update % r.log_every and update != r.steps:
-            return
+            return self.stop_flag
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -460,6 +464,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (update, now)
         self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
+        return self.stop_flag
 
 
 # ----------------------------------------------------------------------------- command line
