@@ -50,13 +50,14 @@ def config_from_hf(hf: dict) -> olmo3.Config:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
-    # RoPE is set per layer type, in the rope_parameters form or by the legacy rope_scaling key,
-    # which transformers applies to the full-attention layers only (AI2's released config uses
-    # that key). In `full`, later keys win: rope_theta < rope_parameters < rope_scaling. AI2's
-    # released 7B has rope_theta 500000 and rope_scaling {rope_type: yarn, factor: 8, ...}. It
-    # gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, and sliding = plain.
-    # The other form is rope_parameters = {"full_attention": {rope_type: yarn, factor: 8, ...},
-    # "sliding_attention": {rope_type: default, rope_theta: 500000}}, with the same result.
+    # RoPE comes per layer type, in one of two forms:
+    #   legacy (AI2's released config): rope_theta 500000 and rope_scaling {rope_type: yarn,
+    #     factor: 8, ...}, which transformers applies to the full-attention layers only;
+    #   rope_parameters: {"full_attention": {rope_type: yarn, factor: 8, ...},
+    #     "sliding_attention": {rope_type: default, rope_theta: 500000}}.
+    # `full` merges them, later keys winning: rope_theta, then rope_parameters' full_attention,
+    # then rope_scaling. Either form gives full = {rope_theta: 500000, rope_type: yarn,
+    # factor: 8, ...}, and the sliding layers must be plain.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

@@ -83,7 +83,8 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 # vocab: the softmax's width; step_rows: rows a step runs (as training's micro-batch)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # Batches padded to [step_rows, width], so one shape compiles, on every device of every host.
+    # On one host this is logprobs(params, x, y) on padded batches. They are [step_rows, width], so
+    # one shape compiles, and they run on every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
@@ -171,8 +172,9 @@ def load_task(spec, limit, tokenizer, seq_len):
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
     if DIVIDE_BY[metric] == "bytes":  # only the right continuation of each document is scored
-        # The right one has idx == label, or a label that is the answer's text (a str, or a list
-        # of them) in a document with only that continuation. (olmo_eval does the same.)
+        # The right one has idx == label (multiple choice: the label is the right idx), or a
+        # label that is the answer's own text (a str, or a list of them) in a document with
+        # only that one continuation. (olmo_eval does the same.)
         requests = [req for req in requests if req["idx"] == req["label"] or
                     isinstance(req["label"], str | list)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
@@ -185,7 +187,8 @@ def request_rows(requests, tokenizer, seq_len):
         context = tokenizer.encode(req["request"]["context"])
         continuation = tokenizer.encode(req["request"]["continuation"])
         query = (context + continuation[:-1])[-seq_len:]  # the context cut from the left
-        # labels[t] is the token after query[t]: the continuation fills the last positions
+        # labels[t] is the token after query[t]: the continuation fills the last positions.
+        # Context [a b c] and continuation [x y] give query [a b c x], labels [-100 -100 x y].
         labels = [-100] * (len(query) - len(continuation)) + continuation
         rows.append((np.array(query), np.array(labels)))
     return rows

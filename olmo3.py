@@ -135,6 +135,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+    # (The table's vocab rows are split over `tensor`. As for any op on sharded arrays, XLA
+    # adds the communication the lookup needs: on tiny's fsdp=4,tensor=2, all-gathers.)
     # constrain pins x's sharding by logical axes: rows over the data-parallel devices. The
     # table that maps them to mesh axes, olmo3.AXIS_RULES, comes below. Without a mesh it does
     # nothing.
@@ -142,6 +144,8 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
+    # This computes `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`.
+    # Scan and checkpoint change only compile time and memory, not the result.
     # The 7B's 32 layers run as 8 groups of 4 (sliding, sliding, sliding, full), as MaxText
     # runs them, so that the compiler sees 4 layers, not 32:
     # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...].
@@ -173,11 +177,11 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # layer j's weights
-            # ropes["full"] is YaRN's table
+            # ropes["full"] is YaRN's table when yarn_factor is set, else the same as "sliding"
             x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
     x, _ = jax.lax.scan(group, x, groups)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+    return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)  # as block's norms
 
 
 # window is None (full) or W (decoder makes window and cfg static).

@@ -71,7 +71,8 @@ class Recipe:
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
                    log_every=25, eval_every=100, save_every=100),
-    # A micro-batch of 64 fits v5p-128 (39 GiB a device) and v5p-64 (80 of 95 GiB, see README).
+    # A micro-batch of 64 fits v5p-128 (39 GiB a device) and v5p-64 (80 of 95 GiB; the README's
+    # v5p-64 row takes 32, for 42 GiB).
     # Saving every 250 steps means about one save an hour on v5p-128, as Cloud TPU advises.
     "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
@@ -143,9 +144,12 @@ def train(cfg, r, args, mesh, manager):
     # loss.item() waits for the GPU at each log line (every step by default), this loop reads an
     # update's metrics one iteration later, while the next update runs, so the devices do not
     # wait for the host to read them. The stop flag (did any process get a SIGTERM?) rides with
-    # the metrics, so every host sees it after the same update.
+    # the metrics, so every host sees it after the same update. Iteration u: dispatch u; read
+    # u - 1's metrics and stop flag; stash u's (read at once if u saves). A SIGTERM after
+    # iteration 7 computed its flag is in 8's, read at 9: all processes save 9 and stop.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
-        # device_batch makes this process's rows one array over every device (second read)
+        # device_batch makes this process's rows one array over every device (second read; on
+        # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         metrics["stop"] = stop_signalled(mesh)  # the stop flag (second read)
         update = step + 1
@@ -206,9 +210,11 @@ def abstract_state(cfg, r, mesh):
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
     # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # eval_shape runs optax's init on descriptions, allocating nothing. Its result, (clip, adam:
-    # (count, mu, nu), decay), has no shardings: tree_map_params gives the leaves shaped like a
-    # param (mu, nu) that param's sharding (ZeRO-3), and the others (count) a replicated one.
+    # eval_shape runs optax's init on descriptions, allocating nothing. Its result, the tuple
+    # (EmptyState(), ScaleByAdamState(count, mu, nu), MaskedState(...)) of the chain's clip,
+    # Adam and decay, has no shardings. tree_map_params asks the optimizer which leaves mirror
+    # the params (mu, nu), gives each its param's sharding (ZeRO-3), and the others (count) a
+    # replicated one.
     # E.g. opt_state[1].mu["blocks"]["q"] gets params["blocks"]["q"].sharding; opt_state[1].count
     # gets P(). (opt_state[1] is Adam's state in the chain.)
     unsharded = jax.eval_shape(optimizer(r).init, params)
@@ -637,9 +643,11 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
 
 def refuse_fresh_start(out):
     # A directory where a run trained never starts over silently. With no committed checkpoint,
-    # checkpoints/ can hold only "tmp" steps (saves cut short) and <step>.unreadable ones.
-    # Refuse if any is unreadable, or if metrics.jsonl exists with no "tmp" step. metrics.jsonl
-    # and a "tmp" step mean the first save was cut short: nothing was lost, so start fresh.
+    # checkpoints/ can hold only "tmp" steps (saves cut short) and <step>.unreadable ones:
+    #   any <step>.unreadable                -> refuse (a run trained here)
+    #   metrics.jsonl and no "tmp" step      -> refuse (a run trained here)
+    #   metrics.jsonl and a "tmp" step       -> start fresh (the first save was cut short)
+    #   no metrics.jsonl                     -> start fresh (nothing ran here)
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
