@@ -9,8 +9,9 @@
 #    In OLMo-core, rank r of W takes rows r::W. Here a device holds a block of rows instead. The
 #    set of rows, and so the loss, is the same. Only which device holds which row differs.
 #    Labels are the inputs shifted left by one, and the last position is ignored (-100).
-# 2. `PackedLoader` (stage 3) packs whole documents into the instances instead, as OLMo-core's
-#    NumpyPackedFSLDataset does, and gives each token its document's segment id for attention.
+# 2. `PackedLoader` (stage 3; skip it on a first read) packs whole documents into the instances
+#    instead, as OLMo-core's NumpyPackedFSLDataset does, and gives each token its document's
+#    segment id for attention.
 # 3. `resolve_source` turns a mix file (OLMo's `label,relative/path.npy` lines), a glob or a
 #    folder into the token files, in order. The files are local. On a pod, a bucket mounted
 #    with gcsfuse is local too (this is how MaxText reads AI2's data).
@@ -149,7 +150,6 @@ class PackedLoader(Loader):
         # bounds[i + 1]. With instances [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, in order
-        # instance[-1] + 2 bounds: where each of the instance[-1] + 1 instances starts, then the end
         self.bounds = np.searchsorted(instance, np.arange(instance[-1] + 2))
         self.set_instances(int(instance[-1]) + 1)
 
@@ -203,7 +203,8 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
 
 
 def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of document indices
-    # Best-fit decreasing, with a queue of bins for each free-space value.
+    # Best-fit decreasing. open_spaces and bins_by_space are together a priority queue of the
+    # open bins, keyed by free space, first in first out within a space.
     # Documents go longest first, in the order of numpy's default (unstable) argsort, as
     # OLMo-core sorts them. Each document goes into the bin with the least free space that holds
     # it. Among bins with that space, it takes the one that came down to it first (OLMo-core

@@ -56,7 +56,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         # what the padding adds for weights converted from HF.)
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
-            # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we
+            # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we,
+            # so a set's CE is a little below the training loss's per-target mean on the same text
             # (lm_evaluator.py since PR #159: its last label is -100, a loss of 0 that counts).
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709

@@ -2,9 +2,9 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). A run stopped early checkpoints and exits with code 75."""
-# Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in
-# the order `train` calls them. Below the "second read" banner is what only a pod needs.
-# `r` is always the Recipe and `cfg` the model's olmo3.Config. The README has a JAX glossary.
+# Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
+# file's order, roughly as `train` calls them. Below the "second read" banner is what only a pod
+# needs. `r` is always the Recipe and `cfg` the model's olmo3.Config. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -385,6 +385,7 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
     # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
     # 128, only the first `step` slots hold values). mean and std [2]: one per row.
+    # At step 3, slots 0-2 hold values, and mean and std are over those 3 (enough is False).
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
