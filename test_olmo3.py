@@ -2045,6 +2045,24 @@ def test_a_trained_model_answers_a_synthetic_task_and_eval_only_writes_eval_json
     assert written["set1"]["CE loss"] < 1.0 and written["set1"]["PPL"] < 3
 
 
+def test_a_byte_task_keeps_the_continuations_olmo_eval_keeps(tmp_path):
+    """For bits per byte, olmo_eval keeps a request whose label is its text (a str or a list),
+    or whose idx is its label, a label of None reading as 0 (tasks.py, OEEvalTask). HumanEval's
+    gold_bpb requests all have None: an earlier filter dropped every one of them."""
+    tok, text = data.get_tokenizer("bytes"), {"context": "Q:", "continuation": " a"}
+    labels = [(0, 0, 0), (0, 1, 0), (1, 0, None), (1, 1, None), (2, 0, "a"), (3, 0, ["a"])]
+    (tmp_path / "t").mkdir()
+    config = {"task_config": {"primary_metric": "bits_per_byte"}}
+    (tmp_path / "t" / "config.json").write_text(json.dumps(config))
+    with gzip.open(tmp_path / "t" / "requests.jsonl.gz", "wt") as f:
+        for doc, idx, label in labels:
+            f.write(json.dumps({"doc_id": doc, "idx": idx, "label": label, "request": text}) + "\n")
+    _, requests, _ = evaluation.load_task(str(tmp_path / "t"), 0, tok, 64)
+    assert [(r["doc_id"], r["idx"]) for r in requests] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    metric, requests, rows = evaluation.load_task("codex_humaneval:gold_bpb_0shot", 5, tok, 256)
+    assert metric == "bits_per_byte" and len(requests) == len(rows) == 5
+
+
 def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     """Every document one instance cut to seq_len; CE = summed target losses / document tokens."""
     eos, docs = 256, [np.arange(5), np.arange(40) % 200, np.arange(3)]
