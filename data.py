@@ -90,9 +90,7 @@ class Loader:
         # Position t predicts token t + 1 when that token is a document's, not padding. A
         # fixed-length row is all document (lengths = seq_len). A packed row ends in padding.
         # real_next [rows, T - 1]: position t has a target iff t + 1 < length; with length 3
-        # and T = 6, it is [True, True, False, False, False]. In a packed row a document's EOS
-        # is labelled with the next document's first token, as OLMo-core's get_labels (a plain
-        # shift, masking only padding) labels it.
+        # and T = 6, it is [True, True, False, False, False].
         real_next = np.arange(1, self.seq_len) < lengths[:, None]
         labels = np.full_like(inputs, -100)
         labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
@@ -163,8 +161,10 @@ class PackedLoader(Loader):
         return inputs, np.array(lengths)
 
     def batch(self, step):
-        # A document's segment runs up to and including its EOS. The padding is a segment of its
-        # own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at positions 2 and 4,
+        # A document's EOS is labelled with the next document's first token (Loader.batch's plain
+        # shift, as OLMo-core's get_labels, which masks only padding). A document's segment runs
+        # up to and including its EOS. The padding is a segment of its own (OLMo-core's
+        # doc_lens, generate_doc_lengths=True). With EOS at positions 2 and 4,
         # tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(step)
         eos = batch["inputs"] == self.eos

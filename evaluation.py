@@ -85,7 +85,7 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # On one host this is logprobs(params, x, y) on padded batches. They are [step_rows, width], so
-    # one shape compiles, and they run on every device of every host.
+    # one shape compiles (for each vocab), and they run on every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
@@ -208,7 +208,7 @@ def metric_value(metric, requests, scores, tokens):
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     if DIVIDE_BY[metric] == "bytes":  # one score a document (load_task kept only the right
-        # continuation), in nats per byte: bits = -nats * log2(e)
+        # continuation), a log-probability per byte in nats (<= 0): bits = -nats * log2(e)
         value = np.mean([-s * LOG2_E for by_idx in by_doc.values() for s in by_idx.values()])
     else:  # argmax over the idx 0..k-1 (the first on a tie): by_doc {7: {0: -3.1, 1: -2.4}}
         # and gold {7: 1} make document 7 right

@@ -135,8 +135,6 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    # (The table's vocab rows are split over `tensor`. As for any op on sharded arrays, XLA
-    # adds the communication the lookup needs: on tiny's fsdp=4,tensor=2, all-gathers.)
     # constrain pins x's sharding by logical axes: rows over the data-parallel devices. The
     # table that maps them to mesh axes, olmo3.AXIS_RULES, comes below. Without a mesh it does
     # nothing.
@@ -145,7 +143,8 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
     # This computes `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`.
-    # Scan and checkpoint change only compile time and memory, not the result.
+    # Scan and checkpoint change compile time, memory and the backward's recompute time, never
+    # the result. (tiny is one group: groups["q"] is [1, 4, 256, 256], a scan of length 1.)
     # The 7B's 32 layers run as 8 groups of 4 (sliding, sliding, sliding, full), as MaxText
     # runs them, so that the compiler sees 4 layers, not 32:
     # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...].
@@ -170,8 +169,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # values baked into the traced layer, so each window is traced on its own
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
     # windows[j]: the window of layer j of every group: [4096, 4096, 4096, None] for the 7B,
-    # [64, 64, 64, None] for tiny (None: full). Layer j of each group is full iff j is the
-    # group's last, so is_global(j) answers for all groups (with one group, j is the layer).
+    # [64, 64, 64, None] for tiny (None: full). A group is global_every layers long, so layer
+    # g * 4 + j is full iff j is 3, and is_global(j) answers for all groups (with one group, j
+    # is the layer).
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
@@ -214,7 +214,8 @@ def unembed(params, h):  # -> fp32 logits over the padded vocab, with the matmul
 
 
 def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
-    # Use one 2-D matmul, because XLA:CPU runs the batched 3-D form about a quarter slower.
+    # Use one 2-D matmul, because XLA:CPU runs the 3-D form ([B, T, D] @ [D, F]) about a quarter
+    # slower.
     y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
@@ -295,11 +296,11 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # ----------------------------------------------------------------------------- sharding
 
 MESH_AXES = ("data", "fsdp", "tensor")
-# This is the one table from logical axes to mesh axes. Every sharding in the project comes
-# from it. A batch's rows (sequences) are split over both data-parallel axes. Weights are split
-# ZeRO-3 style over fsdp and Megatron style over tensor. Axes not named here ("layers", "norm",
-# "seq") are not split. A tuple splits one dimension over several mesh axes, so "batch" is
-# split over data x fsdp devices.
+# This is the one table from logical axes to mesh axes. Every weight's and activation's sharding
+# comes from it (the replicated scalars use P(), and train.stop_signalled its own). A batch's rows
+# (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
+# Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
+# splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
@@ -314,18 +315,19 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
     return NamedSharding(mesh, logical_to_spec(("batch", "seq")))
 
 
-# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes. For
-# example, 8 devices as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES cuts each weight along
-# those axes. The q weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and
-# 2 ways along heads (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an
-# eighth of its Adam moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each
-# device holds 128 sequences, the same ones as its tensor partner. XLA inserts the
-# communication, and what it typically chooses is this. Before a layer's matmuls it all-gathers
-# the fsdp shards of the weights (a device then sees q as [4096, 2048]). After `o` and `down`
-# it all-reduces over `tensor`, because each partner summed half of the heads or of the MLP.
-# In the backward pass it reduce-scatters each gradient back to its fsdp shard. QK-norm's
-# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N
-# keeps N copies of the weights (each one split over fsdp) and all-reduces their gradients.
+# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes. For example, 8
+# devices as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES cuts each weight along those axes. The q
+# weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
+# (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
+# moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each device holds 128
+# sequences, the same ones as its tensor partner. XLA inserts the communication, and what it
+# typically chooses is this. Before a layer's matmuls it all-gathers the fsdp shards of the weights
+# (a device then sees q as [4096, 2048]). After `o` and `down` it all-reduces over `tensor`, because
+# each partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters each
+# gradient back to its fsdp shard. The embedding's lookup in a table whose rows are split over
+# `tensor` gets what communication it needs, too. QK-norm's statistics span all heads, so with
+# `tensor` XLA sums them across the partners too. data=N keeps N copies of the weights (each one
+# split over fsdp) and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,

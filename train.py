@@ -144,9 +144,10 @@ def train(cfg, r, args, mesh, manager):
     # loss.item() waits for the GPU at each log line (every step by default), this loop reads an
     # update's metrics one iteration later, while the next update runs, so the devices do not
     # wait for the host to read them. The stop flag (did any process get a SIGTERM?) rides with
-    # the metrics, so every host sees it after the same update. Iteration u: dispatch u; read
-    # u - 1's metrics and stop flag; stash u's (read at once if u saves). A SIGTERM after
-    # iteration 7 computed its flag is in 8's, read at 9: all processes save 9 and stop.
+    # the metrics, so every host sees it after the same update. A SIGTERM during update 7:
+    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics         <- SIGTERM
+    #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
+    #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
@@ -214,7 +215,8 @@ def abstract_state(cfg, r, mesh):
     # (EmptyState(), ScaleByAdamState(count, mu, nu), MaskedState(...)) of the chain's clip,
     # Adam and decay, has no shardings. tree_map_params asks the optimizer which leaves mirror
     # the params (mu, nu), gives each its param's sharding (ZeRO-3), and the others (count) a
-    # replicated one.
+    # replicated one. (jit's out_shardings and a restore need a sharding for every leaf.)
+    # tree_map_params calls like_param(the optimizer's leaf, its param) and replicated(a leaf).
     # E.g. opt_state[1].mu["blocks"]["q"] gets params["blocks"]["q"].sharding; opt_state[1].count
     # gets P(). (opt_state[1] is Adam's state in the chain.)
     unsharded = jax.eval_shape(optimizer(r).init, params)
@@ -259,7 +261,9 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
 
 # ----------------------------------------------------------------------------- the step
 
-def compile_step(cfg, r, mesh, target):  # ahead of time (--dry-run compiles the same step)
+# Ahead of time, so that --dry-run compiles the same step with no data, and a step that does
+# not fit fails at start-up.
+def compile_step(cfg, r, mesh, target):
     micro = r.micro_batch if r.micro_batch else r.global_batch
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     if r.global_batch % micro or micro % dp:
@@ -312,6 +316,7 @@ def train_step(state, batch, cfg, r, accum):
     # opt_state stay as they were, while step and history advance.
     grad_norm = optax.tree.norm(grads)  # before clipping, which is the optimizer's first step
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
+    # (r.spike_guard is a Python bool, a constant in the traced expression)
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
     new = {"params": new_params, "opt_state": opt_state}
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
@@ -414,7 +419,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started, self.last, self.skipped = time.time(), None, 0
-        # pending: (update, its metrics), kept by the loop and not read yet, or None
+        # pending: (update, its metrics) or None. The loop puts an update's there; read_pending
+        # reads them (at the next iteration, or before a save) and empties it.
         self.pending, self.stop_flag = None, False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
