@@ -190,8 +190,9 @@ def request_rows(requests, tokenizer, seq_len):
         continuation = tokenizer.encode(req["request"]["continuation"])
         query = (context + continuation[:-1])[-seq_len:]  # the context cut from the left
         # labels[t] is the token after query[t]: the continuation fills the last positions.
-        # Context [a b c] and continuation [x y] give query [a b c x], labels [-100 -100 x y].
-        labels = [-100] * (len(query) - len(continuation)) + continuation
+        # Context [a b c] and continuation [x y] give query [a b c x], labels [-100 -100 x y]. A
+        # continuation longer than the row keeps its last len(query) tokens as labels.
+        labels = ([-100] * (len(query) - len(continuation)) + continuation)[-len(query):]
         rows.append((np.array(query), np.array(labels)))
     return rows
 

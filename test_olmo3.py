@@ -1913,6 +1913,17 @@ def test_request_loglikelihoods_match_hugging_face(tmp_path):
         assert mine == pytest.approx(theirs, abs=1e-4)
 
 
+def test_a_continuation_longer_than_the_row_keeps_its_last_tokens_as_labels():
+    """Every label is the token after its input, even where the continuation overflows the row
+    (it used to make labels longer than the row, which score() could not pad)."""
+    tok = data.get_tokenizer("bytes")
+    [(inputs, labels)] = evaluation.request_rows(
+        [{"request": {"context": "Q: ", "continuation": "abcdefghij"}}], tok, 6
+    )
+    text = tok.encode("Q: abcdefghij")
+    assert list(inputs) == text[-7:-1] and list(labels) == text[-6:]
+
+
 def test_metrics_equal_olmo_evals_icl_metric(monkeypatch):
     """olmo_eval's own ICLMetric (metrics.py, loaded from the ai2-olmo-eval package without the
     package's heavy imports: `datasets`) on the same log-probabilities as ours."""
