@@ -87,6 +87,7 @@ class Loader:
         epoch, index = divmod(step, self.steps_per_epoch)
         # OLMo-core's epochs count from 1
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
+        # For Loader's rows this is just labels[:, :-1] = inputs[:, 1:]. In general:
         # Position t predicts token t + 1 when that token is a document's, not padding. A
         # fixed-length row is all document (lengths = seq_len). A packed row ends in padding.
         # real_next [rows, T - 1]: position t has a target iff t + 1 < length; with length 3
@@ -162,7 +163,8 @@ class PackedLoader(Loader):
 
     def batch(self, step):
         # A document's EOS is labelled with the next document's first token (Loader.batch's plain
-        # shift, as OLMo-core's get_labels, which masks only padding). A document's segment runs
+        # shift, as OLMo-core's get_labels, which masks only padding): with the mask, the EOS
+        # predicts the next document's start from its own document alone. A document's segment runs
         # up to and including its EOS. The padding is a segment of its own (OLMo-core's
         # doc_lens, generate_doc_lengths=True). With EOS at positions 2 and 4,
         # tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.

@@ -32,7 +32,7 @@ class Config:
     vocab_size: int = 100_278          # the tokenizer's ids (weights are padded to `padded_vocab`)
     tokenizer: str = "dolma2"          # "dolma2" (cl100k + OLMo specials) or "bytes"
     sliding_window: int = 4096         # the keys a sliding layer sees, including the current token
-    global_every: int = 4              # layers 3, 7, 11, ... (and the last) attend to everything
+    global_every: int = 4              # layers 3, 7, 11, ... (and the last) are global: no window
     rope_theta: float = 500_000.0
     yarn_factor: float = 0.0           # YaRN RoPE scaling on full-attention layers (0 means none)
     yarn_beta_fast: float = 32.0
@@ -138,13 +138,15 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
     # constrain pins x's sharding by logical axes: rows over the data-parallel devices. The
     # table that maps them to mesh axes, olmo3.AXIS_RULES, comes below. Without a mesh it does
     # nothing.
+    # (an activation's D is whole on every device: only weights cut their D over fsdp)
     return constrain(x, "batch", "seq", None)
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
     # This computes `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`.
-    # Scan and checkpoint change compile time, memory and the backward's recompute time, never
-    # the result. (tiny is one group: groups["q"] is [1, 4, 256, 256], a scan of length 1.)
+    # Scan and checkpoint change compile time, memory and the backward's recompute time, not
+    # the math (results may differ in float rounding). (tiny is one group: groups["q"] is
+    # [1, 4, 256, 256], a scan of length 1.)
     # The 7B's 32 layers run as 8 groups of 4 (sliding, sliding, sliding, full), as MaxText
     # runs them, so that the compiler sees 4 layers, not 32:
     # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...].
@@ -158,15 +160,17 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # Every layer is `block` under jax.checkpoint, with or without --remat; remat only picks
-    # the policy, which says what the backward pass keeps. By default (dots_saveable) it keeps
-    # the matmuls' outputs (the reference attention's [B, H, T, T] scores are one) and
-    # recomputes the rest (norms, RoPE, softmax, SiLU); with --remat true it keeps only the
-    # layer's input. (With no checkpoint, autodiff would keep every intermediate it uses.)
+    # Every layer is `block` under jax.checkpoint, with or without --remat; remat only picks the
+    # policy, which says what the backward pass keeps. By default (dots_saveable) it keeps the
+    # matmuls' outputs (dot_generals: the reference attention's [B, H, T, T] scores are one) and
+    # recomputes the rest (norms, RoPE, softmax, SiLU, and the splash or cuDNN attention kernel,
+    # which is not a dot_general); with --remat true it keeps only the layer's input. (With no
+    # checkpoint, autodiff would keep every intermediate it uses.)
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    # block(p, x, window, rope, cfg, segments): window (2) and cfg (4) are static, Python
-    # values baked into the traced layer, so each window is traced on its own
+    # block(p, x, window, rope, cfg, segments): checkpoint traces block as jit does, so window
+    # (2) and cfg (4), which Python `if`s read, must be static: values baked into the traced
+    # layer, so each window is traced on its own
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
     # windows[j]: the window of layer j of every group: [4096, 4096, 4096, None] for the 7B,
     # [64, 64, 64, None] for tiny (None: full). A group is global_every layers long, so layer
@@ -220,7 +224,8 @@ def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
 
-# The weight comes already cast to the compute dtype (by block and decoder), as HF's bf16 is.
+# The weight comes rounded to the compute dtype (by block and decoder), as HF's bf16 model holds
+# it; the multiply then runs in fp32.
 def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF do
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

@@ -91,6 +91,7 @@ def dry_run(cfg, r, args):
     for path, x in jax.tree_util.tree_leaves_with_path(target["params"]):  # one line per weight
         print(f"{jax.tree_util.keystr(path):22} {str(x.shape):22} one device holds "
               f"{str(x.sharding.shard_shape(x.shape)):22} {x.sharding.spec}")
+    # (Without --topology these are XLA:CPU's figures for fake devices, a plan, not a TPU's.)
     # XLA's accounting per device adds the arguments (the state's shard and the batch's rows),
     # the outputs less those written into donated arguments (the new state reuses the old
     # one's memory, which the arguments already count), and the temporaries.

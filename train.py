@@ -32,7 +32,8 @@ EXIT_STOPPED = 75  # checkpointed before the last step, so rerun to resume (EX_T
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
-# the first update of stage 1's second part (AI2 restarted after 596,047, with the 7b's batch)
+# the first update of stage 1's second part (AI2 restarted after 596,047, with the 7b's batch;
+# see schedule)
 RESTART = 596_048
 
 
@@ -148,6 +149,7 @@ def train(cfg, r, args, mesh, manager):
     #   iteration 7: dispatch 7 (its flag False) | read 6's metrics         <- SIGTERM
     #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
     #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
+    # (The save reads its update's own metrics first.)
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
@@ -160,7 +162,7 @@ def train(cfg, r, args, mesh, manager):
         log.pending = (update, metrics)  # read at the next iteration (or before a save)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        stop = stop_reason(update, args, stop_flag)  # None, or why the run stops now
+        stop = stop_reason(update, args, stop_flag)  # None, or why it stops now (second read)
         if update % r.save_every == 0 or update == r.steps or stop:
             log.read_pending()  # update's own, so the log saved with its checkpoint reaches it
             save(manager, update, state, cfg, r, loader.fingerprint)
@@ -232,7 +234,8 @@ def abstract_state(cfg, r, mesh):
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
-def init_state(cfg, r, target):  # creates every array directly with target's sharding
+# jit with out_shardings: each device creates only its own shards, so the 7B is never whole on one
+def init_state(cfg, r, target):
     def make(key):
         params = olmo3.init(cfg, key)
         return {"params": params, "opt_state": optimizer(r).init(params), "step": jnp.int32(0),
@@ -286,7 +289,7 @@ def train_step(state, batch, cfg, r, accum):
     """One update on a global batch in `accum` micro-batches -> (the new state, metrics)."""
     # batch holds inputs, labels and, when packed, segments, each [global_batch, seq_len]
     params = state["params"]
-    # Each micro-batch's loss sum is divided by the whole batch's token count, so the sum over
+    # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
     n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
 
