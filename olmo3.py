@@ -41,7 +41,8 @@ class Config:
     norm_eps: float = 1e-6
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
-    remat: bool = False                # keep only each layer's input (else its matmul outputs)
+    remat: bool = False                # layers are always checkpointed; True keeps only each
+    #                                    layer's input, False its matmul outputs too (decoder)
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property

@@ -145,7 +145,8 @@ def train(cfg, r, args, mesh, manager):
     # loss.item() waits for the GPU at each log line (every step by default), this loop reads an
     # update's metrics one iteration later, while the next update runs, so the devices do not
     # wait for the host to read them. The stop flag (did any process get a SIGTERM?) rides with
-    # the metrics, so every host sees it after the same update. A SIGTERM during update 7:
+    # the metrics, so every host sees it after the same update. A SIGTERM during update 7 (each
+    # row is the iteration that makes that update):
     #   iteration 7: dispatch 7 (its flag False) | read 6's metrics         <- SIGTERM
     #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
     #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
@@ -309,9 +310,9 @@ def train_step(state, batch, cfg, r, accum):
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    # optax gives Adam's direction: clipped gradients, then m / (sqrt(v) + eps), bias-corrected,
-    # plus wd * p (as torch's AdamW). The LR comes from the state's own step, so a stage restarts
-    # its schedule while Adam's count carries over.
+    # optax gives Adam's direction: clipped gradients, then m^ / (sqrt(v^) + eps), with m and v
+    # bias-corrected, plus wd * p (as torch's AdamW). The LR comes from the state's own step, so a
+    # stage restarts its schedule while Adam's count carries over.
     updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
     lr = schedule(r)(state["step"])  # the LR of update step + 1
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
