@@ -208,9 +208,10 @@ def metric_value(metric, requests, scores, tokens):
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    if DIVIDE_BY[metric] == "bytes":  # one score a document (load_task kept only the right
-        # continuation), a log-probability per byte in nats (<= 0): bits = -nats * log2(e)
-        value = np.mean([-s * LOG2_E for by_idx in by_doc.values() for s in by_idx.values()])
+    if DIVIDE_BY[metric] == "bytes":  # the right continuation's score (load_task kept it; if
+        # a document kept several, olmo_eval scores the first), a log-probability per byte in
+        # nats (<= 0): bits = -nats * log2(e)
+        value = np.mean([-list(by_idx.values())[0] * LOG2_E for by_idx in by_doc.values()])
     else:  # argmax over the idx 0..k-1 (the first on a tie): by_doc {7: {0: -3.1, 1: -2.4}}
         # and gold {7: 1} make document 7 right
         value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
