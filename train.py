@@ -151,21 +151,26 @@ def train(cfg, r, args, mesh, manager):
     #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
     #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
     # (The save reads its update's own metrics first.)
+    # pending: (update, metrics) dispatched but not yet read; signalled: the last stop flag read
+    pending, signalled = None, False
     for step, batch in loader.iterate(int(state["step"]), r.steps):
+        update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
-        state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        metrics["stop"] = stop_signalled(mesh)  # the stop flag (second read)
-        update = step + 1
-        # read_pending logs update - 1's metrics and returns its stop flag (it also ends the run
-        # after SKIPS_IN_A_ROW skipped updates)
-        stop_flag = log.read_pending()
-        log.pending = (update, metrics)  # read at the next iteration (or before a save)
+        state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
+        metrics["stop"] = stop_signalled(mesh)  # did any process get a signal? (second read)
+        if pending:  # update - 1's metrics: done by now, so reading them idles no device
+            signalled = log.read(*pending)  # logs them, returns their stop flag
+        pending = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        stop = stop_reason(update, args, stop_flag)  # None, or why it stops now (second read)
+        # signalled is update - 1's flag on every path here, so all processes stop after the
+        # same update
+        stop = stop_reason(update, args, signalled)  # None, or why it stops now (second read)
         if update % r.save_every == 0 or update == r.steps or stop:
-            log.read_pending()  # update's own, so the log saved with its checkpoint reaches it
+            # update's own metrics, so the log saved with its checkpoint reaches it (its flag is
+            # the next iteration's signalled)
+            signalled, pending = log.read(*pending), None
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -209,38 +214,36 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 # ----------------------------------------------------------------------------- the state
 
+shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+
+
+def fresh_state(r, params):  # the training state before update 1
+    return {"params": params, "opt_state": optimizer(r).init(params), "step": jnp.int32(0),
+            "history": jnp.zeros((2, HISTORY))}
+
+
 def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
     # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # eval_shape runs optax's init on descriptions, allocating nothing. Its result, the tuple
-    # (EmptyState(), ScaleByAdamState(count, mu, nu), MaskedState(...)) of the chain's clip,
-    # Adam and decay, has no shardings. tree_map_params asks the optimizer which leaves mirror
-    # the params (mu, nu), gives each its param's sharding (ZeRO-3), and the others (count) a
-    # replicated one. (jit's out_shardings and a restore need a sharding for every leaf.)
-    # tree_map_params calls like_param(the optimizer's leaf, its param) and replicated(a leaf).
-    # E.g. opt_state[1].mu["blocks"]["q"] gets params["blocks"]["q"].sharding; opt_state[1].count
-    # gets P(). (opt_state[1] is Adam's state in the chain.)
-    unsharded = jax.eval_shape(optimizer(r).init, params)
-    like_param = lambda leaf, p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=p.sharding)
-    replicated = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
-    opt_state = optax.tree_map_params(optimizer(r), like_param, unsharded, params,
-                                      transform_non_params=replicated)
-    return {"params": params, "opt_state": opt_state,
-            "step": replicated(jax.ShapeDtypeStruct((), jnp.int32)),
-            "history": replicated(jax.ShapeDtypeStruct((2, HISTORY), jnp.float32))}
-
-
-shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    # eval_shape runs fresh_state on descriptions, allocating nothing: shapes, but no shardings.
+    # Its opt_state is optax's tuple (EmptyState(), ScaleByAdamState(count, mu, nu),
+    # MaskedState(...)) for the chain's clip, Adam and decay.
+    shapes = jax.eval_shape(lambda p: fresh_state(r, p), params)
+    whole = NamedSharding(mesh, P())  # replicated: every device holds all of it
+    # tree_map_params asks the optimizer which leaves mirror a param: Adam's mu and nu are cut
+    # like their param (ZeRO-3), and the rest (Adam's count) is whole
+    adam = optax.tree_map_params(optimizer(r), lambda _, p: p.sharding, shapes["opt_state"],
+                                 params, transform_non_params=lambda _: whole)
+    where = {"params": shardings_of(params), "opt_state": adam, "step": whole, "history": whole}
+    return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
+                        shapes, where)
 
 
 # jit with out_shardings: each device creates only its own shards, so the 7B is never whole on one
 def init_state(cfg, r, target):
-    def make(key):
-        params = olmo3.init(cfg, key)
-        return {"params": params, "opt_state": optimizer(r).init(params), "step": jnp.int32(0),
-                "history": jnp.zeros((2, HISTORY))}
+    make = lambda key: fresh_state(r, olmo3.init(cfg, key))
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
 
 
@@ -423,9 +426,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started, self.last, self.skipped = time.time(), None, 0
-        # pending: (update, its metrics) or None. The loop puts an update's there; read_pending
-        # reads them (at the next iteration, or before a save) and empties it.
-        self.pending, self.stop_flag = None, False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -451,14 +451,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    def read_pending(self):  # -> the stop flag of the newest metrics read
-        # This waits for the pending update's metrics, if any, counts skips (10 in a row stop the
-        # run), logs a line and keeps the stop flag: was any process asked to stop?
-        if self.pending is None:
-            return self.stop_flag
-        (update, metrics), self.pending = self.pending, None  # take them, and empty the slot
+    def read(self, update, metrics):  # -> its stop flag: was any process asked to stop?
+        # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
+        # row stop the run), and logs a line every log_every updates.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
-        self.stop_flag = m["stop"]
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {update}: update skipped (loss {m['loss']:.4f}, grad norm "
@@ -468,7 +464,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
         if update % r.log_every and update != r.steps:
-            return self.stop_flag
+            return m["stop"]
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -481,7 +477,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (update, now)
         self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return self.stop_flag
+        return m["stop"]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -690,12 +686,12 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     return jnp.any(flags)
 
 
-def stop_reason(update, args, stop_flag):  # why the run stops after update (None: it goes on)
-    # stop_flag came with update - 1's metrics, so all processes stop after the same update. A
+def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
+    # signalled came with update - 1's metrics, so all processes stop after the same update. A
     # SIGTERM that comes after iteration 7 computed its flag is in 8's, read at 9: all save 9.
     if update == args.stop_at:
         return "--stop-at"
-    if stop_flag:  # a process got a signal: all stop, together
+    if signalled:  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
