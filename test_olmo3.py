@@ -1638,6 +1638,20 @@ def test_pod_layout_change_is_one_line_renames_nothing_and_never_starts_fresh(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
+def test_a_weight_renamed_with_its_shape_kept_is_a_layout_error_not_an_unreadable_step(
+    tmp_path, token_files
+):
+    """The layout is each leaf's path and shape: a weight the code renamed is the one-line error,
+    where Orbax's ValueError would be retried and the step renamed <step>.unreadable."""
+    out = tmp_path / "run"
+    run_train(out, token_files, "--steps", "1")
+    cfg, r, _ = train.parse_args(SMALL_RUN)
+    params = train.abstract_state(cfg, r, olmo3.make_mesh())["params"]
+    params["embedding"] = params.pop("embed")  # the same shape under another name
+    with pytest.raises(SystemExit, match=r"^error: checkpoint .* holds a params layout this code"):
+        train.read_item(train.latest_checkpoint(out) / "params", params)
+
+
 def test_pod_run_directory_not_shared_is_a_one_line_error_at_start_up(tmp_path, token_files):
     """A relative --out in two working directories: two run directories, found at start-up
     rather than as a hang in the first save."""

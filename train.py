@@ -607,8 +607,10 @@ def restore(step_dir, target, cfg, r=None, loader=None):
 
 def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
     handler = ocp.StandardCheckpointHandler()
-    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))  # its layout
-    if shapes(handler.metadata(path)) != shapes(tree):  # the code changed, so fail with no retry
+    # a tree's layout: each leaf's path and shape, as [("opt_state/1/mu/embed", (384, 256)), ...]
+    layout = lambda tree: sorted((jax.tree_util.keystr(k, simple=True, separator="/"),
+                                  tuple(x.shape)) for k, x in jax.tree.leaves_with_path(tree))
+    if layout(handler.metadata(path)) != layout(tree):  # the code changed: fail with no retry
         raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
                          "does not make; resume with the version that wrote it, or a new --out")
     return handler.restore(path, args=ocp.args.StandardRestore(tree))
