@@ -3,8 +3,9 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). A run stopped early checkpoints and exits with code 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# file's order, roughly as `train` calls them. Below the "second read" banner is what only a pod
-# needs. `r` is always the Recipe and `cfg` the model's olmo3.Config. The README has a JAX glossary.
+# file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs
+# (a laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the
+# model's olmo3.Config. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -349,7 +350,7 @@ def schedule(r: Recipe):
     # t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # Both stay at F from T on. The "olmo3" schedule's second part (below) is
+    # Both stay at F from T on. The "olmo3" schedule's second part (olmo3_stage1) is
     #   HalfCosWithWarmup: (F + P) / 2 k / W for k < W, then
     #                      F + (P - F) (1 + cos(pi (k - W + T - W) / (2 (T - W)))) / 2
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
@@ -360,28 +361,33 @@ def schedule(r: Recipe):
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
-    else:  # "olmo3": only the 7b and 7b-wide presets use it (optional on a first read)
-        # AI2 ran stage 1 in two parts. Part 1 (-1.py) is the cosine above, aimed at 5T tokens
-        # (T1 updates); AI2 stopped it after update 596,047. Part 2 (-2.py), from RESTART on, is
-        # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at update W2, then
-        # the second half of a cosine from P to F, reaching F at T2. For the 7b preset (4,194,304
-        # tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts inside
-        # its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
-        tokens = r.global_batch * r.seq_len
-        t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
-        # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
-        # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
-        warmup2 = int(5e12) // tokens // 2 + warmup // 2
-        # half is a cosine from P to F over 2 (T2 - W2) updates. Update k is its step
-        # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2.
-        half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-        part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
-                                    half((k - warmup2) + (t_max2 - warmup2)))  # F from T2 on
-        # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
-        # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
-        # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
-        lr = lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
+    else:  # "olmo3": AI2's stage 1 in two parts (the 7b presets; optional on a first read)
+        lr = olmo3_stage1(r, cosine)
     return lambda count: lr(count + 1)
+
+
+def olmo3_stage1(r: Recipe, cosine):  # -> (update k -> its LR); cosine(T) is CosWithWarmup
+    peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
+    # AI2 ran stage 1 in two parts. Part 1 (-1.py) is cosine(T1), aimed at 5T tokens
+    # (T1 updates); AI2 stopped it after update 596,047. Part 2 (-2.py), from RESTART on, is
+    # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at update W2, then
+    # the second half of a cosine from P to F, reaching F at T2. For the 7b preset (4,194,304
+    # tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts inside
+    # its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
+    tokens = r.global_batch * r.seq_len
+    t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
+    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
+    # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
+    warmup2 = int(5e12) // tokens // 2 + warmup // 2
+    # half is a cosine from P to F over 2 (T2 - W2) updates. Update k is its step
+    # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2.
+    half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
+    part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
+                                half((k - warmup2) + (t_max2 - warmup2)))  # F from T2 on
+    # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
+    # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
+    # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
+    return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
 
 
 def optimizer(r: Recipe):
