@@ -5,11 +5,11 @@
 # no biases and an untied lm_head. It has three sliding-window layers for every full-attention
 # one, and the last layer is always full.
 #
-# The file has Config, param_specs, forward (embed -> decoder -> block -> unembed) and loss_terms,
-# then the sharding (the comment at make_mesh says what each device holds), and the attention
-# kernels last. Read it in that order, looking ahead for what block calls. The model is a pytree
-# (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params` (shapes and
-# shardings), and its Hugging Face name drives convert.py.
+# The file has Config, param_specs, forward (embed -> decoder -> block -> unembed), loss_terms and
+# flops_per_token, then the sharding (the comment at make_mesh says what each device holds), and the
+# attention kernels last. Read it in that order, looking ahead for what block calls. The model is a
+# pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params` (shapes
+# and shardings), and its Hugging Face name drives convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -74,7 +74,7 @@ MODELS = {
 class Spec(NamedTuple):
     shape: tuple
     axes: tuple     # one logical axis name per dimension
-    hf: str         # the Hugging Face tensor (convert.py), named model.layers.{i}.<hf> in a layer
+    hf: str         # the Hugging Face tensor (convert.py), model.layers.{i}.<hf>.weight in a layer
 
 
 def param_specs(cfg: Config) -> dict:
@@ -152,7 +152,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # runs them, so that the compiler sees 4 layers, not 32:
     # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...].
     # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, where g is one
-    #    group's weights [4, ...]. `group` is compiled once and run 8 times.
+    #    group's weights [4, ...] (scan slices every array of the dict along its axis 0, so g is
+    #    a dict like groups). `group` is compiled once and run 8 times.
     # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
     # When global_every does not divide n_layers, all layers are one group.
     # Shapes: blocks["q"] [32, D, H*E] -> groups["q"] [8, 4, D, H*E] -> p_group [4, D, H*E]
@@ -372,7 +373,8 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
     # `with jax.set_mesh(mesh)`. While tracing, get_abstract_mesh() returns it (its axis names and
     # sizes, no devices); with no mesh set it is empty, and nothing is pinned. Pinned activations
     # keep their rows split over the data-parallel devices. Left alone, XLA may choose to gather a
-    # whole batch onto every device.
+    # whole batch onto every device. A name not in AXIS_RULES ("seq") is not split, as None is:
+    # it only says which dimension that is.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

@@ -1,7 +1,7 @@
 """Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
-its run (on any mesh that splits it). A run stopped early checkpoints and exits with code 75."""
+its run (on any mesh that splits it). Stopped by a signal or --stop-at, it checkpoints, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs
 # (a laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the
@@ -160,7 +160,9 @@ def train(cfg, r, args, mesh, manager):
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         metrics["stop"] = stop_signalled(mesh)  # did any process get a signal? (second read)
-        if pending:  # update - 1's metrics: done by now, so reading them idles no device
+        # pending is update - 1's metrics (done by now, so reading them idles no device), or None
+        # right after a save, which read them itself
+        if pending:
             signalled = log.read(*pending)  # logs them, returns their stop flag
         pending = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
@@ -235,8 +237,8 @@ def abstract_state(cfg, r, mesh):
     whole = NamedSharding(mesh, P())  # replicated: every device holds all of it
     # tree_map_params asks the optimizer which leaves mirror a param: Adam's mu and nu are cut
     # like their param (ZeRO-3), and the rest (Adam's count) is whole
-    adam = optax.tree_map_params(optimizer(r), lambda _, p: p.sharding, shapes["opt_state"],
-                                 params, transform_non_params=lambda _: whole)
+    adam = optax.tree_map_params(optimizer(r), lambda opt_leaf, param: param.sharding,
+                                 shapes["opt_state"], params, transform_non_params=lambda _: whole)
     where = {"params": shardings_of(params), "opt_state": adam, "step": whole, "history": whole}
     return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
                         shapes, where)
@@ -400,6 +402,7 @@ def optimizer(r: Recipe):
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
+    # (step: the updates done, as in the state)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
     # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
     # 128, only the first `step` slots hold values). mean and std [2]: one per row.
@@ -737,10 +740,10 @@ rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device
 
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
-    # Every process runs this same program but feeds only its own devices. The batch sharding
-    # says which rows each device holds (width 1 will do: only rows are split). On 2 processes
-    # of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16. (OLMo-core's rank r takes rows
-    # r::W instead; the batch, and so the loss, is the same.)
+    # Every process runs this same program but feeds only its own devices. The batch sharding says
+    # which rows each device holds (a stand-in width of 1: only the row slices are used). On 2
+    # processes of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16. (OLMo-core's rank r takes
+    # rows r::W instead; the batch, and so the loss, is the same.)
     # index: each of this process's devices -> its (rows, columns) slices of the batch
     index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
