@@ -114,16 +114,18 @@ def main(argv=None):
     # before the first step.)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
+    # (second read) every host must see the run directory that process 0 writes
+    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
+                          "process 0 writes; give every host the same: a bucket, or a shared disk")
     mesh = olmo3.make_mesh(**args.mesh)
+    # manager: Orbax's CheckpointManager for the run's checkpoints/ (second read). The first read
+    # needs only that it lists the saved steps and saves new ones in the background.
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
         return train(cfg, r, args, mesh, manager)
 
 
 def train(cfg, r, args, mesh, manager):
     """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
-    # (second read) every host must see the run directory that process 0 writes
-    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
-                          "process 0 writes; give every host the same: a bucket, or a shared disk")
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record to metrics.jsonl
     log, evals = Log(cfg, r, args.out, mesh), None
@@ -171,8 +173,8 @@ def train(cfg, r, args, mesh, manager):
         # same update
         stop = stop_reason(update, args, signalled)  # None, or why it stops now (second read)
         if update % r.save_every == 0 or update == r.steps or stop:
-            # update's own metrics, so the log saved with its checkpoint reaches it (its flag is
-            # the next iteration's signalled)
+            # update's own metrics, so the log saved with its checkpoint reaches it. The next
+            # iteration skips `if pending`, so this flag is its signalled: its update - 1's.
             signalled, pending = log.read(*pending), None
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
