@@ -115,6 +115,7 @@ def init(cfg: Config, key) -> dict:
     # Makes fp32 parameters. train.init_state runs this under jit, which creates them sharded.
     # As in OLMo-core's init, every matrix is N(0, 0.02) cut at 3 std with no depth scaling, and
     # the norms' weights are 1. A weight is a norm's when its Hugging Face name says "norm".
+    # leaves: the Specs in order; treedef: the dict's structure, for unflatten to rebuild
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
     arrays = [jnp.ones(s.shape, jnp.float32) if "norm" in s.hf else
               0.02 * jax.random.truncated_normal(k, -3.0, 3.0, s.shape, jnp.float32)
@@ -171,13 +172,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # block(p, x, window, rope, cfg, segments): checkpoint traces block as jit does, so window
-    # (2) and cfg (4), which Python `if`s read, must be static: values baked into the traced
-    # layer, so each window is traced on its own
+    # (2) and cfg (4), which Python `if`s read (attention's `if window`, cfg.attention), must be
+    # static: values baked into the traced layer, so each window is traced on its own. (Traced,
+    # window would be a tracer, and `if window` would fail with a ConcretizationTypeError.)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
     # windows[j]: the window of layer j of every group: [4096, 4096, 4096, None] for the 7B,
     # [64, 64, 64, None] for tiny (None: full). A group is global_every layers long, so layer
     # g * 4 + j is full iff j is 3, and is_global(j) answers for all groups (with one group, j
-    # is the layer).
+    # is the layer). global_every divides n_layers here, so the last layer is a j = 3 too.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
@@ -332,9 +334,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 # (a device then sees q as [4096, 2048]). After `o` and `down` it all-reduces over `tensor`, because
 # each partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters each
 # gradient back to its fsdp shard. The embedding's lookup in a table whose rows are split over
-# `tensor` gets what communication it needs, too. QK-norm's statistics span all heads, so with
-# `tensor` XLA sums them across the partners too. data=N keeps N copies of the weights (each one
-# split over fsdp) and all-reduces their gradients.
+# `tensor` needs communication too; XLA chooses it, and it is correct whatever it chooses. QK-norm's
+# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N keeps N
+# copies of the weights (each one split over fsdp) and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,

@@ -1,7 +1,7 @@
 """Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
-its run (on any mesh that splits it). Stopped by a signal or --stop-at, it checkpoints, exits 75."""
+its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs
 # (a laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the
@@ -153,15 +153,19 @@ def train(cfg, r, args, mesh, manager):
     #   iteration 7: dispatch 7 (its flag False) | read 6's metrics         <- SIGTERM
     #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
     #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
-    # (The save reads its update's own metrics first.)
-    # pending: (update, metrics) dispatched but not yet read; signalled: the last stop flag read
+    # The save reads its update's own metrics first. With save_every 10 and no signal:
+    #   iteration 10: dispatch 10 | read 9's | save due: read 10's, save 10
+    #   iteration 11: dispatch 11 | nothing to read (pending is None)
+    # At the top of each iteration, pending is update - 1's unread (update, metrics), or None if
+    # its save read them; signalled is update - 1's stop flag either way.
     pending, signalled = None, False
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        metrics["stop"] = stop_signalled(mesh)  # did any process get a signal? (second read)
+        # did any process get a signal? A bool array every process agrees on (second read)
+        metrics["stop"] = stop_signalled(mesh)
         # pending is update - 1's metrics (done by now, so reading them idles no device), or None
         # right after a save, which read them itself
         if pending:
@@ -237,8 +241,10 @@ def abstract_state(cfg, r, mesh):
     # MaskedState(...)) for the chain's clip, Adam and decay.
     shapes = jax.eval_shape(lambda p: fresh_state(r, p), params)
     whole = NamedSharding(mesh, P())  # replicated: every device holds all of it
-    # tree_map_params asks the optimizer which leaves mirror a param: Adam's mu and nu are cut
-    # like their param (ZeRO-3), and the rest (Adam's count) is whole
+    # tree_map_params runs the optimizer's init to learn which of its leaves mirror a param, and
+    # calls f(that leaf, its param) for each: Adam's mu and nu are cut like their param (ZeRO-3),
+    # and the rest (Adam's count) is whole. adam[1].mu["blocks"]["q"] is then
+    # params["blocks"]["q"].sharding, and adam[1].count is whole.
     adam = optax.tree_map_params(optimizer(r), lambda opt_leaf, param: param.sharding,
                                  shapes["opt_state"], params, transform_non_params=lambda _: whole)
     where = {"params": shardings_of(params), "opt_state": adam, "step": whole, "history": whole}
@@ -331,6 +337,7 @@ def train_step(state, batch, cfg, r, accum):
     # (r.spike_guard is a Python bool, a constant in the traced expression)
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
     new = {"params": new_params, "opt_state": opt_state}
+    # where skip is True, keep the old params and Adam state
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     # The logged loss is the cross-entropy alone: z-loss is trained on, not logged
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
