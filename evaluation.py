@@ -323,7 +323,7 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
     records = list(map(json.loads, lines))
     keys = sorted({k for rec in records for k in rec if k.startswith("eval/") and "PPL" not in k})
     ax = Figure(figsize=(8, 4)).subplots()
-    for key in ["loss", *keys]:  # a step logged twice (by a resumed run) keeps its last value
+    for key in ["loss", *keys]:  # a step logged twice (an older run's resume) keeps its last
         points = sorted({rec["step"]: rec[key] for rec in records if key in rec}.items())
         steps, values = [step for step, _ in points], [value for _, value in points]
         ax.plot(steps, values, "-" if key == "loss" else "o-", lw=1, label=key)

@@ -124,8 +124,7 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-def train(cfg, r, args, mesh, manager):
-    """Setup, then the loop: step, log, evaluate, save. Returns the exit code."""
+def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record to metrics.jsonl
     log, evals = Log(cfg, r, args.out, mesh), None
@@ -138,6 +137,7 @@ def train(cfg, r, args, mesh, manager):
         evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
     target = abstract_state(cfg, r, mesh)  # only shapes and shardings, with nothing allocated yet
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
+    log.rewind(int(state["step"]))  # metrics.jsonl: records past the state's step go
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
@@ -461,13 +461,19 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # append), and draws loss.png if evaluation.py is here.
     def flush(self):
         if jax.process_index() == 0:
-            for name, path in self.files.items():
-                path.parent.mkdir(parents=True, exist_ok=True)
+            for name, path in self.files.items():  # (main's run_mark made the run directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
                 path.with_suffix(".tmp").replace(path)
             if importlib.util.find_spec("evaluation"):
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
+
+    # Drops the records past step, which the run writes again from step on. flush writes them
+    # before Orbax commits the checkpoint they go with, so a kill between the two leaves some,
+    # and so does the stop after 10 skipped updates.
+    def rewind(self, step):
+        after = lambda line: json.loads(line)["step"] > step
+        self.lines["metrics.jsonl"] = [x for x in self.lines["metrics.jsonl"] if not after(x)]
 
     def read(self, update, metrics):  # -> its stop flag: was any process asked to stop?
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
@@ -605,9 +611,9 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # Config, so another version's checkpoint is a one-line mismatch here, not an error that
     # read_retrying would take for an unreadable file.
     saved = saved_config(step_dir)
-    names = dict.fromkeys([*saved["model"], *vars(cfg)])  # both versions' fields, each once
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
-    fixed = [f for f in names if not may_differ(f)]  # the model fields that must be equal
+    # the model fields that must be equal: both versions' fields, each once, but may_differ's
+    fixed = [f for f in dict.fromkeys([*saved["model"], *vars(cfg)]) if not may_differ(f)]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
     pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
     if r is not None:  # a resume
