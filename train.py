@@ -153,12 +153,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   iteration 7: dispatch 7 (its flag False) | read 6's metrics         <- SIGTERM
     #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
     #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
-    # The save reads its update's own metrics first. With save_every 10 and no signal:
-    #   iteration 10: dispatch 10 | read 9's | save due: read 10's, save 10
-    #   iteration 11: dispatch 11 | nothing to read (pending is None)
-    # At the top of each iteration, pending is update - 1's unread (update, metrics), or None if
-    # its save read them; signalled is update - 1's stop flag either way.
-    pending, signalled = None, False
+    previous = None  # update - 1's (update, metrics)
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
@@ -166,20 +161,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         # did any process get a signal? A bool array every process agrees on (second read)
         metrics["stop"] = stop_signalled(mesh)
-        # pending is update - 1's metrics (done by now, so reading them idles no device), or None
-        # right after a save, which read them itself
-        if pending:
-            signalled = log.read(*pending)  # logs them, returns their stop flag
-        pending = (update, metrics)
+        # update - 1's metrics are done by now, so reading them idles no device. Log.read logs
+        # them and returns their stop flag, the same on every process.
+        signalled = log.read(*previous) if previous else False
+        previous = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        # signalled is update - 1's flag on every path here, so all processes stop after the
-        # same update
         stop = stop_reason(update, args, signalled)  # None, or why it stops now (second read)
         if update % r.save_every == 0 or update == r.steps or stop:
-            # update's own metrics, so the log saved with its checkpoint reaches it. The next
-            # iteration skips `if pending`, so this flag is its signalled: its update - 1's.
-            signalled, pending = log.read(*pending), None
+            # Read now, so the log saved with the checkpoint reaches update. (The next
+            # iteration reads them again, which logs nothing: Log.read reads an update once.)
+            log.read(update, metrics)
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -373,19 +365,18 @@ def schedule(r: Recipe):
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
     else:  # "olmo3": AI2's stage 1 in two parts (the 7b presets; optional on a first read)
-        lr = olmo3_stage1(r, cosine)
+        lr = olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
     return lambda count: lr(count + 1)
 
 
-def olmo3_stage1(r: Recipe, cosine):  # -> (update k -> its LR); cosine(T) is CosWithWarmup
-    peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
+# -> (update k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
+def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 ran stage 1 in two parts. Part 1 (-1.py) is cosine(T1), aimed at 5T tokens
     # (T1 updates); AI2 stopped it after update 596,047. Part 2 (-2.py), from RESTART on, is
     # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at update W2, then
     # the second half of a cosine from P to F, reaching F at T2. For the 7b preset (4,194,304
     # tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts inside
     # its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
-    tokens = r.global_batch * r.seq_len
     t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
     # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
@@ -443,7 +434,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        self.started, self.last, self.skipped = time.time(), None, 0
+        # last: (update, time) of the last progress line; read_to: the last update read
+        self.started, self.last, self.skipped, self.read_to = time.time(), None, 0, 0
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -479,6 +471,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
         # row stop the run), and logs a line every log_every updates.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
+        if update <= self.read_to:  # read already (a save reads its update early): only the flag
+            return m["stop"]
+        self.read_to = update
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {update}: update skipped (loss {m['loss']:.4f}, grad norm "
