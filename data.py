@@ -48,8 +48,9 @@ class Loader:
                  root=None, vocab_size=None, permutation_seed=-1):
         # (second read) `rows` are the rows of every global batch that this process reads: all
         # of them by default. On a pod they are train.local_rows, the rows its devices hold (on
-        # 2 processes with fsdp=4, process 1 reads rows 8-15 of 16). `permutation_seed` is
-        # OLMo-core's source_permutation_seed (stage 3; -1 keeps the files' order).
+        # 2 processes of 2 devices each, with fsdp=4, process 1 reads rows 8-15 of 16).
+        # `permutation_seed` is OLMo-core's source_permutation_seed (stage 3; -1 keeps the files'
+        # order).
         self.files = resolve_source(source, tokenizer, root)
         # OLMo-core shuffles the file indices with random.Random(seed). Shuffling the list with
         # it gives the same permutation.
@@ -163,10 +164,11 @@ class PackedLoader(Loader):
 
     def batch(self, step):
         # A document's EOS is labelled with the next document's first token (Loader.batch's plain
-        # shift, as OLMo-core's get_labels, which masks only padding): with the mask, the EOS
-        # predicts the next document's start from its own document alone. A document's segment runs
-        # up to and including its EOS. The padding is a segment of its own (OLMo-core's
-        # doc_lens, generate_doc_lengths=True). With EOS at positions 2 and 4,
+        # shift, as OLMo-core's get_labels, which masks only padding). So each EOS learns to
+        # predict an unrelated document's first token, seeing only its own document (the mask),
+        # as in OLMo-core. A document's segment runs up to and including its EOS. The padding is
+        # a segment of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at
+        # positions 2 and 4,
         # tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(step)
         eos = batch["inputs"] == self.eos

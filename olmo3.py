@@ -138,8 +138,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
     # constrain pins x's sharding by logical axes: rows over the data-parallel devices. The
-    # table that maps them to mesh axes, olmo3.AXIS_RULES, comes below. Without a mesh it does
-    # nothing.
+    # table that maps them to mesh axes, olmo3.AXIS_RULES, comes below. It takes no mesh: it
+    # reads the one that `with jax.set_mesh` set in train.main. Without a mesh it does nothing.
     # (an activation's D is whole on every device: only weights cut their D over fsdp)
     return constrain(x, "batch", "seq", None)
 
@@ -175,11 +175,11 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # (2) and cfg (4), which Python `if`s read (attention's `if window`, cfg.attention), must be
     # static: values baked into the traced layer, so each window is traced on its own. (Traced,
     # window would be a tracer, and `if window` would fail with a ConcretizationTypeError.)
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # window, cfg
     # windows[j]: the window of layer j of every group: [4096, 4096, 4096, None] for the 7B,
     # [64, 64, 64, None] for tiny (None: full). A group is global_every layers long, so layer
-    # g * 4 + j is full iff j is 3, and is_global(j) answers for all groups (with one group, j
-    # is the layer). global_every divides n_layers here, so the last layer is a j = 3 too.
+    # g * 4 + j is full iff j is 3, and is_global(j) answers for all groups. When the layers are
+    # grouped, the last layer ends a group, so it is a j = 3 too; with one group, j is the layer.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
@@ -373,7 +373,8 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
     # The mesh is the one that train.main (or evaluation.main, prepare.dry_run, a test) sets with
     # `with jax.set_mesh(mesh)`. While tracing, get_abstract_mesh() returns it (its axis names and
-    # sizes, no devices); with no mesh set it is empty, and nothing is pinned. Pinned activations
+    # sizes, no devices); with no mesh set it is empty, and nothing is pinned. The spec is a bare
+    # PartitionSpec: JAX takes its mesh from set_mesh. Pinned activations
     # keep their rows split over the data-parallel devices. Left alone, XLA may choose to gather a
     # whole batch onto every device. A name not in AXIS_RULES ("seq") is not split, as None is:
     # it only says which dimension that is.

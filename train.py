@@ -150,9 +150,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # wait for the host to read them. The stop flag (did any process get a SIGTERM?) rides with
     # the metrics, so every host sees it after the same update. A SIGTERM during update 7 (each
     # row is the iteration that makes that update):
-    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics         <- SIGTERM
+    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics  <- SIGTERM, after 7's flag
     #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
     #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
+    # On a first read: each iteration dispatches an update and reads (logs) the update before's
+    # metrics; `signalled` and `stop` only decide when to save and exit 75 (second read).
     previous = None  # update - 1's (update, metrics)
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
@@ -170,7 +172,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stop_reason(update, args, signalled)  # None, or why it stops now (second read)
         if update % r.save_every == 0 or update == r.steps or stop:
             # Read now, so the log saved with the checkpoint reaches update. (The next
-            # iteration reads them again, which logs nothing: Log.read reads an update once.)
+            # iteration reads them again, which logs nothing: Log.read's read_to makes a second
+            # read of an update only return its flag.)
             log.read(update, metrics)
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -235,11 +238,14 @@ def abstract_state(cfg, r, mesh):
     whole = NamedSharding(mesh, P())  # replicated: every device holds all of it
     # tree_map_params runs the optimizer's init to learn which of its leaves mirror a param, and
     # calls f(that leaf, its param) for each: Adam's mu and nu are cut like their param (ZeRO-3),
-    # and the rest (Adam's count) is whole. adam[1].mu["blocks"]["q"] is then
-    # params["blocks"]["q"].sharding, and adam[1].count is whole.
-    adam = optax.tree_map_params(optimizer(r), lambda opt_leaf, param: param.sharding,
-                                 shapes["opt_state"], params, transform_non_params=lambda _: whole)
-    where = {"params": shardings_of(params), "opt_state": adam, "step": whole, "history": whole}
+    # and the rest (Adam's count) is whole. `opt` mirrors shapes["opt_state"] leaf for leaf, a
+    # sharding in place of each array: opt[1].mu["blocks"]["q"] is params["blocks"]["q"].sharding,
+    # and opt[1].count is whole.
+    opt = optax.tree_map_params(optimizer(r), lambda opt_leaf, param: param.sharding,
+                                shapes["opt_state"], params, transform_non_params=lambda _: whole)
+    # where mirrors shapes the same way, with a NamedSharding at each leaf; the map below zips
+    # the two, leaf by leaf, into ShapeDtypeStructs
+    where = {"params": shardings_of(params), "opt_state": opt, "step": whole, "history": whole}
     return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
                         shapes, where)
 
@@ -287,6 +293,7 @@ def compile_step(cfg, r, mesh, target):
     # (the caller must not touch the old one again). cfg and r are baked into the program, as
     # static arguments would be. out_shardings keeps the state's shardings (None: XLA places the
     # metrics). lower() traces the step for these shapes and shardings; compile() builds it.
+    # The inputs' shardings are those in target's and batch's ShapeDtypeStructs.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -460,9 +467,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # Drops the records past step, which the run writes again from step on. flush writes them
-    # before Orbax commits the checkpoint they go with, so a kill between the two leaves some,
-    # and so does the stop after 10 skipped updates.
+    # metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes it before
+    # Orbax commits the checkpoint, so a kill between the two leaves records past it, and so does
+    # the stop after 10 skipped updates. rewind drops them; the resumed run logs those updates
+    # (step + 1 on) again.
     def rewind(self, step):
         after = lambda line: json.loads(line)["step"] > step
         self.lines["metrics.jsonl"] = [x for x in self.lines["metrics.jsonl"] if not after(x)]
@@ -607,7 +615,8 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # read_retrying would take for an unreadable file.
     saved = saved_config(step_dir)
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
-    # the model fields that must be equal: both versions' fields, each once, but may_differ's
+    # the model fields that must be equal: the union of both versions' field names, in order,
+    # but may_differ's
     fixed = [f for f in dict.fromkeys([*saved["model"], *vars(cfg)]) if not may_differ(f)]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
     pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
