@@ -145,41 +145,30 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
-    # This computes `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`.
-    # Scan and checkpoint change compile time, memory and the backward's recompute time, not
-    # the math (results may differ in float rounding). (tiny is one group: groups["q"] is
-    # [1, 4, 256, 256], a scan of length 1.)
-    # The 7B's 32 layers run as 8 groups of 4 (sliding, sliding, sliding, full), as MaxText
-    # runs them, so that the compiler sees 4 layers, not 32:
-    # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...].
-    # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, where g is one
-    #    group's weights [4, ...] (scan slices every array of the dict along its axis 0, so g is
-    #    a dict like groups). `group` is compiled once and run 8 times.
+    # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`, cut
+    # so that the compiler sees 4 layers, not 32 (as MaxText does). The 7B's 32 layers are 8
+    # groups of 4 (sliding, sliding, sliding, full):
+    # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...]: blocks["q"] [32, D, H*E] ->
+    #    groups["q"] [8, 4, D, H*E].
+    # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, with g one group's
+    #    weights, a dict like groups of [4, ...] arrays. `group` is compiled once, run 8 times.
     # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
-    # When global_every does not divide n_layers, all layers are one group.
-    # Shapes: blocks["q"] [32, D, H*E] -> groups["q"] [8, 4, D, H*E] -> p_group [4, D, H*E]
-    # -> a layer's p [D, H*E].
+    # The grouping changes compile time, not the math. (tiny is one group of 4: a scan of 1;
+    # when global_every does not divide n_layers, all layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # Every layer is `block` under jax.checkpoint, with or without --remat; remat only picks the
-    # policy, which says what the backward pass keeps. By default (dots_saveable) it keeps the
-    # matmuls' outputs (dot_generals: the reference attention's [B, H, T, T] scores are one) and
-    # recomputes the rest (norms, RoPE, softmax, SiLU, and the splash or cuDNN attention kernel,
-    # which is not a dot_general); with --remat true it keeps only the layer's input. (With no
-    # checkpoint, autodiff would keep every intermediate it uses.)
+    # jax.checkpoint: the backward pass recomputes the layer's insides, but for what the policy
+    # keeps. By default (dots_saveable) that is the matmuls' outputs (the reference attention's
+    # [B, H, T, T] scores among them); with --remat true, only the layer's input.
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    # block(p, x, window, rope, cfg, segments): checkpoint traces block as jit does, so window
-    # (2) and cfg (4), which Python `if`s read (attention's `if window`, cfg.attention), must be
-    # static: values baked into the traced layer, so each window is traced on its own. (Traced,
-    # window would be a tracer, and `if window` would fail with a ConcretizationTypeError.)
+    # window and cfg are static, Python values baked into the traced layer, because Python `if`s
+    # read them (attention's `if window`); each window is traced on its own
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # window, cfg
-    # windows[j]: the window of layer j of every group: [4096, 4096, 4096, None] for the 7B,
-    # [64, 64, 64, None] for tiny (None: full). A group is global_every layers long, so layer
-    # g * 4 + j is full iff j is 3, and is_global(j) answers for all groups. When the layers are
-    # grouped, the last layer ends a group, so it is a j = 3 too; with one group, j is the layer.
+    # windows[j]: layer j of every group: [4096, 4096, 4096, None] for the 7B (None: full). A
+    # group starts at a multiple of global_every, so is_global(j) answers for layer j of each.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]

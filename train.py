@@ -30,12 +30,6 @@ import olmo3
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 EXIT_STOPPED = 75  # checkpointed before the last step, so rerun to resume (EX_TEMPFAIL)
-HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
-SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
-TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
-# the first update of stage 1's second part (AI2 restarted after 596,047, with the 7b's batch;
-# see schedule)
-RESTART = 596_048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +86,6 @@ RECIPES = {
 # Adam", --init-from) with a fresh schedule that decays linearly to 0, and another data seed.
 STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedule="linear",
               min_lr_ratio=0.0, steps=47_684, data_seed=1337)
-DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
-              "source_permutation_seed")  # a resumed run must keep these and its data
-CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTION,
-           "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -145,26 +135,19 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # it, so a resume replays exactly. Each iteration makes update = step + 1 (OLMo-core's
     # 1-based global_step), the number that is logged, saved and compared with r.steps.
     # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
-    # loss.item() waits for the GPU at each log line (every step by default), this loop reads an
-    # update's metrics one iteration later, while the next update runs, so the devices do not
-    # wait for the host to read them. The stop flag (did any process get a SIGTERM?) rides with
-    # the metrics, so every host sees it after the same update. A SIGTERM during update 7 (each
-    # row is the iteration that makes that update):
-    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics  <- SIGTERM, after 7's flag
-    #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
-    #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
-    # On a first read: each iteration dispatches an update and reads (logs) the update before's
-    # metrics; `signalled` and `stop` only decide when to save and exit 75 (second read).
+    # loss.item() waits for the GPU at each log line, this loop reads an update's metrics one
+    # iteration later, while the next update runs, so the devices never wait for the host.
+    # On a first read, skip `signalled` and `stop`: they only decide when to save and exit 75
+    # (stop_reason, in the second read, has a timeline).
     previous = None  # update - 1's (update, metrics)
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # did any process get a signal? A bool array every process agrees on (second read)
-        metrics["stop"] = stop_signalled(mesh)
-        # update - 1's metrics are done by now, so reading them idles no device. Log.read logs
-        # them and returns their stop flag, the same on every process.
+        metrics["stop"] = stop_signalled(mesh)  # did any process get a signal? (second read)
+        # Log.read waits for update - 1's metrics (done by now, so no device idles), logs them
+        # and returns their stop flag, the same on every process
         signalled = log.read(*previous) if previous else False
         previous = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
@@ -221,6 +204,9 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
+HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+
+
 def fresh_state(r, params):  # the training state before update 1
     return {"params": params, "opt_state": optimizer(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
@@ -230,24 +216,20 @@ def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
     # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
+    # whole(s): s replicated (every device holds all of it); like(s, param): s cut as param is
+    whole = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
+    like = lambda s, param: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=param.sharding)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # eval_shape runs fresh_state on descriptions, allocating nothing: shapes, but no shardings.
-    # Its opt_state is optax's tuple (EmptyState(), ScaleByAdamState(count, mu, nu),
-    # MaskedState(...)) for the chain's clip, Adam and decay.
-    shapes = jax.eval_shape(lambda p: fresh_state(r, p), params)
-    whole = NamedSharding(mesh, P())  # replicated: every device holds all of it
-    # tree_map_params runs the optimizer's init to learn which of its leaves mirror a param, and
-    # calls f(that leaf, its param) for each: Adam's mu and nu are cut like their param (ZeRO-3),
-    # and the rest (Adam's count) is whole. `opt` mirrors shapes["opt_state"] leaf for leaf, a
-    # sharding in place of each array: opt[1].mu["blocks"]["q"] is params["blocks"]["q"].sharding,
-    # and opt[1].count is whole.
-    opt = optax.tree_map_params(optimizer(r), lambda opt_leaf, param: param.sharding,
-                                shapes["opt_state"], params, transform_non_params=lambda _: whole)
-    # where mirrors shapes the same way, with a NamedSharding at each leaf; the map below zips
-    # the two, leaf by leaf, into ShapeDtypeStructs
-    where = {"params": shardings_of(params), "opt_state": opt, "step": whole, "history": whole}
-    return jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
-                        shapes, where)
+    # eval_shape runs fresh_state on descriptions, allocating nothing: shapes, but no shardings
+    state = jax.eval_shape(lambda p: fresh_state(r, p), params)
+    # state["opt_state"] is optax's tuple (EmptyState(), ScaleByAdamState(count, mu, nu),
+    # MaskedState(...)) for the chain's clip, Adam and decay. tree_map_params runs the
+    # optimizer's init to learn which of its leaves mirror a param and calls like(leaf, param)
+    # for each, so Adam's mu and nu are cut like their param (ZeRO-3); the rest is whole.
+    opt = optax.tree_map_params(optimizer(r), like, state["opt_state"], params,
+                                transform_non_params=whole)
+    return {"params": params, "opt_state": opt, "step": whole(state["step"]),
+            "history": whole(state["history"])}
 
 
 # jit with out_shardings: each device creates only its own shards, so the 7B is never whole on one
@@ -376,6 +358,10 @@ def schedule(r: Recipe):
     return lambda count: lr(count + 1)
 
 
+# the first update of stage 1's second part (AI2 restarted after update 596,047)
+RESTART = 596_048
+
+
 # -> (update k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
 def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 ran stage 1 in two parts. Part 1 (-1.py) is cosine(T1), aimed at 5T tokens
@@ -429,6 +415,8 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
 
 
 # ----------------------------------------------------------------------------- reporting
+
+SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
 
 # Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per chip. The first name
 # found in the device's kind counts, so "v5 lite" must come before "v5".
@@ -509,6 +497,11 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 # ----------------------------------------------------------------------------- command line
 
+# the flags whose values are a few names
+CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTION,
+           "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
+
+
 def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with the flags applied
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -576,6 +569,9 @@ def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1
 # a commit file on gs://). Only committed steps are listed, so a kill -9 at any moment loses only
 # the steps since the last commit. A step holds params, train_state and config.
 
+TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
+
+
 def checkpoints(directory, r=Recipe(), read_only=False):  # r says how many to keep
     path = directory if "://" in directory else os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every,
@@ -604,6 +600,10 @@ def save(manager, step, state, cfg, r=None, data_fingerprint=None):
 
 def saved_config(step_dir):  # -> {"model": Config's fields, "recipe": ..., "data": ...}
     return ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
+
+
+DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
+              "source_permutation_seed")  # a resumed run must keep these and its data
 
 
 def restore(step_dir, target, cfg, r=None, loader=None):
@@ -718,7 +718,10 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
     # signalled came with update - 1's metrics, so all processes stop after the same update. A
-    # SIGTERM that comes after iteration 7 computed its flag is in 8's, read at 9: all save 9.
+    # SIGTERM during update 7, in train's loop (each row is the iteration that makes that update):
+    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics  <- SIGTERM, after 7's flag
+    #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
+    #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
     if update == args.stop_at:
         return "--stop-at"
     if signalled:  # a process got a signal: all stop, together
