@@ -107,6 +107,8 @@ def config_to_hf(cfg) -> dict:
 
 def from_hf(path):
     """A HF checkpoint folder (safetensors, sharded or not) -> (Config, params as fp32 numpy)."""
+    # framework="np" reads bf16 tensors as numpy's bfloat16, which exists because importing jax
+    # registered ml_dtypes' types with numpy (safetensors alone raises a TypeError for them)
     from safetensors import safe_open
     if not os.path.isfile(f"{path}/config.json"):
         raise SystemExit(f"error: {path}/config.json not found; pass a Hugging Face model folder")

@@ -42,7 +42,8 @@ class Config:
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
     remat: bool = False                # layers are always checkpointed; True keeps only each
-    #                                    layer's input, False its matmul outputs too (decoder)
+    #                                    layer's input, False its matmul outputs too (decoder):
+    #                                    False still recomputes all else (norms, softmax, ...)
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property
@@ -137,10 +138,11 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    # constrain pins x's sharding by logical axes: rows over the data-parallel devices. The
-    # table that maps them to mesh axes, olmo3.AXIS_RULES, comes below. It takes no mesh: it
-    # reads the one that `with jax.set_mesh` set in train.main. Without a mesh it does nothing.
-    # (an activation's D is whole on every device: only weights cut their D over fsdp)
+    # constrain pins x's sharding by logical axes: rows over the data-parallel devices (on one
+    # device it does nothing; the mesh is the reading map's stop 4). The table that maps logical
+    # axes to mesh axes, olmo3.AXIS_RULES, comes below. constrain takes no mesh: it reads the one
+    # that `with jax.set_mesh` set in train.main, and without one it does nothing. (An
+    # activation's D is whole on every device: only weights cut their D over fsdp.)
     return constrain(x, "batch", "seq", None)
 
 
@@ -181,7 +183,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)  # as block's norms
 
 
-# window is None (full) or W (decoder makes window and cfg static).
+# window is None (full) or W (decoder makes window and cfg static); rope is rope_tables'
+# (cos_TE, sin_TE).
 def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -320,12 +323,13 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 # moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each device holds 128
 # sequences, the same ones as its tensor partner. XLA inserts the communication, and what it
 # typically chooses is this. Before a layer's matmuls it all-gathers the fsdp shards of the weights
-# (a device then sees q as [4096, 2048]). After `o` and `down` it all-reduces over `tensor`, because
-# each partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters each
-# gradient back to its fsdp shard. The embedding's lookup in a table whose rows are split over
-# `tensor` needs communication too; XLA chooses it, and it is correct whatever it chooses. QK-norm's
-# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N keeps N
-# copies of the weights (each one split over fsdp) and all-reduces their gradients.
+# (one layer's q, gathered over fsdp, is [4096, 2048] on a device). After `o` and `down` it
+# all-reduces over `tensor`, because each partner summed half of the heads or of the MLP. In the
+# backward pass it reduce-scatters each gradient back to its fsdp shard. The embedding's lookup in
+# a table whose rows are split over `tensor` needs communication too; XLA chooses it, and it is
+# correct whatever it chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums them
+# across the partners too. data=N keeps N copies of the weights (each one split over fsdp) and
+# all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,

@@ -137,14 +137,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
     # loss.item() waits for the GPU at each log line, this loop reads an update's metrics one
     # iteration later, while the next update runs, so the devices never wait for the host.
-    # On a first read, skip `signalled` and `stop`: they only decide when to save and exit 75
-    # (stop_reason, in the second read, has a timeline).
+    # On a first read, the loop is this, and `signalled` and `stop` (which decide when to save
+    # and exit 75; stop_reason has a timeline) belong to the second read:
+    #   for each step:  dispatch the update: state, metrics = step_fn(...)
+    #                   log the update before's metrics (done by now)
+    #                   evaluate every eval_every updates, save every save_every updates
     previous = None  # update - 1's (update, metrics)
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
+        # (state["step"] is update now, so a checkpoint's number is the step it holds)
         metrics["stop"] = stop_signalled(mesh)  # did any process get a signal? (second read)
         # Log.read waits for update - 1's metrics (done by now, so no device idles), logs them
         # and returns their stop flag, the same on every process
@@ -225,7 +229,9 @@ def abstract_state(cfg, r, mesh):
     # state["opt_state"] is optax's tuple (EmptyState(), ScaleByAdamState(count, mu, nu),
     # MaskedState(...)) for the chain's clip, Adam and decay. tree_map_params runs the
     # optimizer's init to learn which of its leaves mirror a param and calls like(leaf, param)
-    # for each, so Adam's mu and nu are cut like their param (ZeRO-3); the rest is whole.
+    # for each, so Adam's mu and nu are cut like their param (ZeRO-3); the rest is whole. For
+    # example, opt[1].mu["blocks"]["q"] gets params["blocks"]["q"]'s sharding, P(None, "fsdp",
+    # "tensor"), while opt[1].count, step and history get P().
     opt = optax.tree_map_params(optimizer(r), like, state["opt_state"], params,
                                 transform_non_params=whole)
     return {"params": params, "opt_state": opt, "step": whole(state["step"]),
