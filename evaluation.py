@@ -172,7 +172,9 @@ def load_task(spec, limit, tokenizer, seq_len):
     # {7, 9} (dict.fromkeys drops repeats and keeps the order)
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    if DIVIDE_BY[metric] == "bytes":  # only the right continuation of each document is scored
+    # Bits per byte measure how likely the model finds the right answer's text, so only the
+    # right continuation of each document is scored
+    if DIVIDE_BY[metric] == "bytes":
         # The right one has a label that is the answer's own text (a str, or a list of them: a
         # document with only that continuation, as lambada:bpb_0shot's), or idx == label
         # (multiple choice: the label is the right idx). A label of None reads as 0, as

@@ -140,7 +140,8 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
     # constrain pins x's sharding by logical axes: rows over the data-parallel devices (on one
     # device it does nothing; the mesh is the reading map's stop 4). The table that maps logical
-    # axes to mesh axes, olmo3.AXIS_RULES, comes below. constrain takes no mesh: it reads the one
+    # axes to mesh axes, olmo3.AXIS_RULES, comes below: "batch" is cut over ("data", "fsdp"),
+    # and "seq" and None are not cut. constrain takes no mesh: it reads the one
     # that `with jax.set_mesh` set in train.main, and without one it does nothing. (An
     # activation's D is whole on every device: only weights cut their D over fsdp.)
     return constrain(x, "batch", "seq", None)
@@ -155,8 +156,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, with g one group's
     #    weights, a dict like groups of [4, ...] arrays. `group` is compiled once, run 8 times.
     # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
-    # The grouping changes compile time, not the math. (tiny is one group of 4: a scan of 1;
-    # when global_every does not divide n_layers, all layers are one group.)
+    # The grouping changes compile time, not the math. (tiny is one group of 4, a scan of 1:
+    # groups["q"] is [1, 4, 256, 256]. When global_every does not divide n_layers, all layers
+    # are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
@@ -168,6 +170,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # window and cfg are static, Python values baked into the traced layer, because Python `if`s
     # read them (attention's `if window`); each window is traced on its own
+    # layer is block, wrapped: layer(p, x, window, rope, cfg, segments) calls block
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # window, cfg
     # windows[j]: layer j of every group: [4096, 4096, 4096, None] for the 7B (None: full). A
     # group starts at a multiple of global_every, so is_global(j) answers for layer j of each.

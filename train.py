@@ -136,7 +136,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # 1-based global_step), the number that is logged, saved and compared with r.steps.
     # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
     # loss.item() waits for the GPU at each log line, this loop reads an update's metrics one
-    # iteration later, while the next update runs, so the devices never wait for the host.
+    # iteration later, while the next update runs, so the devices do not wait for the host (but
+    # at a save, which reads the update it saves, and an evaluation, which runs in between).
     # On a first read, the loop is this, and `signalled` and `stop` (which decide when to save
     # and exit 75; stop_reason has a timeline) belong to the second read:
     #   for each step:  dispatch the update: state, metrics = step_fn(...)
@@ -401,7 +402,7 @@ def optimizer(r: Recipe):
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
-    # (step: the updates done, as in the state)
+    # (step: the updates done, as in the state, so update step + 1's values go to slot step % 128)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
     # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
     # 128, only the first `step` slots hold values). mean and std [2]: one per row.
