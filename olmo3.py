@@ -138,12 +138,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    # constrain pins x's sharding by logical axes: rows over the data-parallel devices (on one
-    # device it does nothing; the mesh is the reading map's stop 4). The table that maps logical
-    # axes to mesh axes, olmo3.AXIS_RULES, comes below: "batch" is cut over ("data", "fsdp"),
-    # and "seq" and None are not cut. constrain takes no mesh: it reads the one
-    # that `with jax.set_mesh` set in train.main, and without one it does nothing. (An
-    # activation's D is whole on every device: only weights cut their D over fsdp.)
+    # constrain keeps x's rows split over the data-parallel devices; with no mesh (one device)
+    # it does nothing. It and the mesh are the reading map's stop 4.
     return constrain(x, "batch", "seq", None)
 
 
@@ -163,18 +159,20 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
+    # windows[j]: layer j of every group: [4096, 4096, 4096, None] for the 7B (None: full). A
+    # group starts at a multiple of global_every, so is_global(j) answers for layer j of each.
+    # (The model's last layer, full by is_global's second rule, is j = global_every - 1 of the
+    # last group, full by the first rule anyway.)
+    windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
     # jax.checkpoint: the backward pass recomputes the layer's insides, but for what the policy
     # keeps. By default (dots_saveable) that is the matmuls' outputs (the reference attention's
     # [B, H, T, T] scores among them); with --remat true, only the layer's input.
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # window and cfg are static, Python values baked into the traced layer, because Python `if`s
-    # read them (attention's `if window`); each window is traced on its own
-    # layer is block, wrapped: layer(p, x, window, rope, cfg, segments) calls block
+    # read them (attention's `if window`, in olmo3.attention); each window is traced on its own.
+    # layer is block, wrapped: layer(p, x, window, rope, cfg, segments) calls block.
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # window, cfg
-    # windows[j]: layer j of every group: [4096, 4096, 4096, None] for the 7B (None: full). A
-    # group starts at a multiple of global_every, so is_global(j) answers for layer j of each.
-    windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
 
     def group(x, p_group):  # p_group holds every weight as [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value

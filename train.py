@@ -136,13 +136,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # 1-based global_step), the number that is logged, saved and compared with r.steps.
     # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
     # loss.item() waits for the GPU at each log line, this loop reads an update's metrics one
-    # iteration later, while the next update runs, so the devices do not wait for the host (but
-    # at a save, which reads the update it saves, and an evaluation, which runs in between).
+    # iteration later, while the next update runs, so the devices do not wait for the host
+    # (except at a save, which reads the update it saves, and at an evaluation).
     # On a first read, the loop is this, and `signalled` and `stop` (which decide when to save
     # and exit 75; stop_reason has a timeline) belong to the second read:
     #   for each step:  dispatch the update: state, metrics = step_fn(...)
-    #                   log the update before's metrics (done by now)
+    #                   log the update before's metrics (done by now): log.read(*previous),
+    #                     which also returns their stop flag
     #                   evaluate every eval_every updates, save every save_every updates
+    #                     (a save first reads its own update's metrics; Log.read reads an
+    #                     update once, and a second read only returns the flag)
     previous = None  # update - 1's (update, metrics)
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
@@ -221,18 +224,20 @@ def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
     # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
-    # whole(s): s replicated (every device holds all of it); like(s, param): s cut as param is
-    whole = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
-    like = lambda s, param: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=param.sharding)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # eval_shape runs fresh_state on descriptions, allocating nothing: shapes, but no shardings
+    # eval_shape runs fresh_state on descriptions, allocating nothing: it keeps the shapes, not
+    # the shardings, which the rest of this function puts back
     state = jax.eval_shape(lambda p: fresh_state(r, p), params)
+    # whole(x): a leaf x's description, replicated (every device holds all of it); like(x, param):
+    # x cut as param is
+    whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
+    like = lambda x, param: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param.sharding)
     # state["opt_state"] is optax's tuple (EmptyState(), ScaleByAdamState(count, mu, nu),
     # MaskedState(...)) for the chain's clip, Adam and decay. tree_map_params runs the
     # optimizer's init to learn which of its leaves mirror a param and calls like(leaf, param)
-    # for each, so Adam's mu and nu are cut like their param (ZeRO-3); the rest is whole. For
-    # example, opt[1].mu["blocks"]["q"] gets params["blocks"]["q"]'s sharding, P(None, "fsdp",
-    # "tensor"), while opt[1].count, step and history get P().
+    # for each, so Adam's mu and nu are cut like their param (ZeRO-3). whole is called for the
+    # rest: Adam's count, and below, step and history. For example, opt[1].mu["blocks"]["q"]
+    # gets params["blocks"]["q"]'s sharding, P(None, "fsdp", "tensor"); opt[1].count gets P().
     opt = optax.tree_map_params(optimizer(r), like, state["opt_state"], params,
                                 transform_non_params=whole)
     return {"params": params, "opt_state": opt, "step": whole(state["step"]),
@@ -336,7 +341,8 @@ def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], with row i in micro-batch i % accum. A device
     # holds a block of rows, and each micro-batch takes every accum-th row of each block, so it
     # spans all data-parallel devices and no row moves. (8 rows, accum 2, 2 devices: device 0
-    # holds rows 0-3, its rows 0 and 2 go to micro-batch 0, rows 1 and 3 to micro-batch 1.)
+    # holds rows 0-3, its rows 0 and 2 go to micro-batch 0, rows 1 and 3 to micro-batch 1: each
+    # device keeps its own block of rows.)
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -407,6 +413,7 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
     # 128, only the first `step` slots hold values). mean and std [2]: one per row.
     # At step 3, slots 0-2 hold values, and mean and std are over those 3 (enough is False).
+    # At step 63 (update 64), 63 are held, and with this one that is 64: enough is True.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
