@@ -33,7 +33,10 @@ LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (
 # These are the primary metrics scored here, as ICLMetric scores them. The accuracies take the
 # argmax, over a document's continuations, of the score (the sum of log-probs) or of the score
 # per character or per token. The byte metrics give the bits per byte of the right continuation.
-# (olmo_eval's tasks.py scores logits_per_byte and bits_per_byte alike, as its "bpb".)
+# (olmo_eval's tasks.py scores logits_per_byte and bits_per_byte alike, as its "bpb".) Tasks
+# whose primary metric each is, in ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char
+# arc_challenge:rc_5shot, acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte
+# lambada:bpb_0shot, bits_per_byte gsm8k:gold_bpb_5shot.
 DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
              "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
 

@@ -32,7 +32,8 @@ class Config:
     vocab_size: int = 100_278          # the tokenizer's ids (weights are padded to `padded_vocab`)
     tokenizer: str = "dolma2"          # "dolma2" (cl100k + OLMo specials) or "bytes"
     sliding_window: int = 4096         # the keys a sliding layer sees, including the current token
-    global_every: int = 4              # layers 3, 7, 11, ... (and the last) are global: no window
+    global_every: int = 4              # layers 3, 7, 11, ... (from 0; and the last) are global
+    #                                    ("full" below): no window
     rope_theta: float = 500_000.0
     yarn_factor: float = 0.0           # YaRN RoPE scaling on full-attention layers (0 means none)
     yarn_beta_fast: float = 32.0
@@ -41,9 +42,9 @@ class Config:
     norm_eps: float = 1e-6
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
-    remat: bool = False                # layers are always checkpointed; True keeps only each
-    #                                    layer's input, False its matmul outputs too (decoder):
-    #                                    False still recomputes all else (norms, softmax, ...)
+    remat: bool = False                # every layer is checkpointed (decoder). False keeps its
+    #                                    matmul outputs (dots_saveable); True keeps only its
+    #                                    input (nothing_saveable)
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property
@@ -138,8 +139,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    # constrain keeps x's rows split over the data-parallel devices; with no mesh (one device)
-    # it does nothing. It and the mesh are the reading map's stop 4.
+    # constrain keeps x's rows split over the data-parallel devices; with no mesh set (a test,
+    # convert --verify) it does nothing. It and the mesh are the reading map's stop 4.
     return constrain(x, "batch", "seq", None)
 
 
@@ -161,8 +162,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # windows[j]: layer j of every group: [4096, 4096, 4096, None] for the 7B (None: full). A
     # group starts at a multiple of global_every, so is_global(j) answers for layer j of each.
-    # (The model's last layer, full by is_global's second rule, is j = global_every - 1 of the
-    # last group, full by the first rule anyway.)
+    # The model's last layer is j = global_every - 1 of the last group, so it is full.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
     # jax.checkpoint: the backward pass recomputes the layer's insides, but for what the policy
     # keeps. By default (dots_saveable) that is the matmuls' outputs (the reference attention's
@@ -281,7 +281,8 @@ def loss_terms(logits, labels, z_loss: float, axis=None):
 
 def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # Training costs 3 x the forward pass. The forward pass costs 2 FLOPs per matmul weight (not
-    # the embedding, which is a gather) and 4 per head dim for each key a query sees.
+    # the embedding, which is a gather) and 4 per head dim, per query head, for each key a query
+    # sees.
     # seen: the keys a query sees on average, per layer. Query i (i = 1..S) sees i keys in a
     # full causal layer, (S + 1) / 2 on average, and min(i, W) in a window W, which sum to
     # SW - W(W - 1) / 2, so W - (W^2 - W) / 2S on average. windows=False counts every layer

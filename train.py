@@ -119,13 +119,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # log(text) prints a line (process 0's); log(**record) adds a record to metrics.jsonl
     log, evals = Log(cfg, r, args.out, mesh), None
     # evaluation.py lives beside the core. With the core alone (a copy of the three files), the
-    # run trains without evaluations, samples or the loss plot.
+    # run trains without evaluations, samples or the loss plot. It evaluates the sets given
+    # (--eval-data, --eval-tasks), or else the corpus's held-out set if evaluation.py is here.
     have_evaluation = importlib.util.find_spec("evaluation") is not None
     if args.eval_data or args.eval_tasks or (heldout and have_evaluation):
         import evaluation
         sets = args.eval_data if args.eval_data else heldout
         evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
-    target = abstract_state(cfg, r, mesh)  # only shapes and shardings, with nothing allocated yet
+    # target: the state's shapes and shardings, with nothing allocated yet; what a fresh state is
+    # created as, restore reads onto and compile_step compiles for
+    target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     log.rewind(int(state["step"]))  # metrics.jsonl: records past the state's step go
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
@@ -142,7 +145,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # and exit 75; stop_reason has a timeline) belong to the second read:
     #   for each step:  dispatch the update: state, metrics = step_fn(...)
     #                   log the update before's metrics (done by now): log.read(*previous),
-    #                     which also returns their stop flag
+    #                     which also returns their flag `signalled`
     #                   evaluate every eval_every updates, save every save_every updates
     #                     (a save first reads its own update's metrics; Log.read reads an
     #                     update once, and a second read only returns the flag)
@@ -153,14 +156,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         # (state["step"] is update now, so a checkpoint's number is the step it holds)
-        metrics["stop"] = stop_signalled(mesh)  # did any process get a signal? (second read)
+        # did any process get a signal? A separate device array, not step_fn's, put into metrics
+        # so it is read with them, one step late, with no wait of its own (second read; on one
+        # host with no signal, signalled is False and stop None)
+        metrics["signalled"] = stop_signalled(mesh)
         # Log.read waits for update - 1's metrics (done by now, so no device idles), logs them
-        # and returns their stop flag, the same on every process
+        # and returns their flag metrics["signalled"], the same on every process
         signalled = log.read(*previous) if previous else False
         previous = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        stop = stop_reason(update, args, signalled)  # None, or why it stops now (second read)
+        # stop: None, or why the run stops now, a string (second read)
+        stop = stop_reason(update, args, signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
             # Read now, so the log saved with the checkpoint reaches update. (The next
             # iteration reads them again, which logs nothing: Log.read's read_to makes a second
@@ -224,20 +231,22 @@ def abstract_state(cfg, r, mesh):
     """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
     # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
+    # eval_shape forgets shardings; this function puts them back.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     # eval_shape runs fresh_state on descriptions, allocating nothing: it keeps the shapes, not
-    # the shardings, which the rest of this function puts back
+    # the shardings
     state = jax.eval_shape(lambda p: fresh_state(r, p), params)
     # whole(x): a leaf x's description, replicated (every device holds all of it); like(x, param):
     # x cut as param is
     whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
     like = lambda x, param: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param.sharding)
     # state["opt_state"] is optax's tuple (EmptyState(), ScaleByAdamState(count, mu, nu),
-    # MaskedState(...)) for the chain's clip, Adam and decay. tree_map_params runs the
-    # optimizer's init to learn which of its leaves mirror a param and calls like(leaf, param)
-    # for each, so Adam's mu and nu are cut like their param (ZeRO-3). whole is called for the
-    # rest: Adam's count, and below, step and history. For example, opt[1].mu["blocks"]["q"]
-    # gets params["blocks"]["q"]'s sharding, P(None, "fsdp", "tensor"); opt[1].count gets P().
+    # MaskedState(...)) for the chain's clip, Adam and decay (optimizer, below). tree_map_params
+    # runs the optimizer's init to learn which of its leaves mirror a param and calls
+    # like(leaf, param) for each, so Adam's mu and nu are cut like their param (ZeRO-3). It calls
+    # whole(leaf) for the rest, Adam's count (and step and history are whole too). For example,
+    # opt[1].mu["blocks"]["q"] gets params["blocks"]["q"]'s sharding, P(None, "fsdp", "tensor"),
+    # and opt[1].count gets P().
     opt = optax.tree_map_params(optimizer(r), like, state["opt_state"], params,
                                 transform_non_params=whole)
     return {"params": params, "opt_state": opt, "step": whole(state["step"]),
@@ -342,7 +351,7 @@ def split_micro(x, accum: int):
     # holds a block of rows, and each micro-batch takes every accum-th row of each block, so it
     # spans all data-parallel devices and no row moves. (8 rows, accum 2, 2 devices: device 0
     # holds rows 0-3, its rows 0 and 2 go to micro-batch 0, rows 1 and 3 to micro-batch 1: each
-    # device keeps its own block of rows.)
+    # device keeps its own block of rows. Micro-batch 0 is rows 0, 2, 4 and 6.)
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -477,12 +486,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         after = lambda line: json.loads(line)["step"] > step
         self.lines["metrics.jsonl"] = [x for x in self.lines["metrics.jsonl"] if not after(x)]
 
-    def read(self, update, metrics):  # -> its stop flag: was any process asked to stop?
+    def read(self, update, metrics):  # -> its flag "signalled": was any process asked to stop?
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
         # row stop the run), and logs a line every log_every updates.
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         if update <= self.read_to:  # read already (a save reads its update early): only the flag
-            return m["stop"]
+            return m["signalled"]
         self.read_to = update
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
@@ -493,7 +502,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
         if update % r.log_every and update != r.steps:
-            return m["stop"]
+            return m["signalled"]
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -506,7 +515,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (update, now)
         self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m["stop"]
+        return m["signalled"]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -733,7 +742,7 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
     # signalled came with update - 1's metrics, so all processes stop after the same update. A
     # SIGTERM during update 7, in train's loop (each row is the iteration that makes that update):
-    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics  <- SIGTERM, after 7's flag
+    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics  <- the SIGTERM comes here
     #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
     #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
     if update == args.stop_at:
