@@ -489,9 +489,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def read(self, update, metrics):  # -> its flag "signalled": was any process asked to stop?
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
         # row stop the run), and logs a line every log_every updates.
-        r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         if update <= self.read_to:  # read already (a save reads its update early): only the flag
-            return m["signalled"]
+            return bool(metrics["signalled"])
+        r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.read_to = update
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
