@@ -32,9 +32,9 @@ logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on e
 EXIT_STOPPED = 75  # checkpointed before the last step, so rerun to resume (EX_TEMPFAIL)
 
 
+# Training settings: AI2's stage 1, but a plain cosine; 7b has AI2's two-part schedule
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Training settings: AI2's stage 1, but a plain cosine; 7b has AI2's two-part schedule."""
     seq_len: int = 8192
     global_batch: int = 512            # sequences per optimizer step
     micro_batch: int = 0               # sequences per forward/backward over all devices (0: all)
@@ -138,18 +138,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # it, so a resume replays exactly. Each iteration makes update = step + 1 (OLMo-core's
     # 1-based global_step), the number that is logged, saved and compared with r.steps.
     # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
-    # loss.item() waits for the GPU at each log line, this loop reads an update's metrics one
-    # iteration later, while the next update runs, so the devices do not wait for the host
-    # (except at a save, which reads the update it saves, and at an evaluation).
-    # On a first read, the loop is this, and `signalled` and `stop` (which decide when to save
-    # and exit 75; stop_reason has a timeline) belong to the second read:
-    #   for each step:  dispatch the update: state, metrics = step_fn(...)
-    #                   log the update before's metrics (done by now): log.read(*previous),
-    #                     which also returns their flag `signalled`
-    #                   evaluate every eval_every updates, save every save_every updates
-    #                     (a save first reads its own update's metrics; Log.read reads an
-    #                     update once, and a second read only returns the flag)
-    previous = None  # update - 1's (update, metrics)
+    # loss.item() waits for the GPU at each log line, this loop hands an update's metrics to
+    # log.step, which reads the update before's (done by now) while this one runs, so the devices
+    # do not wait for the host. A save first reads its own update (log.catch_up), so the log saved
+    # with the checkpoint reaches the step it holds. `signalled` and `stop` (when to save and exit
+    # 75; stop_reason has a timeline) belong to the second read.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
@@ -158,21 +151,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (state["step"] is update now, so a checkpoint's number is the step it holds)
         # did any process get a signal? A separate device array, not step_fn's, put into metrics
         # so it is read with them, one step late, with no wait of its own (second read; on one
-        # host with no signal, signalled is False and stop None)
+        # host with no signal, it is False)
         metrics["signalled"] = stop_signalled(mesh)
-        # Log.read waits for update - 1's metrics (done by now, so no device idles), logs them
-        # and returns their flag metrics["signalled"], the same on every process
-        signalled = log.read(*previous) if previous else False
-        previous = (update, metrics)
+        # logs update - 1's metrics and returns the newest flag read, the same on every process
+        signalled = log.step(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why the run stops now, a string (second read)
         stop = stop_reason(update, args, signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
-            # Read now, so the log saved with the checkpoint reaches update. (The next
-            # iteration reads them again, which logs nothing: Log.read's read_to makes a second
-            # read of an update only return its flag.)
-            log.read(update, metrics)
+            log.catch_up()  # reads update's metrics now (the devices wait for it here)
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -227,8 +215,7 @@ def fresh_state(r, params):  # the training state before update 1
             "history": jnp.zeros((2, HISTORY))}
 
 
-def abstract_state(cfg, r, mesh):
-    """Shapes, dtypes and shardings of the whole training state, with nothing allocated."""
+def abstract_state(cfg, r, mesh):  # the whole training state, described, with nothing allocated
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
     # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
     # eval_shape forgets shardings; this function puts them back.
@@ -302,8 +289,7 @@ def compile_step(cfg, r, mesh, target):
     return step.lower(target, batch).compile()
 
 
-def train_step(state, batch, cfg, r, accum):
-    """One update on a global batch in `accum` micro-batches -> (the new state, metrics)."""
+def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches -> (state, metrics)
     # batch holds inputs, labels and, when packed, segments, each [global_batch, seq_len]
     params = state["params"]
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
@@ -358,10 +344,9 @@ def split_micro(x, accum: int):
 
 # ----------------------------------------------------------------------------- the optimizer
 
-def schedule(r: Recipe):
-    """count (updates done) -> the LR of update k = count + 1 (OLMo-core's step k)."""
-    # These are OLMo-core's formulas, with peak P, floor F = min_lr_ratio * P, warmup W and
-    # t_max T:
+def schedule(r: Recipe):  # -> a function: count (the updates done) -> the LR of update count + 1
+    # These are OLMo-core's formulas for its step k, with peak P, floor F = min_lr_ratio * P,
+    # warmup W and t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
     # Both stay at F from T on. The "olmo3" schedule's second part (olmo3_stage1) is
@@ -452,8 +437,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (update, time) of the last progress line; read_to: the last update read
-        self.started, self.last, self.skipped, self.read_to = time.time(), None, 0, 0
+        # last: (update, time) of the last progress line; skipped: updates skipped in a row
+        self.started, self.last, self.skipped = time.time(), None, 0
+        # queued: (update, metrics) handed over but not read yet; signalled: the newest flag read
+        self.queued, self.signalled = None, False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -483,16 +470,26 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # the stop after 10 skipped updates. rewind drops them; the resumed run logs those updates
     # (step + 1 on) again.
     def rewind(self, step):
-        after = lambda line: json.loads(line)["step"] > step
-        self.lines["metrics.jsonl"] = [x for x in self.lines["metrics.jsonl"] if not after(x)]
+        records = self.lines["metrics.jsonl"]
+        self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, update, metrics):  # -> its flag "signalled": was any process asked to stop?
+    def step(self, update, metrics):  # -> signalled: was any process asked to stop, as last read
+        # Reads the update before's metrics, done by now, and keeps this update's for later: the
+        # host reads one update behind the devices.
+        self.catch_up()
+        self.queued = (update, metrics)
+        return self.signalled
+
+    def catch_up(self):  # reads the update kept by step now (a save does, to log what it saves)
+        if self.queued:
+            self.read(*self.queued)
+        self.queued = None
+
+    def read(self, update, metrics):
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
         # row stop the run), and logs a line every log_every updates.
-        if update <= self.read_to:  # read already (a save reads its update early): only the flag
-            return bool(metrics["signalled"])
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
-        self.read_to = update
+        self.signalled = m["signalled"]
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {update}: update skipped (loss {m['loss']:.4f}, grad norm "
@@ -502,7 +499,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
         if update % r.log_every and update != r.steps:
-            return m["signalled"]
+            return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -515,7 +512,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (update, now)
         self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m["signalled"]
 
 
 # ----------------------------------------------------------------------------- command line
