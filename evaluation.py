@@ -8,9 +8,17 @@
 # Downstream tasks (OLMES) follow olmo_eval. A task is a file of requests (`req`), one per
 # (question, answer choice): ARC-Easy's question 7 with four choices is four requests with
 # doc_id 7 and idx 0 to 3, each with the right idx as its label. A request's score is the summed
-# log-probability of its continuation (the choice) after its context (the question); the best
-# score (or score per character, per token) is the model's answer. Context and continuation are
-# tokenized separately, with no BOS or EOS.
+# log-probability of its continuation (the choice) after its context (the question). Context and
+# continuation are tokenized separately, with no BOS or EOS. The rules, each marked where the
+# code applies it (1, 3 and 4 are olmo_eval's, in tasks.py and metrics.py of ai2-olmo-eval 0.9.0):
+#   rule 1. A doc_id of 1,000,000 or more marks oe-eval's unconditional requests: skipped.
+#   rule 2. --eval-limit N keeps the first N documents (doc ids), in file order.
+#   rule 3. Accuracy: each continuation's score is divided by 1, its characters or its tokens (the
+#           task's primary metric says which), and the document is right if the argmax over its
+#           continuations (the first on a tie) is its label.
+#   rule 4. Bits per byte: only the right continuation of each document is scored, as -score /
+#           bytes * log2(e). It is the one whose label is its own text (a str or list), or whose
+#           idx equals the label; a label of None reads as 0.
 import dataclasses
 import functools
 import gzip
@@ -30,13 +38,10 @@ import olmo3
 import train
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
-# These are the primary metrics scored here, as ICLMetric scores them. The accuracies take the
-# argmax, over a document's continuations, of the score (the sum of log-probs) or of the score
-# per character or per token. The byte metrics give the bits per byte of the right continuation.
-# (olmo_eval's tasks.py scores logits_per_byte and bits_per_byte alike, as its "bpb".) Tasks
-# whose primary metric each is, in ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char
-# arc_challenge:rc_5shot, acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte
-# lambada:bpb_0shot, bits_per_byte gsm8k:gold_bpb_5shot.
+# The primary metrics scored here (rules 3 and 4), with a task of each in ai2-olmo-eval 0.9.0:
+# acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot, acc_per_token
+# basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot, bits_per_byte
+# gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
 DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
              "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
 
@@ -158,8 +163,7 @@ def load_task(spec, limit, tokenizer, seq_len):
         with open(os.path.join(folder, "config.json")) as f:
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
-            # doc_id >= 1,000,000 marks oe-eval's unconditional requests, which olmo_eval skips
-            # (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
+            # rule 1 (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
         # touch every field, so a file that lacks one fails here, not halfway through a run
         for req in requests:
@@ -171,19 +175,14 @@ def load_task(spec, limit, tokenizer, seq_len):
     if metric not in DIVIDE_BY:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(DIVIDE_BY)}); choose another variant")
-    # the first `limit` documents (0: all), in file order: doc ids 7, 7, 9, 9, 4 and limit 2 keep
-    # {7, 9} (dict.fromkeys drops repeats and keeps the order)
+    # rule 2, limit 0 keeping all: doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys
+    # drops repeats and keeps the order)
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    # Bits per byte measure how likely the model finds the right answer's text, so only the
-    # right continuation of each document is scored
-    if DIVIDE_BY[metric] == "bytes":
-        # The right one has a label that is the answer's own text (a str, or a list of them: a
-        # document with only that continuation, as lambada:bpb_0shot's), or idx == label
-        # (multiple choice: the label is the right idx). A label of None reads as 0, as
-        # olmo_eval reads it (tasks.py, OEEvalTask): codex_humaneval:gold_bpb_0shot's are None.
-        # Kept: {"idx": 0, "label": ["signs"]} (lambada), {"idx": 0, "label": None} (HumanEval),
-        # {"idx": 2, "label": 2} (multiple choice); dropped: {"idx": 1, "label": 2}.
+    if DIVIDE_BY[metric] == "bytes":  # rule 4: only the right continuations
+        # Kept: {"idx": 0, "label": ["signs"]} (lambada:bpb_0shot: the label is the text),
+        # {"idx": 0, "label": None} (codex_humaneval:gold_bpb_0shot), {"idx": 2, "label": 2}
+        # (multiple choice: the label is the right idx); dropped: {"idx": 1, "label": 2}.
         requests = [req for req in requests if isinstance(req["label"], str | list) or
                     req["idx"] == (0 if req["label"] is None else req["label"])]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
@@ -215,12 +214,10 @@ def metric_value(metric, requests, scores, tokens):
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    if DIVIDE_BY[metric] == "bytes":  # the right continuation's score (load_task kept it; if
-        # a document kept several, olmo_eval scores the first), a log-probability per byte in
-        # nats (<= 0): bits = -nats * log2(e)
+    if DIVIDE_BY[metric] == "bytes":  # rule 4: the right continuation's score (load_task kept
+        # it; if a document kept several, olmo_eval scores the first), in nats per byte (<= 0)
         value = np.mean([-list(by_idx.values())[0] * LOG2_E for by_idx in by_doc.values()])
-    else:  # argmax over the idx 0..k-1 (the first on a tie): by_doc {7: {0: -3.1, 1: -2.4}}
-        # and gold {7: 1} make document 7 right
+    else:  # rule 3: by_doc {7: {0: -3.1, 1: -2.4}} and gold {7: 1} make document 7 right
         value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
                          for d, by_idx in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}
