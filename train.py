@@ -137,30 +137,28 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # `step` counts the updates done (a skipped one too). A step's batch is a pure function of
     # it, so a resume replays exactly. Each iteration makes update = step + 1 (OLMo-core's
     # 1-based global_step), the number that is logged, saved and compared with r.steps.
-    # JAX runs step_fn asynchronously: it returns at once while the devices work. Where nanoGPT's
-    # loss.item() waits for the GPU at each log line, this loop hands an update's metrics to
-    # log.step, which reads the update before's (done by now) while this one runs, so the devices
-    # do not wait for the host. A save first reads its own update (log.catch_up), so the log saved
-    # with the checkpoint reaches the step it holds. `signalled` and `stop` (when to save and exit
-    # 75; stop_reason has a timeline) belong to the second read.
+    # The host runs one update ahead of its reading (iteration 7: dispatch update 7, then read
+    # and log update 6's metrics, done by now), so the devices never wait for it. `signalled` and
+    # `stop` (when to save and exit 75) belong to the second read.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
-        state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # (state["step"] is update now, so a checkpoint's number is the step it holds)
-        # did any process get a signal? A separate device array, not step_fn's, put into metrics
-        # so it is read with them, one step late, with no wait of its own (second read; on one
-        # host with no signal, it is False)
-        metrics["signalled"] = stop_signalled(mesh)
-        # logs update - 1's metrics and returns the newest flag read, the same on every process
-        signalled = log.step(update, metrics)
+        state, metrics = step_fn(state, device_batch(batch, loader, mesh))
+        # JAX dispatches step_fn asynchronously: it returns at once while the devices work.
+        # (state["step"] is update now, so a checkpoint's number is the step it holds.)
+        # log.queue keeps update's metrics for later and reads update - 1's (nanoGPT's
+        # loss.item(), one update late, so with no wait). It also returns whether any process was
+        # asked to stop (False on one host with no signal).
+        signalled = log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why the run stops now, a string (second read)
         stop = stop_reason(update, args, signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
-            log.catch_up()  # reads update's metrics now (the devices wait for it here)
+            # reads update's metrics now (the host waits for them), so the log saved with the
+            # checkpoint reaches the step it holds
+            log.catch_up()
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -216,12 +214,14 @@ def fresh_state(r, params):  # the training state before update 1
 
 
 def abstract_state(cfg, r, mesh):  # the whole training state, described, with nothing allocated
-    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates arrays
-    # with these shardings, restore reads a checkpoint onto them, compile_step compiles for them.
-    # eval_shape forgets shardings; this function puts them back.
+    # jit and Orbax need every leaf's shape and sharding before any array exists (the 7B state
+    # never fits on one device): init_state creates each device's shards in place from these,
+    # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
+    # jax.ShapeDtypeStruct (shape, dtype, sharding). Adam's mu and nu are cut like their param
+    # (ZeRO-3), and the rest is replicated. Three steps: the params' descriptions, the state's
+    # shapes (eval_shape, which drops shardings), then each leaf's sharding put back.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # eval_shape runs fresh_state on descriptions, allocating nothing: it keeps the shapes, not
-    # the shardings
+    # eval_shape runs fresh_state on descriptions, allocating nothing
     state = jax.eval_shape(lambda p: fresh_state(r, p), params)
     # whole(x): a leaf x's description, replicated (every device holds all of it); like(x, param):
     # x cut as param is
@@ -333,9 +333,10 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
 
 
 def split_micro(x, accum: int):
-    # [global, ...] -> [accum, global/accum, ...], with row i in micro-batch i % accum. A device
-    # holds a block of rows, and each micro-batch takes every accum-th row of each block, so it
-    # spans all data-parallel devices and no row moves. (8 rows, accum 2, 2 devices: device 0
+    # [global, ...] -> [accum, global/accum, ...], with row i in micro-batch i % accum, so that
+    # each device keeps its own block of rows: each micro-batch takes every accum-th row of each
+    # block, spans all data-parallel devices, and no row moves (constrain pins that, or XLA might
+    # move rows between devices). (8 rows, accum 2, 2 devices: device 0
     # holds rows 0-3, its rows 0 and 2 go to micro-batch 0, rows 1 and 3 to micro-batch 1: each
     # device keeps its own block of rows. Micro-batch 0 is rows 0, 2, 4 and 6.)
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
@@ -350,7 +351,7 @@ def schedule(r: Recipe):  # -> a function: count (the updates done) -> the LR of
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
     # Both stay at F from T on. The "olmo3" schedule's second part (olmo3_stage1) is
-    #   HalfCosWithWarmup: (F + P) / 2 k / W for k < W, then
+    #   HalfCosWithWarmup: ((F + P) / 2) k / W for k < W, then
     #                      F + (P - F) (1 + cos(pi (k - W + T - W) / (2 (T - W)))) / 2
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
@@ -473,14 +474,17 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def step(self, update, metrics):  # -> signalled: was any process asked to stop, as last read
-        # Reads the update before's metrics, done by now, and keeps this update's for later: the
-        # host reads one update behind the devices.
+    def queue(self, update, metrics):  # -> signalled: was any process asked to stop, as last read
+        # Keeps update's metrics (still being computed) for later and reads the update before's,
+        # done by now: the host reads one update behind the devices. The stop flag rides in the
+        # metrics, so it is read with them, one update late, with no wait of its own (a device
+        # array, the same on every process: stop_signalled, second read).
+        metrics["signalled"] = stop_signalled(self.mesh)
         self.catch_up()
         self.queued = (update, metrics)
         return self.signalled
 
-    def catch_up(self):  # reads the update kept by step now (a save does, to log what it saves)
+    def catch_up(self):  # reads the update kept by queue now (a save does, to log what it saves)
         if self.queued:
             self.read(*self.queued)
         self.queued = None
