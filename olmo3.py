@@ -45,7 +45,8 @@ class Config:
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
     remat: bool = False                # what the backward pass keeps of a layer, recomputing the
     #                                    rest (decoder): False keeps the matmul outputs
-    #                                    (dots_saveable); True only the input (nothing_saveable)
+    #                                    (dots_saveable), so it still recomputes the rest; True
+    #                                    keeps only the input (nothing_saveable)
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property

@@ -1749,6 +1749,28 @@ def test_pod_generate_and_samples_with_splash_on_4_devices_equal_the_reference(
     np.testing.assert_array_equal(texts["splash"][1], texts["reference"][1])
 
 
+def test_abstract_state_describes_fresh_state_with_adam_cut_like_params():
+    """abstract_state writes out what eval_shape(fresh_state) gives, with the shardings eval_shape
+    drops: Adam's mu and nu cut like their param (ZeRO-3), the rest replicated; init_state's
+    arrays have exactly those shardings."""
+    cfg, r, mesh = TINY, train.RECIPES["tiny"], olmo3.make_mesh(fsdp=4, tensor=2)
+    target = train.abstract_state(cfg, r, mesh)
+    shapes = jax.eval_shape(lambda p: train.fresh_state(r, p), target["params"])
+    describe = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+    assert describe(target) == describe(shapes)
+    adam, params = target["opt_state"], target["params"]
+    for moments in (adam.mu, adam.nu):
+        assert jax.tree.map(lambda m, p: m.sharding == p.sharding, moments, params) == jax.tree.map(
+            lambda _: True, params
+        )
+    assert adam.mu["blocks"]["q"].sharding.spec == P(None, "fsdp", "tensor")
+    for leaf in (adam.count, target["step"], target["history"]):
+        assert leaf.sharding.spec == P()
+    with jax.set_mesh(mesh):
+        state = train.init_state(cfg, r, target)
+    assert jax.tree.map(lambda x: x.sharding, state) == jax.tree.map(lambda x: x.sharding, target)
+
+
 def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
     """--dry-run with abstract arrays: the step train.py compiles, and what one device holds
     of it: the state's shard plus the batch's rows."""

@@ -116,7 +116,8 @@ def main(argv=None):
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
-    # log(text) prints a line (process 0's); log(**record) adds a record to metrics.jsonl
+    # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
+    # files are written with each checkpoint)
     log, evals = Log(cfg, r, args.out, mesh), None
     # evaluation.py lives beside the core. With the core alone (a copy of the three files), the
     # run trains without evaluations, samples or the loss plot. It evaluates the sets given
@@ -147,9 +148,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         # JAX dispatches step_fn asynchronously: it returns at once while the devices work.
         # (state["step"] is update now, so a checkpoint's number is the step it holds.)
+        # (second read) did any process get a signal? The flag rides in the metrics, so it is
+        # read with them, one update late, with no wait of its own
+        metrics["signalled"] = stop_signalled(mesh)
         # log.queue keeps update's metrics for later and reads update - 1's (nanoGPT's
-        # loss.item(), one update late, so with no wait). It also returns whether any process was
-        # asked to stop (False on one host with no signal).
+        # loss.item(), one update late, so with no wait), returning their flag
         signalled = log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
@@ -209,35 +212,24 @@ HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
 
 def fresh_state(r, params):  # the training state before update 1
-    return {"params": params, "opt_state": optimizer(r).init(params), "step": jnp.int32(0),
+    # opt_state is Adam's (count, mu, nu): count 0, and mu and nu zeros shaped like params
+    return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
 
-def abstract_state(cfg, r, mesh):  # the whole training state, described, with nothing allocated
+def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
     # jit and Orbax need every leaf's shape and sharding before any array exists (the 7B state
     # never fits on one device): init_state creates each device's shards in place from these,
     # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
-    # jax.ShapeDtypeStruct (shape, dtype, sharding). Adam's mu and nu are cut like their param
-    # (ZeRO-3), and the rest is replicated. Three steps: the params' descriptions, the state's
-    # shapes (eval_shape, which drops shardings), then each leaf's sharding put back.
+    # jax.ShapeDtypeStruct (shape, dtype, sharding).
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # eval_shape runs fresh_state on descriptions, allocating nothing
-    state = jax.eval_shape(lambda p: fresh_state(r, p), params)
-    # whole(x): a leaf x's description, replicated (every device holds all of it); like(x, param):
-    # x cut as param is
-    whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
-    like = lambda x, param: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param.sharding)
-    # state["opt_state"] is optax's tuple (EmptyState(), ScaleByAdamState(count, mu, nu),
-    # MaskedState(...)) for the chain's clip, Adam and decay (optimizer, below). tree_map_params
-    # runs the optimizer's init to learn which of its leaves mirror a param and calls
-    # like(leaf, param) for each, so Adam's mu and nu are cut like their param (ZeRO-3). It calls
-    # whole(leaf) for the rest, Adam's count (and step and history are whole too). For example,
-    # opt[1].mu["blocks"]["q"] gets params["blocks"]["q"]'s sharding, P(None, "fsdp", "tensor"),
-    # and opt[1].count gets P().
-    opt = optax.tree_map_params(optimizer(r), like, state["opt_state"], params,
-                                transform_non_params=whole)
-    return {"params": params, "opt_state": opt, "step": whole(state["step"]),
-            "history": whole(state["history"])}
+    replicated = NamedSharding(mesh, P())  # every device holds all of it
+    whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    # Adam's mu and nu are described exactly as params are, so each is cut like its param:
+    # ZeRO-3, with no device holding more than its share of the optimizer state
+    opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
+    return {"params": params, "opt_state": opt, "step": whole((), jnp.int32),
+            "history": whole((2, HISTORY), jnp.float32)}
 
 
 # jit with out_shardings: each device creates only its own shards, so the 7B is never whole on one
@@ -312,15 +304,21 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    # optax gives Adam's direction: clipped gradients, then m^ / (sqrt(v^) + eps), with m and v
-    # bias-corrected, plus wd * p (as torch's AdamW). The LR comes from the state's own step, so a
-    # stage restarts its schedule while Adam's count carries over.
-    updates, opt_state = optimizer(r).update(grads, state["opt_state"], params)
+    # AdamW, as torch's and OLMo-core's: clip, Adam's direction, decoupled weight decay, the LR
+    grad_norm = optax.tree.norm(grads)  # before clipping
+    # clip to a global norm of grad_clip (torch's clip_grad_norm_; optax's clip_by_global_norm)
+    clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
+    # Adam's direction m^ / (sqrt(v^) + eps), with m and v bias-corrected by Adam's own count
+    updates, opt_state = adam(r).update(jax.tree.map(clip, grads), state["opt_state"])
+    # + wd * p on every weight but the embedding (the norms and lm_head too, as OLMo-core)
+    decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
+    updates = decayed | {"embed": updates["embed"]}
+    # The LR comes from the state's own step, so a stage restarts its schedule while Adam's
+    # count carries over
     lr = schedule(r)(state["step"])  # the LR of update step + 1
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     # The spike guard (OLMo-core's; nanoGPT has none) may skip the update: then params and
     # opt_state stay as they were, while step and history advance.
-    grad_norm = optax.tree.norm(grads)  # before clipping, which is the optimizer's first step
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     # (r.spike_guard is a Python bool, a constant in the traced expression)
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
@@ -334,11 +332,9 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
 
 def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], with row i in micro-batch i % accum, so that
-    # each device keeps its own block of rows: each micro-batch takes every accum-th row of each
-    # block, spans all data-parallel devices, and no row moves (constrain pins that, or XLA might
-    # move rows between devices). (8 rows, accum 2, 2 devices: device 0
-    # holds rows 0-3, its rows 0 and 2 go to micro-batch 0, rows 1 and 3 to micro-batch 1: each
-    # device keeps its own block of rows. Micro-batch 0 is rows 0, 2, 4 and 6.)
+    # each device keeps its own rows (constrain pins that, or XLA might move rows). With 8 rows,
+    # accum 2 and 2 devices, device 0 holds rows 0-3: its rows 0 and 2 go to micro-batch 0, and
+    # 1 and 3 to micro-batch 1. Micro-batch 0 is rows 0, 2, 4 and 6, two on each device.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -393,13 +389,8 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
 
 
-def optimizer(r: Recipe):
-    # Clip, Adam, then decoupled weight decay on every weight but the embedding (the norms and
-    # lm_head too, as OLMo-core). train_step applies the LR. The mask is True where a weight decays.
-    decayed = lambda params: {k: jax.tree.map(lambda _: k != "embed", v) for k, v in params.items()}
-    return optax.chain(optax.clip_by_global_norm(r.grad_clip),
-                       optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps),
-                       optax.add_decayed_weights(r.weight_decay, mask=decayed))
+def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays after it)
+    return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
@@ -476,10 +467,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):  # -> signalled: was any process asked to stop, as last read
         # Keeps update's metrics (still being computed) for later and reads the update before's,
-        # done by now: the host reads one update behind the devices. The stop flag rides in the
-        # metrics, so it is read with them, one update late, with no wait of its own (a device
-        # array, the same on every process: stop_signalled, second read).
-        metrics["signalled"] = stop_signalled(self.mesh)
+        # done by now: the host reads one update behind the devices. For updates 6, 7, 8:
+        #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
+        #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
         self.catch_up()
         self.queued = (update, metrics)
         return self.signalled
