@@ -144,7 +144,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
     # constrain keeps x's rows split over the data-parallel devices; with no mesh set (a test,
-    # convert --verify) it does nothing. It and the mesh are the reading map's stop 4.
+    # convert --verify) it does nothing. It and the mesh are the reading map's stop 4. D is not
+    # split (None): fsdp already cuts the rows, and a mesh axis cuts one dimension at most.
     return constrain(x, "batch", "seq", None)
 
 
@@ -161,6 +162,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # (tiny is one group of 4, a scan of 1: groups["q"] is [1, 4, 256, 256]. When global_every
     # does not divide n_layers, all layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
+    # groups["q"]: [n_groups (scanned), group_size (the Python loop in group), D, H*E]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
@@ -327,15 +329,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 # weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
 # (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
 # moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each device holds 128
-# sequences, the same ones as its tensor partner. XLA inserts the communication, and what it
-# typically chooses is this. Before a layer's matmuls it all-gathers the fsdp shards of the weights
-# (one layer's q, gathered over fsdp, is [4096, 2048] on a device). After `o` and `down` it
-# all-reduces over `tensor`, because each partner summed half of the heads or of the MLP. In the
-# backward pass it reduce-scatters each gradient back to its fsdp shard. The embedding's lookup in
-# a table whose rows are split over `tensor` needs communication too; XLA chooses it, and it is
-# correct whatever it chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums them
-# across the partners too. data=N keeps N copies of the weights (each one split over fsdp) and
-# all-reduces their gradients.
+# sequences, the same ones as its tensor partner (the device with the same fsdp index). XLA inserts
+# the communication, and what it typically chooses is this. Before a layer's matmuls it all-gathers
+# the fsdp shards of the weights (one layer's q, gathered over fsdp, is [4096, 2048] on a device).
+# After `o` and `down` it all-reduces over `tensor`, because each partner summed half of the heads
+# or of the MLP. In the backward pass it reduce-scatters each gradient back to its fsdp shard. The
+# embedding's lookup in a table whose rows are split over `tensor` needs communication too; XLA
+# chooses it, and it is correct whatever it chooses. QK-norm's statistics span all heads, so with
+# `tensor` XLA sums them across the partners too. data=N keeps N copies of the weights (each one
+# split over fsdp) and all-reduces their gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,

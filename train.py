@@ -135,19 +135,22 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # `step` counts the updates done (a skipped one too). A step's batch is a pure function of
-    # it, so a resume replays exactly. Each iteration makes update = step + 1 (OLMo-core's
-    # 1-based global_step), the number that is logged, saved and compared with r.steps.
-    # The host runs one update ahead of its reading (iteration 7: dispatch update 7, then read
-    # and log update 6's metrics, done by now), so the devices never wait for it. `signalled` and
-    # `stop` (when to save and exit 75) belong to the second read.
+    # On one host with no signal, this is nanoGPT's loop:
+    #   for each step: state, metrics = step_fn(state, batch); log.queue(update, metrics)
+    #                  evaluate every eval_every updates; save every save_every updates
+    # The lines marked (second read) only decide `stop`: save now and exit 75.
+    # The numbers: after k updates (a skipped one too), `step` = state["step"] = k, and a step's
+    # batch is a pure function of k, so a resume replays exactly. This iteration makes update
+    # k + 1 (OLMo-core's 1-based global_step): it is logged, saved and compared with r.steps as
+    # k + 1 (checkpoint N holds the state after N updates), and it trains with OLMo-core's LR of
+    # step k + 1 (schedule) and puts its spike-guard values in slot k % 128 (spike_guard).
+    # JAX dispatches step_fn asynchronously, and log.queue reads the update before's metrics
+    # (its timeline is at Log.queue), so the devices never wait for the host.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
-        state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        # JAX dispatches step_fn asynchronously: it returns at once while the devices work.
-        # (state["step"] is update now, so a checkpoint's number is the step it holds.)
+        state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         # (second read) did any process get a signal? The flag rides in the metrics, so it is
         # read with them, one update late, with no wait of its own
         metrics["signalled"] = stop_signalled(mesh)
@@ -221,7 +224,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # jit and Orbax need every leaf's shape and sharding before any array exists (the 7B state
     # never fits on one device): init_state creates each device's shards in place from these,
     # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
-    # jax.ShapeDtypeStruct (shape, dtype, sharding).
+    # jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
+    # shapes but drop the shardings (on olmo3's mesh), so the descriptions are written out here,
+    # and a test checks that they agree.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -332,7 +337,8 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
 
 def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], with row i in micro-batch i % accum, so that
-    # each device keeps its own rows (constrain pins that, or XLA might move rows). With 8 rows,
+    # each device keeps its own rows (constrain pins that, or XLA might move rows). A plain
+    # reshape(accum, global/accum) would put all of micro-batch 0 on the first devices. With 8 rows,
     # accum 2 and 2 devices, device 0 holds rows 0-3: its rows 0 and 2 go to micro-batch 0, and
     # 1 and 3 to micro-batch 1. Micro-batch 0 is rows 0, 2, 4 and 6, two on each device.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
@@ -481,7 +487,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def read(self, update, metrics):
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
-        # row stop the run), and logs a line every log_every updates.
+        # row stop the run), and logs a line every log_every updates. (self(...) is log(...).)
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.signalled = m["signalled"]
         self.skipped = self.skipped + 1 if m["skipped"] else 0
@@ -648,7 +654,7 @@ def restore(step_dir, target, cfg, r=None, loader=None):
 
 def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
     handler = ocp.StandardCheckpointHandler()
-    # a tree's layout: each leaf's path and shape, as [("opt_state/1/mu/embed", (384, 256)), ...]
+    # a tree's layout: each leaf's path and shape, as [("opt_state/mu/embed", (384, 256)), ...]
     layout = lambda tree: sorted((jax.tree_util.keystr(k, simple=True, separator="/"),
                                   tuple(x.shape)) for k, x in jax.tree.leaves_with_path(tree))
     if layout(handler.metadata(path)) != layout(tree):  # the code changed: fail with no retry
@@ -776,9 +782,9 @@ rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
     # Every process runs this same program but feeds only its own devices. The batch sharding says
-    # which rows each device holds (a stand-in width of 1: only the row slices are used). On 2
-    # processes of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16. (OLMo-core's rank r takes
-    # rows r::W instead; the batch, and so the loss, is the same.)
+    # which rows each device holds (asked for a width of 1: only the row slices are read, so any
+    # width does). On 2 processes of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16.
+    # (OLMo-core's rank r takes rows r::W instead; the batch, and so the loss, is the same.)
     # index: each of this process's devices -> its (rows, columns) slices of the batch
     index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
