@@ -167,7 +167,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # windows[j]: layer j of every group: [4096, 4096, 4096, None] for the 7B (None: full). A
-    # group starts at a multiple of global_every, so is_global(j) answers for layer j of each.
+    # group starts at a multiple of global_every, so is_global(j) answers for layer j of each
+    # (with one group, j is the layer itself).
     # The model's last layer is j = global_every - 1 of the last group, so it is full.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
     # jax.checkpoint: the backward pass recomputes the layer's insides, but for what the policy
@@ -329,15 +330,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 # weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
 # (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
 # moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each device holds 128
-# sequences, the same ones as its tensor partner (the device with the same fsdp index). XLA inserts
-# the communication, and what it typically chooses is this. Before a layer's matmuls it all-gathers
-# the fsdp shards of the weights (one layer's q, gathered over fsdp, is [4096, 2048] on a device).
-# After `o` and `down` it all-reduces over `tensor`, because each partner summed half of the heads
-# or of the MLP. In the backward pass it reduce-scatters each gradient back to its fsdp shard. The
-# embedding's lookup in a table whose rows are split over `tensor` needs communication too; XLA
-# chooses it, and it is correct whatever it chooses. QK-norm's statistics span all heads, so with
-# `tensor` XLA sums them across the partners too. data=N keeps N copies of the weights (each one
-# split over fsdp) and all-reduces their gradients.
+# sequences (16 at a time in the 7b's micro-batches of 64), the same ones as its tensor partner (the
+# device with the same fsdp index). XLA inserts the communication, and what it typically chooses is
+# this. Before a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q,
+# gathered over fsdp, is [4096, 2048] on a device). After `o` and `down` it all-reduces over
+# `tensor`, because each partner summed half of the heads or of the MLP. In the backward pass it
+# reduce-scatters each gradient back to its fsdp shard. The embedding's lookup in a table whose rows
+# are split over `tensor` needs communication too; XLA chooses it, and it is correct whatever it
+# chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners
+# too. data=N keeps N copies of the weights (each one split over fsdp) and all-reduces their
+# gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,

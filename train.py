@@ -107,7 +107,7 @@ def main(argv=None):
     # (second read) every host must see the run directory that process 0 writes
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
-    mesh = olmo3.make_mesh(**args.mesh)
+    mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager for the run's checkpoints/ (second read). The first read
     # needs only that it lists the saved steps and saves new ones in the background.
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
@@ -131,7 +131,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # created as, restore reads onto and compile_step compiles for
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
-    log.rewind(int(state["step"]))  # metrics.jsonl: records past the state's step go
+    # drops metrics.jsonl's records newer than the state we start from (after a resume)
+    log.rewind(int(state["step"]))
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
@@ -139,11 +140,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   for each step: state, metrics = step_fn(state, batch); log.queue(update, metrics)
     #                  evaluate every eval_every updates; save every save_every updates
     # The lines marked (second read) only decide `stop`: save now and exit 75.
-    # The numbers: after k updates (a skipped one too), `step` = state["step"] = k, and a step's
-    # batch is a pure function of k, so a resume replays exactly. This iteration makes update
-    # k + 1 (OLMo-core's 1-based global_step): it is logged, saved and compared with r.steps as
-    # k + 1 (checkpoint N holds the state after N updates), and it trains with OLMo-core's LR of
-    # step k + 1 (schedule) and puts its spike-guard values in slot k % 128 (spike_guard).
+    # The numbers, one counter under two names:
+    #   step = k = state["step"]: the updates done (a skipped one too). The batch is a pure
+    #     function of it (so a resume replays exactly), and the spike guard's slot is k % 128.
+    #   update = k + 1, OLMo-core's 1-based step: logged, saved (checkpoint N holds the state
+    #     after N updates), compared with r.steps, and the LR's index (schedule).
+    #   Adam's own count is separate: it carries over with --init-from, while step starts at 0.
     # JAX dispatches step_fn asynchronously, and log.queue reads the update before's metrics
     # (its timeline is at Log.queue), so the devices never wait for the host.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
@@ -225,7 +227,7 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # never fits on one device): init_state creates each device's shards in place from these,
     # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
     # jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but drop the shardings (on olmo3's mesh), so the descriptions are written out here,
+    # shapes but no shardings (it returns None for them), so the descriptions are written here,
     # and a test checks that they agree.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
@@ -347,7 +349,7 @@ def split_micro(x, accum: int):
 
 # ----------------------------------------------------------------------------- the optimizer
 
-def schedule(r: Recipe):  # -> a function: count (the updates done) -> the LR of update count + 1
+def schedule(r: Recipe):  # -> a function: step (the updates done) -> the LR of update step + 1
     # These are OLMo-core's formulas for its step k, with peak P, floor F = min_lr_ratio * P,
     # warmup W and t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
@@ -365,7 +367,7 @@ def schedule(r: Recipe):  # -> a function: count (the updates done) -> the LR of
                                   [warmup])
     else:  # "olmo3": AI2's stage 1 in two parts (the 7b presets; optional on a first read)
         lr = olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
-    return lambda count: lr(count + 1)
+    return lambda step: lr(step + 1)
 
 
 # the first update of stage 1's second part (AI2 restarted after update 596,047)
