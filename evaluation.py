@@ -333,7 +333,7 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
         points = sorted({rec["step"]: rec[key] for rec in records if key in rec}.items())
         steps, values = [step for step, _ in points], [value for _, value in points]
         ax.plot(steps, values, "-" if key == "loss" else "o-", lw=1, label=key)
-    ax.set(xlabel="step", ylabel="CE loss (nats/token), accuracy", title=run_dir)
+    ax.set(xlabel="step", ylabel="loss (nats/token), eval metrics", title=run_dir)
     ax.legend(fontsize=7)
     with (epath.Path(run_dir) / "loss.png").open("wb") as f:  # works on gs:// too
         ax.figure.savefig(f, format="png", dpi=120, bbox_inches="tight")

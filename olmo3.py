@@ -82,7 +82,9 @@ class Spec(NamedTuple):
 
 
 # The logical axes name what a dimension is, whatever the weight: "embed" is d_model in every
-# weight (not only the embedding), "heads" the query heads x head_dim, "mlp" the hidden width.
+# weight (not only the embedding), "heads" the query heads x head_dim, "mlp" the hidden width. A
+# norm's weight follows the activation it scales: d_model is "norm" (never split, as activations'
+# D is not), and q_norm and k_norm follow their heads.
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -150,44 +152,35 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
-    # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`. The
-    # grouping changes compile time, not the math: the compiler traces one group of 4 layers
-    # (3 sliding, 1 full) and runs it 8 times, not 32 layers (as MaxText does). The 7B's 32
-    # layers are 8 groups of 4 (sliding, sliding, sliding, full):
-    # 1. `groups` reshapes each weight [32, ...] to [8, 4, ...]: blocks["q"] [32, D, H*E] ->
-    #    groups["q"] [8, 4, D, H*E].
-    # 2. lax.scan(group, x, groups) is `for g in groups: x, _ = group(x, g)`, with g one group's
-    #    weights, a dict like groups of [4, ...] arrays. `group` is compiled once, run 8 times.
-    # 3. `group` unrolls its 4 layers in Python, so each layer's window is a Python value.
-    # (tiny is one group of 4, a scan of 1: groups["q"] is [1, 4, 256, 256]. When global_every
-    # does not divide n_layers, all layers are one group.)
+    # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`, with the
+    # layers cut into groups to save compile time, not to change the math (as MaxText does): the
+    # 7B's 32 layers are 8 groups of 4 (sliding, sliding, sliding, full), and the compiler traces
+    # one group, which lax.scan runs 8 times. (tiny is one group of 4. When global_every does not
+    # divide n_layers, all layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
-    # groups["q"]: [n_groups (scanned), group_size (the Python loop in group), D, H*E]
+    # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # windows[j]: layer j of every group: [4096, 4096, 4096, None] for the 7B (None: full). A
-    # group starts at a multiple of global_every, so is_global(j) answers for layer j of each
-    # (with one group, j is the layer itself).
-    # The model's last layer is j = global_every - 1 of the last group, so it is full.
+    # Every group has the same layout, so layer j of any group has the model's layer-j window:
+    # [4096, 4096, 4096, None] for the 7B (None: full, as is_global says of the last layer too)
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
-    # jax.checkpoint: the backward pass recomputes the layer's insides, but for what the policy
-    # keeps. By default (dots_saveable) that is the matmuls' outputs (the reference attention's
-    # [B, H, T, T] scores among them); with --remat true, only the layer's input.
+    # jax.checkpoint: the backward pass recomputes the layer's insides but for what the policy
+    # keeps: the matmul outputs (dots_saveable, the reference attention's scores among them), or
+    # with --remat true only the layer's input
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    # window and cfg are static, Python values baked into the traced layer, because Python `if`s
-    # read them (attention's `if window`, in olmo3.attention); each window is traced on its own.
-    # layer is block, wrapped: layer(p, x, window, rope, cfg, segments) calls block.
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)  # window, cfg
+    # window (argument 2) and cfg (4) are static: Python values that Python `if`s read (as
+    # attention's `if window`), baked into the traced layer. layer(...) calls block(...).
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
-    def group(x, p_group):  # p_group holds every weight as [group_size, ...]
+    def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # layer j's weights
             # ropes["full"] is YaRN's table when yarn_factor is set, else the same as "sliding"
             x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
-    x, _ = jax.lax.scan(group, x, groups)
+    x, _ = jax.lax.scan(group, x, groups)  # for g in groups: x, _ = group(x, g)
     return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)  # as block's norms
 
 

@@ -153,8 +153,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch makes this process's rows one array over every device (second read; on
         # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # (second read) did any process get a signal? The flag rides in the metrics, so it is
-        # read with them, one update late, with no wait of its own
+        # (second read) did any process get a signal? stop_signalled runs here, on the host, after
+        # the dispatch; its answer (a device array) is added to the metrics, so Log reads it with
+        # them, one update late, with no wait of its own
         metrics["signalled"] = stop_signalled(mesh)
         # log.queue keeps update's metrics for later and reads update - 1's (nanoGPT's
         # loss.item(), one update late, so with no wait), returning their flag
@@ -217,18 +218,19 @@ HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
 
 def fresh_state(r, params):  # the training state before update 1
-    # opt_state is Adam's (count, mu, nu): count 0, and mu and nu zeros shaped like params
+    # opt_state is Adam's (count, mu, nu): count 0, and mu and nu zeros shaped like params.
+    # history [2, 128]: the spike guard's last losses (row 0) and grad norms (row 1).
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
 
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
-    # jit and Orbax need every leaf's shape and sharding before any array exists (the 7B state
-    # never fits on one device): init_state creates each device's shards in place from these,
-    # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
-    # jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but no shardings (it returns None for them), so the descriptions are written here,
-    # and a test checks that they agree.
+    # jit and Orbax need every leaf's shape and sharding before any array exists (the 7B's state
+    # need never be whole on one device): init_state creates each device's shards in place from
+    # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
+    # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
+    # shapes but no shardings (None, on this code's mesh, whose axes are Auto), so they are written
+    # out here, and a test checks that the two agree.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -239,7 +241,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
             "history": whole((2, HISTORY), jnp.float32)}
 
 
-# jit with out_shardings: each device creates only its own shards, so the 7B is never whole on one
+# jit with out_shardings: each device computes and keeps only its own shards, so the 7B is never
+# whole on one device
 def init_state(cfg, r, target):
     make = lambda key: fresh_state(r, olmo3.init(cfg, key))
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
