@@ -5,12 +5,12 @@
 # no biases and an untied lm_head. It has three sliding-window layers for every full-attention
 # one, and the last layer is always full.
 #
-# The file has Config, param_specs, forward (embed -> decoder -> block -> unembed), loss_terms and
-# flops_per_token, then the sharding (the comment at make_mesh says what each device holds), and
-# attention with its kernels last. Read it in that order, looking ahead for what block calls
-# (attention among them: its plain version, then the kernels on a later read). The model is a
-# pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params` (shapes
-# and shardings), and its Hugging Face name drives convert.py.
+# The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers ->
+# unembed), loss_terms and flops_per_token, then the sharding (the comment at make_mesh says what
+# each device holds), and attention with its kernels last. Read it in that order, looking ahead for
+# what block calls (attention among them: its plain version, then the kernels on a later read). The
+# model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params`
+# (shapes and shardings), and its Hugging Face name drives convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -43,10 +43,10 @@ class Config:
     norm_eps: float = 1e-6
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
-    remat: bool = False                # what the backward pass keeps of a layer, recomputing the
-    #                                    rest (decoder): False keeps the matmul outputs
-    #                                    (dots_saveable), so it still recomputes the rest; True
-    #                                    keeps only the input (nothing_saveable)
+    remat: bool = False                # what the backward pass keeps of each layer, recomputing
+    #                                    the rest (decoder): False keeps the matmul outputs
+    #                                    (dots_saveable, partial remat); True keeps only the
+    #                                    layer's input (nothing_saveable, full remat)
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property

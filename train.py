@@ -139,7 +139,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # On one host with no signal, this is nanoGPT's loop:
     #   for each step: state, metrics = step_fn(state, batch); log.queue(update, metrics)
     #                  evaluate every eval_every updates; save every save_every updates
-    # The lines marked (second read) only decide `stop`: save now and exit 75.
+    # The lines marked (second read) only decide `stop`: save now and exit 75. On one host with
+    # no signal, `signalled` is always False, and `stop` is None but at --stop-at.
     # The numbers, one counter under two names:
     #   step = k = state["step"]: the updates done (a skipped one too). The batch is a pure
     #     function of it (so a resume replays exactly), and the spike guard's slot is k % 128.
