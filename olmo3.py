@@ -147,7 +147,8 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
     # constrain keeps x's rows split over the data-parallel devices; with no mesh set (a test,
     # convert --verify) it does nothing. It and the mesh are the reading map's stop 4. D is not
-    # split (None): fsdp already cuts the rows, and a mesh axis cuts one dimension at most.
+    # split (None): fsdp already cuts the rows, and a mesh axis cuts one dimension at most. (A
+    # weight's D is "embed", cut over fsdp; an activation's is not.)
     return constrain(x, "batch", "seq", None)
 
 

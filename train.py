@@ -140,7 +140,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   for each step: state, metrics = step_fn(state, batch); log.queue(update, metrics)
     #                  evaluate every eval_every updates; save every save_every updates
     # The lines marked (second read) only decide `stop`: save now and exit 75. On one host with
-    # no signal, `signalled` is always False, and `stop` is None but at --stop-at.
+    # no signal, `signalled` is always False, and `stop` is None except at --stop-at.
     # The numbers, one counter under two names:
     #   step = k = state["step"]: the updates done (a skipped one too). The batch is a pure
     #     function of it (so a resume replays exactly), and the spike guard's slot is k % 128.
@@ -472,7 +472,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes it before
     # Orbax commits the checkpoint, so a kill between the two leaves records past it, and so does
     # the stop after 10 skipped updates. rewind drops them; the resumed run logs those updates
-    # (step + 1 on) again.
+    # (step + 1 on) again. A record's "step" is its update (1-based), and rewind's step is the
+    # state's (updates done), so the records kept are those of updates 1 to step.
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
