@@ -6,7 +6,7 @@
 # one, and the last layer is always full.
 #
 # The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers ->
-# unembed), loss_terms and flops_per_token, then the sharding (the comment at make_mesh says what
+# unembed), loss_terms and flops_per_token, then the sharding (its first paragraph says what
 # each device holds), and attention with its kernels last. Read it in that order, looking ahead for
 # what block calls (attention among them: its plain version, then the kernels on a later read). The
 # model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params`
@@ -299,6 +299,22 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 # ----------------------------------------------------------------------------- sharding
 
+# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes. For example, 8
+# devices as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES (below) cuts each weight along them. The
+# q weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
+# (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
+# moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each device holds 128
+# sequences (16 at a time in the 7b's micro-batches of 64), the same ones as its tensor partner (the
+# device with the same fsdp index). XLA inserts the communication, and what it typically chooses is
+# this. Before a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q,
+# gathered over fsdp, is [4096, 2048] on a device). After `o` and `down` it all-reduces over
+# `tensor`, because each partner summed half of the heads or of the MLP. In the backward pass it
+# reduce-scatters each gradient back to its fsdp shard. The embedding's lookup in a table whose rows
+# are split over `tensor` needs communication too; XLA chooses it, and it is correct whatever it
+# chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners
+# too. data=N keeps N copies of the weights (each one split over fsdp) and all-reduces their
+# gradients.
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding
 # comes from it (the replicated scalars use P(), and train.stop_signalled its own). A batch's rows
@@ -319,21 +335,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
     return NamedSharding(mesh, logical_to_spec(("batch", "seq")))
 
 
-# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes. For example, 8
-# devices as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES cuts each weight along those axes. The q
-# weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
-# (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
-# moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each device holds 128
-# sequences (16 at a time in the 7b's micro-batches of 64), the same ones as its tensor partner (the
-# device with the same fsdp index). XLA inserts the communication, and what it typically chooses is
-# this. Before a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q,
-# gathered over fsdp, is [4096, 2048] on a device). After `o` and `down` it all-reduces over
-# `tensor`, because each partner summed half of the heads or of the MLP. In the backward pass it
-# reduce-scatters each gradient back to its fsdp shard. The embedding's lookup in a table whose rows
-# are split over `tensor` needs communication too; XLA chooses it, and it is correct whatever it
-# chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners
-# too. data=N keeps N copies of the weights (each one split over fsdp) and all-reduces their
-# gradients.
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
     # The sizes are valid when at most one is -1 and the others are positive. Without a -1,
