@@ -163,7 +163,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # Every group has the same layout, so layer j of any group has the model's layer-j window:
+    # Every group has the same layout, so layer j of every group has model layer j's window:
     # [4096, 4096, 4096, None] for the 7B (None: full, as is_global says of the last layer too)
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
     # jax.checkpoint: the backward pass recomputes the layer's insides but for what the policy

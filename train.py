@@ -159,11 +159,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # them, one update late, with no wait of its own
         metrics["signalled"] = stop_signalled(mesh)
         # log.queue keeps update's metrics for later and reads update - 1's (nanoGPT's
-        # loss.item(), one update late, so with no wait), returning their flag
+        # loss.item(), one update late, so with no wait), returning their flag (False on one
+        # host with no signal)
         signalled = log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        # stop: None, or why the run stops now, a string (second read)
+        # stop: None, or why the run stops now, a string (second read; on one host, None except
+        # at --stop-at)
         stop = stop_reason(update, args, signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
             # reads update's metrics now (the host waits for them), so the log saved with the
@@ -230,8 +232,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but no shardings (None, on this code's mesh, whose axes are Auto), so they are written
-    # out here, and a test checks that the two agree.
+    # shapes but no shardings (None: on this code's mesh, whose axes are Auto, a sharding is not
+    # part of an array's type), so they are written out here, and a test checks that the two agree.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -317,7 +319,8 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     # AdamW, as torch's and OLMo-core's: clip, Adam's direction, decoupled weight decay, the LR
     grad_norm = optax.tree.norm(grads)  # before clipping
-    # clip to a global norm of grad_clip (torch's clip_grad_norm_; optax's clip_by_global_norm)
+    # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
+    # divides by the norm + 1e-6 instead)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
     # Adam's direction m^ / (sqrt(v^) + eps), with m and v bias-corrected by Adam's own count
     updates, opt_state = adam(r).update(jax.tree.map(clip, grads), state["opt_state"])
@@ -347,6 +350,7 @@ def split_micro(x, accum: int):
     # reshape(accum, global/accum) would put all of micro-batch 0 on the first devices. With 8 rows,
     # accum 2 and 2 devices, device 0 holds rows 0-3: its rows 0 and 2 go to micro-batch 0, and
     # 1 and 3 to micro-batch 1. Micro-batch 0 is rows 0, 2, 4 and 6, two on each device.
+    # (the same as np.stack([x[a::accum] for a in range(accum)]))
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
