@@ -281,8 +281,8 @@ def plot_schedule(path):
 
     r = train.RECIPES["7b"]
     steps = np.arange(1, r.steps + 1, 997)
-    ours = np.asarray(train.schedule(r)(steps - 1))
-    cosine = np.asarray(train.schedule(dataclasses.replace(r, schedule="cosine"))(steps - 1))
+    ours = np.asarray(train.schedule(r)(steps))
+    cosine = np.asarray(train.schedule(dataclasses.replace(r, schedule="cosine"))(steps))
 
     def ai2(k):  # OLMo-core's CosWithWarmup, then from 596,048 HalfCosWithWarmup (restated)
         if k <= 596_047:

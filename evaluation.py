@@ -14,7 +14,8 @@
 # choices are listed in the context and the continuation is a letter), 5shot puts five solved
 # examples before the question, and bpb variants score bits per byte. The rules, each marked
 # where the code applies it (1, 3 and 4 are olmo_eval's: tasks.py and metrics.py, version 0.9.0):
-#   rule 1. A doc_id of 1,000,000 or more marks oe-eval's unconditional requests: skipped.
+#   rule 1. A doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a continuation
+#           scored with no context, which some oe-eval metrics divide by): skipped.
 #   rule 2. --eval-limit N keeps the first N documents (doc ids), in file order.
 #   rule 3. Accuracy: each continuation's score is divided by 1, its characters or its tokens (the
 #           task's primary metric says which), and the document is right if the argmax over its
@@ -103,7 +104,8 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     # Every process holds the whole batch here, so each device takes its slices (`index`) of it
     # (train.device_batch does the same with only the process's own rows). With 8 rows over 4
     # devices, a device holds x[2:4] of the [8, width] batch; `sums` [8] is one global array,
-    # which process_allgather copies whole to every host.
+    # which process_allgather copies whole to every host. (On one host, put(a) is
+    # jax.device_put(a, sharding), and process_allgather is np.asarray.)
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
@@ -207,7 +209,7 @@ def request_rows(requests, tokenizer, seq_len):
 
 
 def metric_value(metric, requests, scores, tokens):
-    """ICLMetric's aggregation of the requests' scores (summed log-probs) into `metric`."""
+    """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
     # by_doc = {doc_id: {idx: score / size}}, each continuation's normalised score, and
     # gold = {doc_id: the right idx}. setdefault keeps a pair's first score if a file lists it
     # twice, as ICLMetric does.

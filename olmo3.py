@@ -145,10 +145,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    # constrain keeps x's rows split over the data-parallel devices; with no mesh set (a test,
-    # convert --verify) it does nothing. It and the mesh are the reading map's stop 4. D is not
-    # split (None): fsdp already cuts the rows, and a mesh axis cuts one dimension at most. (A
-    # weight's D is "embed", cut over fsdp; an activation's is not.)
+    # constrain (stop 4) pins x's rows to the data-parallel devices; with no mesh set (a test,
+    # convert --verify) it does nothing
     return constrain(x, "batch", "seq", None)
 
 
@@ -171,8 +169,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # with --remat true only the layer's input
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    # window (argument 2) and cfg (4) are static: Python values that Python `if`s read (as
-    # attention's `if window`), baked into the traced layer. layer(...) calls block(...).
+    # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
+    # (cfg) are static, Python values that Python `if`s read (attention's `if window`)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
@@ -372,10 +370,11 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
     # The mesh is the one that train.main (or evaluation.main, prepare.dry_run, a test) sets with
     # `with jax.set_mesh(mesh)`. While tracing, get_abstract_mesh() returns it (its axis names and
     # sizes, no devices); with no mesh set it is empty, and nothing is pinned. The spec is a bare
-    # PartitionSpec: JAX takes its mesh from set_mesh. Pinned activations
-    # keep their rows split over the data-parallel devices. Left alone, XLA may choose to gather a
-    # whole batch onto every device. A name not in AXIS_RULES ("seq") is not split, as None is:
-    # it only says which dimension that is.
+    # PartitionSpec: JAX takes its mesh from set_mesh. Pinned activations keep their rows split
+    # over the data-parallel devices. Left alone, XLA may choose to gather a whole batch onto
+    # every device. A name not in AXIS_RULES ("seq") is not split, as None is: it only says which
+    # dimension that is. An activation's D is left unsplit (None) where a weight's ("embed") is
+    # cut over fsdp: fsdp already cuts the activation's rows, and a mesh axis cuts one dimension.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

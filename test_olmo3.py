@@ -1110,10 +1110,10 @@ def olmo_core_lr(initial_lr, step, max_steps, warmup, alpha_f, kind):
 def test_schedule_matches_olmo_core_off_by_one(kind, warmup, alpha_f):
     r = train.Recipe(lr=3e-4, steps=50, warmup_steps=warmup, schedule=kind, min_lr_ratio=alpha_f)
     lr = train.schedule(r)
-    for k in range(1, 56):  # the k-th update is optax count k - 1 and OLMo-core's current = k
+    for k in range(1, 56):  # update k is OLMo-core's current = k
         want = olmo_core_lr(3e-4, k, 50, warmup, alpha_f, kind)
-        assert float(lr(k - 1)) == pytest.approx(want, rel=1e-5, abs=1e-12), k  # fp32
-    assert float(lr(0)) > 0 or warmup == 0  # OLMo-core's first update already has a warmup LR
+        assert float(lr(k)) == pytest.approx(want, rel=1e-5, abs=1e-12), k  # fp32
+    assert float(lr(1)) > 0 or warmup == 0  # OLMo-core's first update already has a warmup LR
 
 
 def olmo_core_halfcos_lr(initial_lr, current, t_max, warmup, alpha_f=0.1):
@@ -1144,13 +1144,13 @@ def test_olmo3_schedule_is_stage_1_as_ai2_ran_it():
     lr = train.schedule(r)
     for k in [1, 2, 1999, 2000, 2001, 300_000, 596_046, 596_047]:
         want = olmo_core_lr(3e-4, k, 1_192_093, 2000, 0.1, "cosine")
-        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6, abs=1e-11), k  # optax's fp32
+        assert float(lr(k)) == pytest.approx(want, rel=2e-6, abs=1e-11), k  # optax's fp32
     for k in [596_048, 596_500, 597_045, 597_046, 597_047, 1_000_000, 1_413_813, 1_413_814]:
         want = olmo_core_halfcos_lr(3e-4, k, 1_668_931, 597_046)
-        assert float(lr(k - 1)) == pytest.approx(want, rel=2e-6), k
-    assert float(lr(597_046 - 1)) / 3e-4 == pytest.approx(0.55, rel=1e-6)
-    assert float(lr(1_413_814 - 1)) / 3e-4 == pytest.approx(0.131084, abs=2e-6)
-    assert float(lr(596_048 - 1)) < float(lr(596_047 - 1))  # part 2's "warmup" dip
+        assert float(lr(k)) == pytest.approx(want, rel=2e-6), k
+    assert float(lr(597_046)) / 3e-4 == pytest.approx(0.55, rel=1e-6)
+    assert float(lr(1_413_814)) / 3e-4 == pytest.approx(0.131084, abs=2e-6)
+    assert float(lr(596_048)) < float(lr(596_047))  # part 2's "warmup" dip
 
 
 def test_stage2_is_warm_adam_linear_to_zero_with_seed_1337():
@@ -1163,8 +1163,8 @@ def test_stage2_is_warm_adam_linear_to_zero_with_seed_1337():
         256,
         1337,
     )
-    assert float(train.schedule(r)(0)) == pytest.approx(2.0712352850360292e-4 * (1 - 1 / r.steps))
-    assert float(train.schedule(r)(r.steps - 1)) == 0.0
+    assert float(train.schedule(r)(1)) == pytest.approx(2.0712352850360292e-4 * (1 - 1 / r.steps))
+    assert float(train.schedule(r)(r.steps)) == 0.0
 
 
 def test_spike_guard_follows_olmo_core():

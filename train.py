@@ -136,41 +136,24 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # On one host with no signal, this is nanoGPT's loop:
-    #   for each step: state, metrics = step_fn(state, batch); log.queue(update, metrics)
-    #                  evaluate every eval_every updates; save every save_every updates
-    # The lines marked (second read) only decide `stop`: save now and exit 75. On one host with
-    # no signal, `signalled` is always False, and `stop` is None except at --stop-at.
-    # The numbers, one counter under two names:
-    #   step = k = state["step"]: the updates done (a skipped one too). The batch is a pure
-    #     function of it (so a resume replays exactly), and the spike guard's slot is k % 128.
-    #   update = k + 1, OLMo-core's 1-based step: logged, saved (checkpoint N holds the state
-    #     after N updates), compared with r.steps, and the LR's index (schedule).
-    #   Adam's own count is separate: it carries over with --init-from, while step starts at 0.
-    # JAX dispatches step_fn asynchronously, and log.queue reads the update before's metrics
-    # (its timeline is at Log.queue), so the devices never wait for the host.
+    # nanoGPT's loop. `step` (state["step"]) counts the updates done; `update` = step + 1 is the
+    # one this iteration makes, 1-based as OLMo-core counts: it is logged, saved (checkpoint N
+    # holds the state after N updates) and the LR's index. The batch is a pure function of step,
+    # so a resume replays the same data. step_fn returns at once (JAX dispatches asynchronously),
+    # and log reads each update's metrics one update late, so the devices never wait for the host.
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
-        # device_batch makes this process's rows one array over every device (second read; on
-        # one host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
+        # device_batch: this process's rows -> one array over every device (second read; on one
+        # host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # (second read) did any process get a signal? stop_signalled runs here, on the host, after
-        # the dispatch; its answer (a device array) is added to the metrics, so Log reads it with
-        # them, one update late, with no wait of its own
-        metrics["signalled"] = stop_signalled(mesh)
-        # log.queue keeps update's metrics for later and reads update - 1's (nanoGPT's
-        # loss.item(), one update late, so with no wait), returning their flag (False on one
-        # host with no signal)
-        signalled = log.queue(update, metrics)
+        log.queue(update, metrics)  # logs update - 1's metrics (nanoGPT's loss.item()), done by now
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
-        # stop: None, or why the run stops now, a string (second read; on one host, None except
-        # at --stop-at)
-        stop = stop_reason(update, args, signalled)
+        # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
+        # SIGTERM) that any process got, as log last read it (second read: stop_reason)
+        stop = stop_reason(update, args, log.signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
-            # reads update's metrics now (the host waits for them), so the log saved with the
-            # checkpoint reaches the step it holds
-            log.catch_up()
+            log.catch_up()  # reads update's metrics now, so the saved log reaches its step
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -232,8 +215,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but no shardings (None: on this code's mesh, whose axes are Auto, a sharding is not
-    # part of an array's type), so they are written out here, and a test checks that the two agree.
+    # shapes but lose the shardings, so they are written out here, and a test checks that the
+    # two agree. (It loses them because this mesh's axes are Auto: see the README's Mesh row.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -327,9 +310,9 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     # + wd * p on every weight but the embedding (the norms and lm_head too, as OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
     updates = decayed | {"embed": updates["embed"]}
-    # The LR comes from the state's own step, so a stage restarts its schedule while Adam's
-    # count carries over
-    lr = schedule(r)(state["step"])  # the LR of update step + 1
+    # The LR is indexed by this update (state["step"] + 1), not by Adam's count, so a stage
+    # restarts its schedule while Adam's count carries over (--init-from)
+    lr = schedule(r)(state["step"] + 1)
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     # The spike guard (OLMo-core's; nanoGPT has none) may skip the update: then params and
     # opt_state stay as they were, while step and history advance.
@@ -345,21 +328,20 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
 
 
 def split_micro(x, accum: int):
-    # [global, ...] -> [accum, global/accum, ...], with row i in micro-batch i % accum, so that
-    # each device keeps its own rows (constrain pins that, or XLA might move rows). A plain
-    # reshape(accum, global/accum) would put all of micro-batch 0 on the first devices. With 8 rows,
-    # accum 2 and 2 devices, device 0 holds rows 0-3: its rows 0 and 2 go to micro-batch 0, and
-    # 1 and 3 to micro-batch 1. Micro-batch 0 is rows 0, 2, 4 and 6, two on each device.
-    # (the same as np.stack([x[a::accum] for a in range(accum)]))
+    # [global, ...] -> [accum, global/accum, ...], row i to micro-batch i % accum: with 8 rows
+    # and accum 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::accum] for a in ...])).
+    # Why strided: with 2 devices, device 0 holds rows 0-3, and keeps two rows of each
+    # micro-batch, so no row moves (constrain pins that). A plain reshape(accum, global/accum)
+    # would put all of micro-batch 0 on device 0.
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
 
 # ----------------------------------------------------------------------------- the optimizer
 
-def schedule(r: Recipe):  # -> a function: step (the updates done) -> the LR of update step + 1
-    # These are OLMo-core's formulas for its step k, with peak P, floor F = min_lr_ratio * P,
-    # warmup W and t_max T:
+def schedule(r: Recipe):  # -> a function: update k (1-based) -> its LR
+    # These are OLMo-core's formulas for its step k (our update k), with peak P, floor
+    # F = min_lr_ratio * P, warmup W and t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
     # Both stay at F from T on. The "olmo3" schedule's second part (olmo3_stage1) is
@@ -375,7 +357,7 @@ def schedule(r: Recipe):  # -> a function: step (the updates done) -> the LR of 
                                   [warmup])
     else:  # "olmo3": AI2's stage 1 in two parts (the 7b presets; optional on a first read)
         lr = olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
-    return lambda step: lr(step + 1)
+    return lr
 
 
 # the first update of stage 1's second part (AI2 restarted after update 596,047)
@@ -447,7 +429,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (update, time) of the last progress line; skipped: updates skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
-        # queued: (update, metrics) handed over but not read yet; signalled: the newest flag read
+        # queued: (update, metrics) handed over but not read yet; signalled: whether any process
+        # got a signal, as of the newest metrics read (stop_reason)
         self.queued, self.signalled = None, False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
@@ -482,14 +465,16 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def queue(self, update, metrics):  # -> signalled: was any process asked to stop, as last read
+    def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) for later and reads the update before's,
         # done by now: the host reads one update behind the devices. For updates 6, 7, 8:
         #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
         #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
+        # (second read) Whether any process got a signal is asked now, and read with the metrics,
+        # with no wait of its own. On one host with no signal, it is always False.
+        metrics = metrics | {"signalled": stop_signalled(self.mesh)}
         self.catch_up()
         self.queued = (update, metrics)
-        return self.signalled
 
     def catch_up(self):  # reads the update kept by queue now (a save does, to log what it saves)
         if self.queued:
