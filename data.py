@@ -88,10 +88,10 @@ class Loader:
         epoch, index = divmod(step, self.steps_per_epoch)
         # OLMo-core's epochs count from 1
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
-        # For Loader's rows this is just labels[:, :-1] = inputs[:, 1:] (the rest is for
-        # PackedLoader's rows; skip it on a first read). In general, position t predicts token
-        # t + 1 when that token is a document's, not padding. A fixed-length row is all document
-        # (lengths = seq_len). A packed row usually ends in padding.
+        # (Skip the rest on a first read: for Loader's rows it is just labels[:, :-1] =
+        # inputs[:, 1:], and the rest is for PackedLoader's rows.) In general, position t predicts
+        # token t + 1 when that token is a document's, not padding. A fixed-length row is all
+        # document (lengths = seq_len). A packed row usually ends in padding.
         # real_next [rows, T - 1]: position t has a target iff t + 1 < length; with length 3
         # and T = 6, it is [True, True, False, False, False].
         real_next = np.arange(1, self.seq_len) < lengths[:, None]

@@ -161,12 +161,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # Every group has the same layout, so layer j of every group has model layer j's window:
-    # [4096, 4096, 4096, None] for the 7B (None: full, as is_global says of the last layer too)
+    # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
+    # 4096, None] for the 7B (None: full attention, which is_global calls global). is_global's
+    # last-layer rule matters only when all layers are one group.
     windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
-    # jax.checkpoint: the backward pass recomputes the layer's insides but for what the policy
-    # keeps: the matmul outputs (dots_saveable, the reference attention's scores among them), or
-    # with --remat true only the layer's input
+    # Every layer is a jax.checkpoint, and --remat picks only its policy: the backward pass
+    # recomputes the layer's insides but for what the policy keeps: the matmul outputs
+    # (dots_saveable, the reference attention's scores among them), or with --remat true only the
+    # layer's input
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -205,12 +207,6 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     h = constrain(h, "batch", "seq", None)
     mlp = dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])  # SwiGLU
     return constrain(h + rms_norm(mlp, p["mlp_norm"], cfg.norm_eps), "batch", "seq", None)
-
-
-def unembed(params, h):  # -> fp32 logits over the padded vocab, with the matmul in h's dtype
-    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
-                        preferred_element_type=jnp.float32)
-    return constrain(logits, "batch", "seq", "vocab")
 
 
 def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
@@ -263,6 +259,12 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
     return (x32 * cos_TE[:, None, :] + rotated * sin_TE[:, None, :]).astype(x_BTHE.dtype)
 
 
+def unembed(params, h):  # -> fp32 logits over the padded vocab, with the matmul in h's dtype
+    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return constrain(logits, "batch", "seq", "vocab")
+
+
 def loss_terms(logits, labels, z_loss: float, axis=None):
     """(cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows)."""
     # axis=None sums over everything (training). axis=-1 gives one sum per row, as
@@ -311,7 +313,9 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # are split over `tensor` needs communication too; XLA chooses it, and it is correct whatever it
 # chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners
 # too. data=N keeps N copies of the weights (each one split over fsdp) and all-reduces their
-# gradients.
+# gradients. So fsdp cuts two things: each weight along its embed (D) dimension, and each batch,
+# with its activations, along its rows. An activation keeps its D whole: a mesh axis cuts at most
+# one dimension of an array, and fsdp already cuts its rows.
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding
@@ -373,8 +377,7 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
     # PartitionSpec: JAX takes its mesh from set_mesh. Pinned activations keep their rows split
     # over the data-parallel devices. Left alone, XLA may choose to gather a whole batch onto
     # every device. A name not in AXIS_RULES ("seq") is not split, as None is: it only says which
-    # dimension that is. An activation's D is left unsplit (None) where a weight's ("embed") is
-    # cut over fsdp: fsdp already cuts the activation's rows, and a mesh axis cuts one dimension.
+    # dimension that is. An activation's D is not split (None); the sharding paragraph says why.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

@@ -118,10 +118,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
     # files are written with each checkpoint)
-    log, evals = Log(cfg, r, args.out, mesh), None
-    # evaluation.py lives beside the core. With the core alone (a copy of the three files), the
-    # run trains without evaluations, samples or the loss plot. It evaluates the sets given
-    # (--eval-data, --eval-tasks), or else the corpus's held-out set if evaluation.py is here.
+    log = Log(cfg, r, args.out, mesh)
+    # evals(params, update) evaluates, with evaluation.py (beside the core): the sets and tasks
+    # given (--eval-data, --eval-tasks), or else the corpus's held-out set. With the core alone
+    # (a copy of the three files), evals is None: no evaluations, samples or loss plot.
+    evals = None
     have_evaluation = importlib.util.find_spec("evaluation") is not None
     if args.eval_data or args.eval_tasks or (heldout and have_evaluation):
         import evaluation
@@ -131,7 +132,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # created as, restore reads onto and compile_step compiles for
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
-    # drops metrics.jsonl's records newer than the state we start from (after a resume)
+    # (second read) after a resume, drops metrics.jsonl's records newer than the state
     log.rewind(int(state["step"]))
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
@@ -146,7 +147,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (second read; on one
         # host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        log.queue(update, metrics)  # logs update - 1's metrics (nanoGPT's loss.item()), done by now
+        # reads update - 1's metrics (nanoGPT's loss.item()), done by now, and keeps update's; it
+        # also asks every process whether to stop (log.signalled, second read)
+        log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
@@ -215,8 +218,7 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but lose the shardings, so they are written out here, and a test checks that the
-    # two agree. (It loses them because this mesh's axes are Auto: see the README's Mesh row.)
+    # shapes but not the shardings, so they are written out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -242,7 +244,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
-    refuse_fresh_start(args.out)
+    refuse_fresh_start(args.out)  # (second read) stops if a run already trained in args.out
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -289,10 +291,12 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
         logits = olmo3.forward(params, micro["inputs"], cfg, segments)
         ce, z, _ = olmo3.loss_terms(logits, micro["labels"], r.z_loss)
         return (ce + z) / n_tokens, ce / n_tokens
+    # grad_fn(params, micro) -> ((the loss with z-loss, ce), grads): has_aux says loss returns
+    # (what to differentiate, an extra), and value_and_grad passes the extra (ce) through
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def add_micro(carry, micro):  # carry = (summed gradients, summed loss) over micro-batches
-        (_, ce), grads = grad_fn(params, micro)  # ((loss with z-loss, aux: ce), grads)
+        (_, ce), grads = grad_fn(params, micro)
         return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
     if accum == 1:  # one micro-batch: the plain step, with no scan around it
         (_, ce), grads = grad_fn(params, batch)
@@ -466,12 +470,16 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
     def queue(self, update, metrics):
-        # Keeps update's metrics (still being computed) for later and reads the update before's,
-        # done by now: the host reads one update behind the devices. For updates 6, 7, 8:
-        #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
-        #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
-        # (second read) Whether any process got a signal is asked now, and read with the metrics,
-        # with no wait of its own. On one host with no signal, it is always False.
+        # Keeps update's metrics (still being computed) and reads the update before's, done by
+        # now: the host reads one update behind, so the devices never wait for it. (second read)
+        # It also asks whether any process got a signal (stop_signalled: an all-reduce on the
+        # devices), and the answer rides with update's metrics. On one host with no signal, it is
+        # always False. train's loop with a SIGTERM during update 7, one row an iteration:
+        #   6: queue(6, m6) reads 5's, keeps 6's (flag False)
+        #   7: queue(7, m7) keeps 7's (flag False), reads 6's  <- the SIGTERM comes as it waits
+        #   8: queue(8, m8) keeps 8's (flag True), reads 7's (False)
+        #   9: queue(9, m9) keeps 9's, reads 8's (True): stop_reason says stop, the save's
+        #      catch_up() reads 9's, and every process saves 9 and exits 75
         metrics = metrics | {"signalled": stop_signalled(self.mesh)}
         self.catch_up()
         self.queued = (update, metrics)
@@ -732,11 +740,8 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
-    # signalled came with update - 1's metrics, so all processes stop after the same update. A
-    # SIGTERM during update 7, in train's loop (each row is the iteration that makes that update):
-    #   iteration 7: dispatch 7 (its flag False) | read 6's metrics  <- the SIGTERM comes here
-    #   iteration 8: dispatch 8 (its flag True)  | read 7's (flag False)
-    #   iteration 9: dispatch 9                  | read 8's (flag True): read 9's, save 9, exit 75
+    # signalled came with update - 1's metrics, which every process read alike, so all stop
+    # after the same update (the timeline is at Log.queue)
     if update == args.stop_at:
         return "--stop-at"
     if signalled:  # a process got a signal: all stop, together
