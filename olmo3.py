@@ -6,7 +6,7 @@
 # one, and the last layer is always full.
 #
 # The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers ->
-# unembed), loss_terms and flops_per_token, then the sharding (its first paragraph says what
+# unembed), loss_terms and flops_per_token, then the sharding (its first paragraphs say what
 # each device holds), and attention with its kernels last. Read it in that order, looking ahead for
 # what block calls (attention among them: its plain version, then the kernels on a later read). The
 # model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params`
@@ -299,23 +299,27 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 # ----------------------------------------------------------------------------- sharding
 
-# Sharding in one paragraph. The mesh arranges the devices in a grid with named axes. For example, 8
-# devices as fsdp=4,tensor=2 form a 4 x 2 grid. AXIS_RULES (below) cuts each weight along them. The
-# q weight [layers, embed 4096, heads 4096] is cut 4 ways along embed (fsdp) and 2 ways along heads
-# (tensor), so one device holds [32, 1024, 2048], an eighth of it, and an eighth of its Adam
-# moments. A batch [512, 8192] is cut 4 ways along its rows (fsdp), so each device holds 128
-# sequences (16 at a time in the 7b's micro-batches of 64), the same ones as its tensor partner (the
-# device with the same fsdp index). XLA inserts the communication, and what it typically chooses is
-# this. Before a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q,
-# gathered over fsdp, is [4096, 2048] on a device). After `o` and `down` it all-reduces over
-# `tensor`, because each partner summed half of the heads or of the MLP. In the backward pass it
-# reduce-scatters each gradient back to its fsdp shard. The embedding's lookup in a table whose rows
-# are split over `tensor` needs communication too; XLA chooses it, and it is correct whatever it
-# chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners
-# too. data=N keeps N copies of the weights (each one split over fsdp) and all-reduces their
-# gradients. So fsdp cuts two things: each weight along its embed (D) dimension, and each batch,
-# with its activations, along its rows. An activation keeps its D whole: a mesh axis cuts at most
-# one dimension of an array, and fsdp already cuts its rows.
+# Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid
+# with named axes, as 8 devices in fsdp=4,tensor=2 form a 4 x 2 grid. fsdp cuts two things: each
+# weight along its embed (D) dimension, and each batch along its rows. tensor cuts a weight's
+# heads or MLP dimension. (AXIS_RULES, below, says which dimension goes where.)
+#
+# An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed
+# 4096, heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds
+# [32, 1024, 2048], an eighth of it, and an eighth of its Adam moments. (tiny's, in the README's
+# dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4 ways along its rows, so a
+# device holds 128 sequences, the same ones as its tensor partner (the device with the same fsdp
+# index). An activation, [rows, T, D], keeps its D whole: fsdp already cuts its rows, and a mesh
+# axis cuts at most one dimension of an array.
+#
+# What XLA communicates: it inserts the communication itself, and typically chooses this. Before
+# a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q, gathered over
+# fsdp, is [4096, 2048] on a device). After `o` and `down` it all-reduces over `tensor`, because
+# each partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters
+# each gradient back to its fsdp shard. The embedding's lookup in a table whose rows are split
+# over `tensor` needs communication too; XLA chooses it, and it is correct whatever it chooses.
+# QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners too.
+# data=N keeps N copies of the weights (each one split over fsdp) and all-reduces their gradients.
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding
@@ -371,13 +375,14 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
 
 
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
-    # The mesh is the one that train.main (or evaluation.main, prepare.dry_run, a test) sets with
-    # `with jax.set_mesh(mesh)`. While tracing, get_abstract_mesh() returns it (its axis names and
-    # sizes, no devices); with no mesh set it is empty, and nothing is pinned. The spec is a bare
-    # PartitionSpec: JAX takes its mesh from set_mesh. Pinned activations keep their rows split
-    # over the data-parallel devices. Left alone, XLA may choose to gather a whole batch onto
-    # every device. A name not in AXIS_RULES ("seq") is not split, as None is: it only says which
-    # dimension that is. An activation's D is not split (None); the sharding paragraph says why.
+    # With no mesh set (a test, convert --verify) it does nothing. Under a mesh it pins x's
+    # sharding: pinned activations keep their rows split over the data-parallel devices, where
+    # XLA, left alone, may choose to gather a whole batch onto every device. The mesh is the one
+    # that train.main (or evaluation.main, prepare.dry_run, a test) sets with `with
+    # jax.set_mesh(mesh)`; while tracing, get_abstract_mesh() returns it (its axis names and sizes,
+    # no devices), and the bare PartitionSpec takes its mesh from there. A name not in AXIS_RULES
+    # ("seq") is not split, as None is: it only says which dimension that is. An activation's D is
+    # not split (None); the sharding paragraphs say why.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

@@ -176,6 +176,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
 # ----------------------------------------------------------------------------- data
 
 def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-out mix or None)
+    # (data.Loader and data.corpus are the reading map's stop 6)
     source, heldout = args.data, None
     if source is None and cfg.tokenizer != "bytes":
         raise SystemExit("error: --data is required with the dolma2 tokenizer: a mix file, token "
@@ -199,6 +200,8 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 
 # ----------------------------------------------------------------------------- the state
+# fresh_state builds the state from params; abstract_state describes it (train's `target`);
+# init_state creates it sharded; starting_state picks a resumed, fresh or --init-from one.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
@@ -248,6 +251,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
+    # restored: {params} from a converted checkpoint; from a run's, opt_state, step and history too
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
     # params and opt_state carry over (only params from a converted checkpoint); step and
     # history stay fresh, so the schedule and the spike guard start again
@@ -476,7 +480,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         # devices), and the answer rides with update's metrics. On one host with no signal, it is
         # always False. train's loop with a SIGTERM during update 7, one row an iteration:
         #   6: queue(6, m6) reads 5's, keeps 6's (flag False)
-        #   7: queue(7, m7) keeps 7's (flag False), reads 6's  <- the SIGTERM comes as it waits
+        #   7: queue(7, m7) keeps 7's (flag False, asked first), reads 6's  <- the SIGTERM comes
+        #      as it waits
         #   8: queue(8, m8) keeps 8's (flag True), reads 7's (False)
         #   9: queue(9, m9) keeps 9's, reads 8's (True): stop_reason says stop, the save's
         #      catch_up() reads 9's, and every process saves 9 and exits 75
