@@ -57,7 +57,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #     "sliding_attention": {rope_type: default, rope_theta: 500000}}.
     # `full` merges them, later keys winning: rope_theta, then rope_parameters' full_attention,
     # then rope_scaling. Either form gives full = {rope_theta: 500000, rope_type: yarn,
-    # factor: 8, ...}, and the sliding layers must be plain.
+    # factor: 8, ...}, and the sliding layers must be plain. The legacy form, worked:
+    # {rope_theta: 500000} | {} (no rope_parameters) | {rope_type: yarn, factor: 8, ...}.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

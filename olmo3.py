@@ -34,6 +34,7 @@ class Config:
     tokenizer: str = "dolma2"          # "dolma2" (cl100k + OLMo specials) or "bytes"
     sliding_window: int = 4096         # the keys a sliding layer sees, including the current token
     global_every: int = 4              # layers 3, 7, 11, ... (from 0; and the last) are global
+    #                                    (global = full attention = window None in decoder)
     #                                    ("full" below): no window
     rope_theta: float = 500_000.0
     yarn_factor: float = 0.0           # YaRN RoPE scaling on full-attention layers (0 means none)
@@ -157,7 +158,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # one group, which lax.scan runs 8 times. (tiny is one group of 4. When global_every does not
     # divide n_layers, all layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
-    # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]
+    # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
+    # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
@@ -310,7 +312,9 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4 ways along its rows, so a
 # device holds 128 sequences, the same ones as its tensor partner (the device with the same fsdp
 # index). An activation, [rows, T, D], keeps its D whole: fsdp already cuts its rows, and a mesh
-# axis cuts at most one dimension of an array.
+# axis cuts at most one dimension of an array; tensor cuts only heads and MLP, which an
+# activation between blocks does not have, so tensor partners hold the same rows whole, as in
+# Megatron.
 #
 # What XLA communicates: it inserts the communication itself, and typically chooses this. Before
 # a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q, gathered over

@@ -148,7 +148,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         # reads update - 1's metrics (nanoGPT's loss.item()), done by now, and keeps update's; it
-        # also asks every process whether to stop (log.signalled, second read)
+        # also asks every process whether to stop (log.signalled; an all-reduce, second read)
         log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
@@ -226,7 +226,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     # Adam's mu and nu are described exactly as params are, so each is cut like its param:
-    # ZeRO-3, with no device holding more than its share of the optimizer state
+    # ZeRO-3, with no device holding more than its share of the optimizer state. (adam(r).init
+    # returns this type; a test compares the two.)
     opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
     return {"params": params, "opt_state": opt, "step": whole((), jnp.int32),
             "history": whole((2, HISTORY), jnp.float32)}
@@ -475,16 +476,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) and reads the update before's, done by
-        # now: the host reads one update behind, so the devices never wait for it. (second read)
-        # It also asks whether any process got a signal (stop_signalled: an all-reduce on the
-        # devices), and the answer rides with update's metrics. On one host with no signal, it is
-        # always False. train's loop with a SIGTERM during update 7, one row an iteration:
-        #   6: queue(6, m6) reads 5's, keeps 6's (flag False)
-        #   7: queue(7, m7) keeps 7's (flag False, asked first), reads 6's  <- the SIGTERM comes
-        #      as it waits
-        #   8: queue(8, m8) keeps 8's (flag True), reads 7's (False)
-        #   9: queue(9, m9) keeps 9's, reads 8's (True): stop_reason says stop, the save's
-        #      catch_up() reads 9's, and every process saves 9 and exits 75
+        # now: the host reads one update behind, so the devices never wait for it. For 6, 7, 8:
+        #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
+        #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
+        # (second read) It also asks whether any process got a signal (stop_signalled, an
+        # all-reduce), and the answer rides with update's metrics; on one host with no signal it is
+        # always False. stop_reason has the timeline of a SIGTERM.
         metrics = metrics | {"signalled": stop_signalled(self.mesh)}
         self.catch_up()
         self.queued = (update, metrics)
@@ -746,7 +743,11 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
     # signalled came with update - 1's metrics, which every process read alike, so all stop
-    # after the same update (the timeline is at Log.queue)
+    # after the same update. With a SIGTERM during update 7, one row an iteration of the loop:
+    #   7: queue(7, m7) asks 7's flag (False), then reads 6's  <- the SIGTERM comes as it waits
+    #   8: queue(8, m8) asks 8's flag (True), reads 7's (False): log.signalled is False
+    #   9: queue(9, m9) reads 8's (True): stop_reason says stop, the save's catch_up() reads
+    #      9's, and every process saves 9 and exits 75
     if update == args.stop_at:
         return "--stop-at"
     if signalled:  # a process got a signal: all stop, together
