@@ -173,6 +173,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # layer's input
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
+    # On a first read, take layer as block: the checkpoint only decides what backward keeps.
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
     # (cfg) are static, Python values that Python `if`s read (attention's `if window`)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
