@@ -84,7 +84,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
 
 
 def layer_types(cfg):
-    return ["full_attention" if cfg.is_global(i) else "sliding_attention"
+    return ["full_attention" if cfg.is_full(i) else "sliding_attention"
             for i in range(cfg.n_layers)]
 
 

@@ -33,9 +33,8 @@ class Config:
     vocab_size: int = 100_278          # the tokenizer's ids (weights are padded to `padded_vocab`)
     tokenizer: str = "dolma2"          # "dolma2" (cl100k + OLMo specials) or "bytes"
     sliding_window: int = 4096         # the keys a sliding layer sees, including the current token
-    global_every: int = 4              # layers 3, 7, 11, ... (from 0; and the last) are global
-    #                                    (global = full attention = window None in decoder)
-    #                                    ("full" below): no window
+    global_every: int = 4              # layers 3, 7, 11, ... (from 0) and the last are global:
+    #                                    full attention, no window (is_full; window None)
     rope_theta: float = 500_000.0
     yarn_factor: float = 0.0           # YaRN RoPE scaling on full-attention layers (0 means none)
     yarn_beta_fast: float = 32.0
@@ -55,7 +54,7 @@ class Config:
         # a multiple of 128, as OLMo-core does (-(-a // b) is a / b rounded up)
         return -(-self.vocab_size // 128) * 128
 
-    def is_global(self, layer: int) -> bool:
+    def is_full(self, layer: int) -> bool:
         return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
 
 
@@ -66,7 +65,8 @@ MODELS = {
     "tiny": Config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=768,
                    vocab_size=258, tokenizer="bytes", sliding_window=64, compute_dtype="float32"),
     "7b": Config(),
-    # MaxText's head reshape, 16 heads x 256, keeps the parameters, FLOPs and QK-norm's 4096.
+    # MaxText's head reshape, 16 heads x 256, keeps the parameter count, FLOPs and QK-norm's
+    # 4096; the 7b's weights do not carry over (16 heads of 256 attend differently).
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
     # AI2's released model after stage 3. It uses YaRN x8 on the full-attention layers. That
     # stage trains 65,536-token rows, which fit v5p-128 only with remat (64 of 95 GiB, see README).
@@ -156,7 +156,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # layers cut into groups to save compile time, not to change the math (as MaxText does): the
     # 7B's 32 layers are 8 groups of 4 (sliding, sliding, sliding, full), and the compiler traces
     # one group, which lax.scan runs 8 times. (tiny is one group of 4. When global_every does not
-    # divide n_layers, all layers are one group.)
+    # divide n_layers, all layers are one group.) On a first read, take `layer` below as `block`:
+    # its checkpoint only decides what the backward pass keeps.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
@@ -164,16 +165,13 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
-    # 4096, None] for the 7B (None: full attention, which is_global calls global). is_global's
-    # last-layer rule matters only when all layers are one group.
-    windows = [None if cfg.is_global(j) else cfg.sliding_window for j in range(group_size)]
-    # Every layer is a jax.checkpoint, and --remat picks only its policy: the backward pass
-    # recomputes the layer's insides but for what the policy keeps: the matmul outputs
-    # (dots_saveable, the reference attention's scores among them), or with --remat true only the
-    # layer's input
+    # 4096, None] for the 7B (None: full attention). is_full's last-layer rule matters only when
+    # all layers are one group.
+    windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
+    # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat says what
+    # each keeps; dots_saveable keeps the reference attention's scores too)
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-    # On a first read, take layer as block: the checkpoint only decides what backward keeps.
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
     # (cfg) are static, Python values that Python `if`s read (attention's `if window`)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
@@ -292,7 +290,7 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
     # SW - W(W - 1) / 2, so W - (W^2 - W) / 2S on average. windows=False counts every layer
     # as full causal, as MaxText does.
     S, W = seq_len, cfg.sliding_window
-    seen = [(S + 1) / 2 if cfg.is_global(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
+    seen = [(S + 1) / 2 if cfg.is_full(i) or not windows or W >= S else W - (W * W - W) / (2 * S)
             for i in range(cfg.n_layers)]
     # Only matmul weights count. Filtering by HF name drops the norms and the embedding (a gather).
     leaves = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
@@ -312,10 +310,10 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # [32, 1024, 2048], an eighth of it, and an eighth of its Adam moments. (tiny's, in the README's
 # dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4 ways along its rows, so a
 # device holds 128 sequences, the same ones as its tensor partner (the device with the same fsdp
-# index). An activation, [rows, T, D], keeps its D whole: fsdp already cuts its rows, and a mesh
-# axis cuts at most one dimension of an array; tensor cuts only heads and MLP, which an
-# activation between blocks does not have, so tensor partners hold the same rows whole, as in
-# Megatron.
+# index). An activation between blocks, [rows, T, D], keeps its D whole. fsdp does not cut it,
+# because fsdp already cuts the rows, and a mesh axis cuts at most one dimension of an array.
+# tensor does not cut it either: this code's tensor axis cuts heads, MLP and vocab, as Megatron's
+# does, so tensor partners hold the same rows whole.
 #
 # What XLA communicates: it inserts the communication itself, and typically chooses this. Before
 # a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q, gathered over

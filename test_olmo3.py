@@ -362,7 +362,7 @@ def test_layers_are_scanned_in_groups_of_four_with_the_unrolled_numerics():
     def unrolled(params, h):
         ropes = {full: olmo3.rope_tables(jnp.arange(40), cfg, full) for full in (False, True)}
         for i in range(cfg.n_layers):
-            window = None if cfg.is_global(i) else cfg.sliding_window
+            window = None if cfg.is_full(i) else cfg.sliding_window
             layer = jax.tree.map(lambda w: w[i], params["blocks"])
             h = olmo3.block(layer, h, window, ropes[window is None], cfg)
         return olmo3.rms_norm(h, params["final_norm"], cfg.norm_eps)

@@ -141,7 +141,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # one this iteration makes, 1-based as OLMo-core counts: it is logged, saved (checkpoint N
     # holds the state after N updates) and the LR's index. The batch is a pure function of step,
     # so a resume replays the same data. step_fn returns at once (JAX dispatches asynchronously),
-    # and log reads each update's metrics one update late, so the devices never wait for the host.
+    # and log reads each update's metrics one update late, so between steps the devices do not wait
+    # for the host (an evaluation or a save does make them wait).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch: this process's rows -> one array over every device (second read; on one
@@ -185,12 +186,14 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
     elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
         heldout = os.path.join(source, "heldout.txt")
-    # rows: the rows of each batch that this process's devices hold (all of them on one host)
+    # rows: the rows of each batch that this process's devices hold (all of them on one host;
+    # local_rows is second read)
     options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
     # The plain Loader comes first even for packing: the hosts compare its fingerprint (the
     # token files) before process 0 spends minutes packing them.
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
+    # (second read) on several hosts, every one must read the same token files
     check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
                           "--data, --data-root and the mix file on every host")
     if r.packing:  # process 0 packs the same files into the run directory once, then all read it
@@ -434,6 +437,9 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
+    # What train's loop calls: log(text) or log(**record); queue(update, metrics), the read one
+    # update behind, and catch_up() before a save (both read through `read`); flush() after a
+    # save. (second read) queue also asks for the stop flag: on one host, bool(SIGNALS).
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -477,7 +483,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) and reads the update before's, done by
-        # now: the host reads one update behind, so the devices never wait for it. For 6, 7, 8:
+        # now: the host reads one update behind, so the devices need not wait for it. For 6, 7, 8:
         #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
         #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
         # (second read) It also asks whether any process got a signal (stop_signalled, an
@@ -508,6 +514,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if update % r.log_every and update != r.steps:
             return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
+        # the "step" logged and printed is the update (1-based), state["step"] + 1
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
         if self.last:  # rates start at the second line: the first has no line before it
@@ -642,7 +649,7 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     saved = saved_config(step_dir)
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
     # the model fields that must be equal: the union of both versions' field names, in order,
-    # but may_differ's
+    # except may_differ's
     fixed = [f for f in dict.fromkeys([*saved["model"], *vars(cfg)]) if not may_differ(f)]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
     pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
