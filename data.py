@@ -7,7 +7,8 @@
 #    documents run across instance boundaries), shuffles the instance ids once per epoch exactly
 #    as OLMo-core does, and reads the rows of each global batch that this process's devices hold.
 #    In OLMo-core, rank r of W takes rows r::W. Here a device holds a block of rows instead. The
-#    set of rows, and so the loss, is the same. Only which device holds which row differs.
+#    set of rows, and so the loss, is the same (up to the order of float sums). Only which device
+#    holds which row differs.
 #    Labels are the inputs shifted left by one, and the last position is ignored (-100).
 # 2. `PackedLoader` (stage 3; skip it on a first read) packs whole documents into the instances
 #    instead, as OLMo-core's NumpyPackedFSLDataset does, and gives each token its document's

@@ -166,7 +166,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
     # 4096, None] for the 7B (None: full attention). is_full's last-layer rule matters only when
-    # all layers are one group.
+    # all layers are one group: otherwise the last layer is already the last of its group, full.
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat says what
     # each keeps; dots_saveable keeps the reference attention's scores too)
@@ -182,7 +182,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
             # ropes["full"] is YaRN's table when yarn_factor is set, else the same as "sliding"
             x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
         return x, None
-    x, _ = jax.lax.scan(group, x, groups)  # for g in groups: x, _ = group(x, g)
+    # for g in range(8): x, _ = group(x, groups sliced at g): scan slices each leaf of the pytree
+    # `groups` along its first axis
+    x, _ = jax.lax.scan(group, x, groups)
     return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)  # as block's norms
 
 
@@ -302,8 +304,10 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 # Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid
 # with named axes, as 8 devices in fsdp=4,tensor=2 form a 4 x 2 grid. fsdp cuts two things: each
-# weight along its embed (D) dimension, and each batch along its rows. tensor cuts a weight's
-# heads or MLP dimension. (AXIS_RULES, below, says which dimension goes where.)
+# weight along its embed (D) dimension, and each batch along its rows (with data, if data > 1).
+# tensor cuts a weight's heads, MLP or vocab dimension. (AXIS_RULES, below, says which dimension
+# goes where.) Weights and batches get their shardings from functions given the mesh; inside the
+# model, constrain reads the mesh that `jax.set_mesh` set (train.main does).
 #
 # An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed
 # 4096, heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds

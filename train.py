@@ -154,7 +154,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
-        # SIGTERM) that any process got, as log last read it (second read: stop_reason)
+        # SIGTERM) that any process got, as read with update - 1's metrics (second read:
+        # stop_reason). On one host with no signal, only --stop-at stops the run early.
         stop = stop_reason(update, args, log.signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
             log.catch_up()  # reads update's metrics now, so the saved log reaches its step
@@ -313,7 +314,9 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    # AdamW, as torch's and OLMo-core's: clip, Adam's direction, decoupled weight decay, the LR
+    # AdamW, as torch's and OLMo-core's: clip, Adam's direction, decoupled weight decay, the LR.
+    # Written out, not optax.adamw: the LR follows the update, not Adam's count (which carries
+    # over with --init-from), and the spike guard may skip the whole update.
     grad_norm = optax.tree.norm(grads)  # before clipping
     # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
     # divides by the norm + 1e-6 instead)
