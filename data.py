@@ -334,7 +334,8 @@ def get_tokenizer(name):
 def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
     """Documents -> DIR/{train,heldout}.npy and their mix files DIR/{train,heldout}.txt."""
     # total is the input's size in bytes, for the ETA.
-    # For corpora of many GB, AI2's `dolma tokens` writes the same kind of files, in parallel.
+    # For corpora of many GB, AI2's `dolma tokens --dtype uint32` writes the same kind of files,
+    # in parallel (its default dtype, uint16, cannot hold dolma2's ids).
     if not 0 <= heldout < 1:
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction like 0.05")
     os.makedirs(out_dir, exist_ok=True)

@@ -22,9 +22,11 @@
 #           task's primary metric says which), and the document is right if the argmax over its
 #           continuations (the first on a tie) is its label.
 #   rule 4. Bits per byte: only the right continuation of each document is scored, as -score /
-#           bytes * log2(e). It is the one whose label is its own text (a str or list, as
-#           lambada's ["signs"]), or whose idx equals the label (multiple choice: the label is the
-#           right idx); a label of None reads as 0. (load_task has examples.)
+#           bytes * log2(e). It is the one whose label is its own text (a str or list), or
+#           whose idx equals the label (multiple choice); a label of None reads as 0. Kept:
+#           {"idx": 0, "label": ["signs"]} (lambada:bpb_0shot), {"idx": 0, "label": None}
+#           (codex_humaneval:gold_bpb_0shot), {"idx": 2, "label": 2}; dropped: {"idx": 1,
+#           "label": 2}.
 import dataclasses
 import functools
 import gzip
@@ -186,10 +188,7 @@ def load_task(spec, limit, tokenizer, seq_len):
     # drops repeats and keeps the order)
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    if DIVIDE_BY[metric] == "bytes":  # rule 4: only the right continuations
-        # Kept: {"idx": 0, "label": ["signs"]} (lambada:bpb_0shot: the label is the text),
-        # {"idx": 0, "label": None} (codex_humaneval:gold_bpb_0shot), {"idx": 2, "label": 2}
-        # (multiple choice: the label is the right idx); dropped: {"idx": 1, "label": 2}.
+    if DIVIDE_BY[metric] == "bytes":  # rule 4: only the right continuations (examples there)
         requests = [req for req in requests if isinstance(req["label"], str | list) or
                     req["idx"] == (0 if req["label"] is None else req["label"])]
     return metric, requests, request_rows(requests, tokenizer, seq_len)

@@ -54,6 +54,8 @@ class Config:
         # a multiple of 128, as OLMo-core does (-(-a // b) is a / b rounded up)
         return -(-self.vocab_size // 128) * 128
 
+    # (The last-layer rule matters only when global_every does not divide n_layers: otherwise the
+    # last layer is already a full one.)
     def is_full(self, layer: int) -> bool:
         return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
 
@@ -85,7 +87,8 @@ class Spec(NamedTuple):
 # The logical axes name what a dimension is, whatever the weight: "embed" is d_model in every
 # weight (not only the embedding), "heads" the query heads x head_dim, "mlp" the hidden width. A
 # norm's weight follows the activation it scales: d_model is "norm" (never split, as activations'
-# D is not), and q_norm and k_norm follow their heads.
+# D is not), and q_norm and k_norm follow their heads. AXIS_RULES (stop 4) maps these names to
+# how each weight is cut over the devices.
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -155,18 +158,20 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`, with the
     # layers cut into groups to save compile time, not to change the math (as MaxText does): the
     # 7B's 32 layers are 8 groups of 4 (sliding, sliding, sliding, full), and the compiler traces
-    # one group, which lax.scan runs 8 times. (tiny is one group of 4. When global_every does not
-    # divide n_layers, all layers are one group.) On a first read, take `layer` below as `block`:
-    # its checkpoint only decides what the backward pass keeps.
+    # one group, which lax.scan runs 8 times. The scanned unit is a group, not a layer, because a
+    # layer's window is a Python value baked into its program, and every scan step runs the same
+    # program. (tiny is one group of 4. When global_every does not divide n_layers, all layers are
+    # one group.) On a first read, take `layer` below as `block`: its checkpoint only decides what
+    # the backward pass keeps.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
+    # the RoPE tables for sliding and for full-attention layers (YaRN applies to full ones only)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
-    # 4096, None] for the 7B (None: full attention). is_full's last-layer rule matters only when
-    # all layers are one group: otherwise the last layer is already the last of its group, full.
+    # 4096, None] for the 7B (None: full attention).
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat says what
     # each keeps; dots_saveable keeps the reference attention's scores too)

@@ -139,10 +139,14 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     step_fn = compile_step(cfg, r, mesh, target)
     # nanoGPT's loop. `step` (state["step"]) counts the updates done; `update` = step + 1 is the
     # one this iteration makes, 1-based as OLMo-core counts: it is logged, saved (checkpoint N
-    # holds the state after N updates) and the LR's index. The batch is a pure function of step,
-    # so a resume replays the same data. step_fn returns at once (JAX dispatches asynchronously),
-    # and log reads each update's metrics one update late, so between steps the devices do not wait
-    # for the host (an evaluation or a save does make them wait).
+    # holds the state after N updates) and the LR's index. By the iteration's end they agree: the
+    # state's step, the checkpoint and the printed step are all `update`. The batch is a pure
+    # function of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
+    # asynchronously), and log reads each update's metrics one update late, so between steps the
+    # devices do not wait for the host (an evaluation or a save does make them wait):
+    #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
+    #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
+    # Reading can end the run: 10 skipped updates in a row stop it (Log.read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch: this process's rows -> one array over every device (second read; on one
@@ -225,8 +229,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but not the shardings (on this mesh's Auto axes its results carry none, not even
-    # the params passed through), so they are written out here; a test compares the two.
+    # shapes but lose the shardings (the README's eval_shape row says why), so they are written
+    # out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -349,6 +353,7 @@ def split_micro(x, accum: int):
     # Why strided: with 2 devices, device 0 holds rows 0-3, and keeps two rows of each
     # micro-batch, so no row moves (constrain pins that). A plain reshape(accum, global/accum)
     # would put all of micro-batch 0 on device 0.
+    # [8] -> [4, 2] ([[0 1] [2 3] [4 5] [6 7]]) -> swapaxes -> [2, 4]: [[0 2 4 6] [1 3 5 7]]
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -360,9 +365,10 @@ def schedule(r: Recipe):  # -> a function: update k (1-based) -> its LR
     # F = min_lr_ratio * P, warmup W and t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # Both stay at F from T on. The "olmo3" schedule's second part (olmo3_stage1) is
-    #   HalfCosWithWarmup: ((F + P) / 2) k / W for k < W, then
-    #                      F + (P - F) (1 + cos(pi (k - W + T - W) / (2 (T - W)))) / 2
+    # Both stay at F from T on. The "olmo3" schedule's second part (olmo3_stage1) is, with its
+    # own warmup W2 and t_max T2,
+    #   HalfCosWithWarmup: ((F + P) / 2) k / W2 for k < W2, then
+    #                      F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     if r.schedule == "cosine":  # optax's decay_steps includes the warmup, so it is T
@@ -486,9 +492,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) and reads the update before's, done by
-        # now: the host reads one update behind, so the devices need not wait for it. For 6, 7, 8:
-        #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
-        #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
+        # now: the host reads one update behind, so the devices need not wait for it (the
+        # timeline is above train's loop).
         # (second read) It also asks whether any process got a signal (stop_signalled, an
         # all-reduce), and the answer rides with update's metrics; on one host with no signal it is
         # always False. stop_reason has the timeline of a SIGTERM.
