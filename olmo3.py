@@ -155,14 +155,15 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
+    # (On a first read, take `layer` below as `block`: its checkpoint only decides what the
+    # backward pass keeps.)
     # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`, with the
     # layers cut into groups to save compile time, not to change the math (as MaxText does): the
     # 7B's 32 layers are 8 groups of 4 (sliding, sliding, sliding, full), and the compiler traces
     # one group, which lax.scan runs 8 times. The scanned unit is a group, not a layer, because a
     # layer's window is a Python value baked into its program, and every scan step runs the same
     # program. (tiny is one group of 4. When global_every does not divide n_layers, all layers are
-    # one group.) On a first read, take `layer` below as `block`: its checkpoint only decides what
-    # the backward pass keeps.
+    # one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
@@ -183,9 +184,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
-            p = jax.tree.map(lambda w: w[j], p_group)  # layer j's weights
+            p = jax.tree.map(lambda w: w[j], p_group)  # model layer g * group_size + j's weights
             # ropes["full"] is YaRN's table when yarn_factor is set, else the same as "sliding"
-            x = layer(p, x, window, ropes["sliding" if window else "full"], cfg, segments)
+            x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
         return x, None
     # for g in range(8): x, _ = group(x, groups sliced at g): scan slices each leaf of the pytree
     # `groups` along its first axis
@@ -307,31 +308,33 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 # ----------------------------------------------------------------------------- sharding
 
-# Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid
-# with named axes, as 8 devices in fsdp=4,tensor=2 form a 4 x 2 grid. fsdp cuts two things: each
-# weight along its embed (D) dimension, and each batch along its rows (with data, if data > 1).
+# Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid with
+# named axes, as 8 devices in fsdp=4,tensor=2 form a 4 x 2 grid. fsdp cuts two things: each weight
+# matrix along its embed (D) dimension, and each batch along its rows (with data, if data > 1).
 # tensor cuts a weight's heads, MLP or vocab dimension. (AXIS_RULES, below, says which dimension
 # goes where.) Weights and batches get their shardings from functions given the mesh; inside the
 # model, constrain reads the mesh that `jax.set_mesh` set (train.main does).
 #
-# An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed
-# 4096, heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds
-# [32, 1024, 2048], an eighth of it, and an eighth of its Adam moments. (tiny's, in the README's
-# dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4 ways along its rows, so a
-# device holds 128 sequences, the same ones as its tensor partner (the device with the same fsdp
-# index). An activation between blocks, [rows, T, D], keeps its D whole. fsdp does not cut it,
-# because fsdp already cuts the rows, and a mesh axis cuts at most one dimension of an array.
-# tensor does not cut it either: this code's tensor axis cuts heads, MLP and vocab, as Megatron's
-# does, so tensor partners hold the same rows whole.
+# An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed 4096,
+# heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds [32, 1024, 2048],
+# an eighth of it, and an eighth of its Adam moments. The device at (fsdp i, tensor j) holds
+#     q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)].
+# (tiny's, in the README's dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4
+# ways along its rows, so a device holds 128 sequences, rows 128 i to 128 (i + 1), the same ones as
+# its tensor partner (the device with the same fsdp index). An activation between blocks,
+# [rows, T, D], keeps its D whole. fsdp does not cut it, because fsdp already cuts the rows, and a
+# mesh axis cuts at most one dimension of an array. tensor does not cut it either: this code's
+# tensor axis cuts heads, MLP and vocab, as Megatron's does, so tensor partners hold the same rows
+# whole.
 #
-# What XLA communicates: it inserts the communication itself, and typically chooses this. Before
-# a layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q, gathered over
-# fsdp, is [4096, 2048] on a device). After `o` and `down` it all-reduces over `tensor`, because
-# each partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters
-# each gradient back to its fsdp shard. The embedding's lookup in a table whose rows are split
-# over `tensor` needs communication too; XLA chooses it, and it is correct whatever it chooses.
-# QK-norm's statistics span all heads, so with `tensor` XLA sums them across the partners too.
-# data=N keeps N copies of the weights (each one split over fsdp) and all-reduces their gradients.
+# What XLA communicates: it inserts the communication itself, and typically chooses this. Before a
+# layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q, gathered over fsdp,
+# is [4096, 2048] on a device). After `o` and `down` it all-reduces over `tensor`, because each
+# partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters each
+# gradient back to its fsdp shard. The embedding's lookup in a table whose rows are split over
+# `tensor` needs communication too; XLA chooses it, and it is correct whatever it chooses. QK-norm's
+# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N keeps N
+# copies of the weights (each one split over fsdp) and all-reduces their gradients.
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding

@@ -119,6 +119,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
     # files are written with each checkpoint)
     log = Log(cfg, r, args.out, mesh)
+    # (beside the core; skim on a first read)
     # evals(params, update) evaluates, with evaluation.py (beside the core): the sets and tasks
     # given (--eval-data, --eval-tasks), or else the corpus's held-out set. With the core alone
     # (a copy of the three files), evals is None: no evaluations, samples or loss plot.
@@ -152,8 +153,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (second read; on one
         # host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # reads update - 1's metrics (nanoGPT's loss.item()), done by now, and keeps update's; it
-        # also asks every process whether to stop (log.signalled; an all-reduce, second read)
+        # First read: this prints the update before's metrics (nanoGPT's loss.item()), and keeps
+        # update's. (second read) It also asks every process whether to stop (log.signalled, an
+        # all-reduce).
         log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
@@ -229,8 +231,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but lose the shardings (the README's eval_shape row says why), so they are written
-    # out here; a test compares the two.
+    # shapes but no shardings (under this mesh's Auto axes eval_shape returns none, not even for
+    # params passed through unchanged), so they are written out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -491,8 +493,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
     def queue(self, update, metrics):
-        # Keeps update's metrics (still being computed) and reads the update before's, done by
-        # now: the host reads one update behind, so the devices need not wait for it (the
+        # Keeps update's metrics (still being computed) and reads the update before's, waiting
+        # for it if need be while update's step is already queued, so the devices stay busy (the
         # timeline is above train's loop).
         # (second read) It also asks whether any process got a signal (stop_signalled, an
         # all-reduce), and the answer rides with update's metrics; on one host with no signal it is
