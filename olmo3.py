@@ -156,7 +156,8 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
     # (On a first read, take `layer` below as `block`: its checkpoint only decides what the
-    # backward pass keeps.)
+    # backward pass keeps. The loop itself is `group`, at the end; the lines before it set up
+    # what it uses.)
     # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`, with the
     # layers cut into groups to save compile time, not to change the math (as MaxText does): the
     # 7B's 32 layers are 8 groups of 4 (sliding, sliding, sliding, full), and the compiler traces
@@ -413,8 +414,9 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
     # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's
     # fused one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA
-    # path, whose [B, H, T, T] scores do not fit at 8192. On CPU it is the reference below,
-    # the fastest there.
+    # path, whose [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when
+    # the default remat keeps them for every layer. On CPU it is the reference below, the fastest
+    # there.
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)

@@ -153,9 +153,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (second read; on one
         # host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # First read: this prints the update before's metrics (nanoGPT's loss.item()), and keeps
-        # update's. (second read) It also asks every process whether to stop (log.signalled, an
-        # all-reduce).
+        # First read: this reads the update before's metrics (nanoGPT's loss.item(); a line every
+        # log_every updates), and keeps update's. (second read) It also asks every process
+        # whether to stop (log.signalled, an all-reduce).
         log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
@@ -761,7 +761,8 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
     # signalled came with update - 1's metrics, which every process read alike, so all stop
-    # after the same update. With a SIGTERM during update 7, one row an iteration of the loop:
+    # after the same update. A flag asked for with update u's metrics is read one update late,
+    # in iteration u + 1. With a SIGTERM during update 7, one row an iteration of the loop:
     #   7: queue(7, m7) asks 7's flag (False), then reads 6's  <- the SIGTERM comes as it waits
     #   8: queue(8, m8) asks 8's flag (True), reads 7's (False): log.signalled is False
     #   9: queue(9, m9) reads 8's (True): stop_reason says stop, the save's catch_up() reads
