@@ -155,16 +155,16 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
-    # (On a first read, take `layer` below as `block`: its checkpoint only decides what the
-    # backward pass keeps. The loop itself is `group`, at the end; the lines before it set up
-    # what it uses.)
-    # This is `for l in range(L): x = block(layer l's weights, x, window(l), rope, cfg)`, with the
-    # layers cut into groups to save compile time, not to change the math (as MaxText does): the
-    # 7B's 32 layers are 8 groups of 4 (sliding, sliding, sliding, full), and the compiler traces
-    # one group, which lax.scan runs 8 times. The scanned unit is a group, not a layer, because a
+    # In plain Python, for the 7B's 32 layers in 8 groups of 4 (sliding, sliding, sliding, full):
+    #   for g in range(8):        # lax.scan: the compiler traces one group, once
+    #       for j in range(4):    # a Python loop, unrolled inside the traced group
+    #           x = block(weights of layer 4 g + j, x, windows[j], a RoPE table, cfg, segments)
+    # That is `for l in range(32): x = block(...)`, cut into groups to save compile time, not to
+    # change the math (as MaxText does). A group, not a layer, is the scanned unit, because a
     # layer's window is a Python value baked into its program, and every scan step runs the same
     # program. (tiny is one group of 4. When global_every does not divide n_layers, all layers are
-    # one group.)
+    # one group.) On a first read, take `layer` below as `block`: its checkpoint only decides what
+    # the backward pass keeps.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
@@ -175,8 +175,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
     # 4096, None] for the 7B (None: full attention).
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat says what
-    # each keeps; dots_saveable keeps the reference attention's scores too)
+    # Every layer is a jax.checkpoint, and --remat picks only its policy: even --remat false
+    # recomputes all but the matmul outputs (dots_saveable, the reference attention's scores too)
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -310,11 +310,11 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # ----------------------------------------------------------------------------- sharding
 
 # Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid with
-# named axes, as 8 devices in fsdp=4,tensor=2 form a 4 x 2 grid. fsdp cuts two things: each weight
-# matrix along its embed (D) dimension, and each batch along its rows (with data, if data > 1).
-# tensor cuts a weight's heads, MLP or vocab dimension. (AXIS_RULES, below, says which dimension
-# goes where.) Weights and batches get their shardings from functions given the mesh; inside the
-# model, constrain reads the mesh that `jax.set_mesh` set (train.main does).
+# named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). fsdp cuts
+# two things: each weight matrix along its embed (D) dimension, and each batch along its rows (with
+# data, if data > 1). tensor cuts a weight's heads, MLP or vocab dimension. (AXIS_RULES, below, says
+# which dimension goes where.) Weights and batches get their shardings from functions given the
+# mesh; inside the model, constrain reads the mesh that `jax.set_mesh` set (train.main does).
 #
 # An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed 4096,
 # heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds [32, 1024, 2048],
@@ -442,8 +442,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
 
 def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for NVIDIA GPUs
     if segments is not None:
-        raise SystemExit("error: cuDNN's attention in JAX cannot keep packed documents apart; "
-                         "use --attention reference, or train packed on a TPU (splash)")
+        raise SystemExit("error: cuDNN's attention in JAX cannot keep packed documents apart; use "
+                         "--attention reference or --doc-masking false, or a TPU (splash)")
     left = None if window is None else (window - 1, 0)  # OLMo's window W has W - 1 keys to the left
     try:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=left,

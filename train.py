@@ -427,7 +427,9 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
-    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from update 64 on)
+    # enough: 64 values, counting this one (from update 64 on); mean and std are over the held
+    # values only, without this one
+    enough = n_held + 1 >= HISTORY // 2
     within = values - mean <= 6 * std  # OLMo-core's test as written: False for NaN or +inf
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
