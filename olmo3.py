@@ -173,10 +173,12 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # the RoPE tables for sliding and for full-attention layers (YaRN applies to full ones only)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
-    # 4096, None] for the 7B (None: full attention).
+    # 4096, None] for the 7B (None: full attention). is_full(j) is is_full(g * group_size + j),
+    # because group_size is global_every (or all the layers).
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, and --remat picks only its policy: even --remat false
-    # recomputes all but the matmul outputs (dots_saveable, the reference attention's scores too)
+    # recomputes all but the matmul outputs (dots_saveable keeps every matmul output, the
+    # reference attention's scores included)
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -332,10 +334,12 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q, gathered over fsdp,
 # is [4096, 2048] on a device). After `o` and `down` it all-reduces over `tensor`, because each
 # partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters each
-# gradient back to its fsdp shard. The embedding's lookup in a table whose rows are split over
-# `tensor` needs communication too; XLA chooses it, and it is correct whatever it chooses. QK-norm's
-# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N keeps N
-# copies of the weights (each one split over fsdp) and all-reduces their gradients.
+# gradient back to its fsdp shard. Inside a block, q, k, v, the MLP's hidden activations and the
+# logits come out cut over `tensor` as their weights are, with no communication. The embedding's
+# lookup in a table whose rows are split over `tensor` needs communication too; XLA chooses it, and
+# it is correct whatever it chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums
+# them across the partners too. data=N keeps N copies of the weights (each one split over fsdp) and
+# all-reduces their gradients.
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding

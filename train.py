@@ -254,8 +254,9 @@ def init_state(cfg, r, target):
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
     # The state is the run's newest checkpoint, read straight into target's shardings. Otherwise
     # it is a fresh state, into which --init-from (if given) copies its weights and Adam state.
-    # In this "warm Adam", the moments and Adam's step count carry over, and the schedule
-    # starts again. (resume, refuse_fresh_start and restore are in the second read.)
+    # In this "warm Adam", the moments and Adam's step count (opt_state.count) carry over, and
+    # the schedule starts again (state["step"] is 0). (resume, refuse_fresh_start and restore
+    # are in the second read.)
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
@@ -289,7 +290,8 @@ def compile_step(cfg, r, mesh, target):
     # (the caller must not touch the old one again). cfg and r are baked into the program, as
     # static arguments would be. out_shardings keeps the state's shardings (None: XLA places the
     # metrics). lower() traces the step for these shapes and shardings; compile() builds it.
-    # The inputs' shardings are those in target's and batch's ShapeDtypeStructs.
+    # The inputs' shardings are those in target's and batch's ShapeDtypeStructs: this is where
+    # the state's and the batch's shardings enter jit.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -419,17 +421,16 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # (step: the updates done, as in the state, so update step + 1's values go to slot step % 128)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
     # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
-    # 128, only the first `step` slots hold values). mean and std [2]: one per row.
-    # At step 3, slots 0-2 hold values, and mean and std are over those 3 (enough is False).
-    # At step 63 (update 64), 63 are held, and with this one that is 64: enough is True.
+    # 128, only the first `step` slots hold values). mean and std [2]: one per row, over the
+    # held values only (not this one). At step 3, slots 0-2 hold values, and mean and std are
+    # over those 3 (enough is False). At step 63 (update 64), 63 are held, and with this one
+    # that is 64: enough is True.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
-    # enough: 64 values, counting this one (from update 64 on); mean and std are over the held
-    # values only, without this one
-    enough = n_held + 1 >= HISTORY // 2
+    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from update 64 on)
     within = values - mean <= 6 * std  # OLMo-core's test as written: False for NaN or +inf
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
@@ -443,7 +444,8 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
 SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
 
 # Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per chip. The first name
-# found in the device's kind counts, so "v5 lite" must come before "v5".
+# found in the device's kind counts, so "v5 lite" must come before "v5". (An fp32 run's MFU is
+# still against these bf16 peaks.)
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
