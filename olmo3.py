@@ -313,10 +313,11 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 # Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid with
 # named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). fsdp cuts
-# two things: each weight matrix along its embed (D) dimension, and each batch along its rows (with
-# data, if data > 1). tensor cuts a weight's heads, MLP or vocab dimension. (AXIS_RULES, below, says
-# which dimension goes where.) Weights and batches get their shardings from functions given the
-# mesh; inside the model, constrain reads the mesh that `jax.set_mesh` set (train.main does).
+# two things: each weight matrix along its embed (D) dimension (gathered over fsdp before each
+# matmul, the third paragraph says), and each batch along its rows (with data, if data > 1). tensor
+# cuts a weight's heads, MLP or vocab dimension. (AXIS_RULES, below, says which dimension goes
+# where.) Weights and batches get their shardings from functions given the mesh; inside the model,
+# constrain reads the mesh that `jax.set_mesh` set (train.main does).
 #
 # An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed 4096,
 # heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds [32, 1024, 2048],
@@ -330,16 +331,16 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # tensor axis cuts heads, MLP and vocab, as Megatron's does, so tensor partners hold the same rows
 # whole.
 #
-# What XLA communicates: it inserts the communication itself, and typically chooses this. Before a
-# layer's matmuls it all-gathers the fsdp shards of the weights (one layer's q, gathered over fsdp,
-# is [4096, 2048] on a device). After `o` and `down` it all-reduces over `tensor`, because each
-# partner summed half of the heads or of the MLP. In the backward pass it reduce-scatters each
-# gradient back to its fsdp shard. Inside a block, q, k, v, the MLP's hidden activations and the
-# logits come out cut over `tensor` as their weights are, with no communication. The embedding's
-# lookup in a table whose rows are split over `tensor` needs communication too; XLA chooses it, and
-# it is correct whatever it chooses. QK-norm's statistics span all heads, so with `tensor` XLA sums
-# them across the partners too. data=N keeps N copies of the weights (each one split over fsdp) and
-# all-reduces their gradients.
+# What XLA communicates (README stop 4 shows how to count it in a dump): it inserts the
+# communication itself, and typically chooses this. Before a layer's matmuls it all-gathers the fsdp
+# shards of the weights (one layer's q, gathered over fsdp, is [4096, 2048] on a device). After `o`
+# and `down` it all-reduces over `tensor`, because each partner summed half of the heads or of the
+# MLP. In the backward pass it reduce-scatters each gradient back to its fsdp shard. Inside a block,
+# q, k, v, the MLP's hidden activations and the logits come out cut over `tensor` as their weights
+# are, with no communication. The embedding's lookup in a table whose rows are split over `tensor`
+# needs communication too; XLA chooses it, and it is correct whatever it chooses. QK-norm's
+# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N keeps N
+# copies of the weights (each one split over fsdp) and all-reduces their gradients.
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding

@@ -144,7 +144,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # state's step, the checkpoint and the printed step are all `update`. The batch is a pure
     # function of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
     # asynchronously), and log reads each update's metrics one update late, so between steps the
-    # devices do not wait for the host (an evaluation or a save does make them wait):
+    # devices do not wait for the host (an evaluation or a save does make them wait). With m6
+    # update 6's metrics, still being computed (Log.queue is in the reporting part, below):
     #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
     #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
     # Reading can end the run: 10 skipped updates in a row stop it (Log.read).
@@ -231,8 +232,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but no shardings (under this mesh's Auto axes eval_shape returns none, not even for
-    # params passed through unchanged), so they are written out here; a test compares the two.
+    # shapes but no shardings (under this mesh's Auto axes, the README's Mesh row, eval_shape
+    # returns none, not even for params passed through unchanged), so they are written out
+    # here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -355,7 +357,8 @@ def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], row i to micro-batch i % accum: with 8 rows
     # and accum 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::accum] for a in ...])).
     # Why strided: with 2 devices, device 0 holds rows 0-3, and keeps two rows of each
-    # micro-batch, so no row moves (constrain pins that). A plain reshape(accum, global/accum)
+    # micro-batch (0 and 2 of micro-batch 0, 1 and 3 of micro-batch 1), so no row moves
+    # (constrain pins that). A plain reshape(accum, global/accum)
     # would put all of micro-batch 0 on device 0.
     # [8] -> [4, 2] ([[0 1] [2 3] [4 5] [6 7]]) -> swapaxes -> [2, 4]: [[0 2 4 6] [1 3 5 7]]
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
@@ -418,7 +421,8 @@ def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays afte
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
-    # (step: the updates done, as in the state, so update step + 1's values go to slot step % 128)
+    # (step: the updates done, as in the state, so update step + 1's values go to slot
+    # step % 128 = (update - 1) % 128)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
     # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
     # 128, only the first `step` slots hold values). mean and std [2]: one per row, over the
@@ -500,9 +504,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         # Keeps update's metrics (still being computed) and reads the update before's, waiting
         # for it if need be while update's step is already queued, so the devices stay busy (the
         # timeline is above train's loop).
-        # (second read) It also asks whether any process got a signal (stop_signalled, an
-        # all-reduce), and the answer rides with update's metrics; on one host with no signal it is
-        # always False. stop_reason has the timeline of a SIGTERM.
+        # (second read) It also asks whether any process got a signal (stop_signalled, a tiny
+        # all-reduce, dispatched as the step is: the host does not wait here), and the answer
+        # rides with update's metrics; on one host with no signal it is always False. stop_reason
+        # has the timeline of a SIGTERM.
         metrics = metrics | {"signalled": stop_signalled(self.mesh)}
         self.catch_up()
         self.queued = (update, metrics)
