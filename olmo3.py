@@ -170,7 +170,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
-    # the RoPE tables for sliding and for full-attention layers (YaRN applies to full ones only)
+    # the RoPE tables for sliding and for full-attention layers: {"sliding": rope_tables(...,
+    # full=False), "full": rope_tables(..., full=True)} (YaRN applies to full ones only)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
     # 4096, None] for the 7B (None: full attention). is_full(j) is is_full(g * group_size + j),
@@ -339,8 +340,9 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # q, k, v, the MLP's hidden activations and the logits come out cut over `tensor` as their weights
 # are, with no communication. The embedding's lookup in a table whose rows are split over `tensor`
 # needs communication too; XLA chooses it, and it is correct whatever it chooses. QK-norm's
-# statistics span all heads, so with `tensor` XLA sums them across the partners too. data=N keeps N
-# copies of the weights (each one split over fsdp) and all-reduces their gradients.
+# statistics span all heads, so with `tensor` XLA sums them across the partners too, as it combines
+# the loss's logsumexp over the vocabulary cut over `tensor`. data=N keeps N copies of the weights
+# (each one split over fsdp) and all-reduces their gradients.
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding

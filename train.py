@@ -147,7 +147,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # devices do not wait for the host (an evaluation or a save does make them wait). With m6
     # update 6's metrics, still being computed (Log.queue is in the reporting part, below):
     #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
-    #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing, keeps 8's
+    #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing (catch_up emptied the
+    #                                        | queue), keeps 8's
     # Reading can end the run: 10 skipped updates in a row stop it (Log.read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
@@ -406,10 +407,10 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
     warmup2 = int(5e12) // tokens // 2 + warmup // 2
     # half is a cosine from P to F over 2 (T2 - W2) updates. Update k is its step
-    # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2.
+    # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2 (and from T2 on).
     half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
     part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
-                                half((k - warmup2) + (t_max2 - warmup2)))  # F from T2 on
+                                half((k - warmup2) + (t_max2 - warmup2)))  # half's own step
     # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
     # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
     # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
