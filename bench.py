@@ -6,6 +6,8 @@
     python bench.py --packing GB        # stage 3's packing: MB/s over GB of synthetic documents
     python bench.py --eval              # downstream evaluation requests/s
     python bench.py --plot-schedule docs/olmo3-lr.png
+    python bench.py --gpu               # one GPU: cuDNN attention against the reference, and
+                                        # the 7B-wide step (8 layers) in tokens/s and MFU
 
 Each contender runs in its own process (so peak memory is its own); contenders are alternated
 rep by rep (so this machine's drift hits all alike), and medians are reported.
@@ -306,6 +308,91 @@ def plot_schedule(path):
     print(f"wrote {path}")
 
 
+def bench_attention():
+    """olmo3.attention with cuDNN and the reference in bf16, against the reference in fp32: the
+    largest error of the output and of each gradient (relative to the largest value), and the
+    forward + backward time, with and without a sliding window."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import olmo3
+
+    B, T, H, K, E = (1, 256, 4, 2, 64) if jax.default_backend() == "cpu" else (2, 4096, 32, 8, 128)
+    print(f"attention on {jax.devices()[0].device_kind}, [B, T, H, K, E] = {[B, T, H, K, E]}")
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(key, (B, T, n, E)) for key, n in zip(ks, (H, K, K)))
+    cotangent = jax.random.normal(ks[3], (B, T, H, E))
+
+    def run(name, window, dtype):  # -> (output, gradients, ms for forward + backward)
+        cfg = dataclasses.replace(olmo3.MODELS["7b"], attention=name)
+        attend = lambda q, k, v: olmo3.attention(q, k, v, window, cfg).astype(jnp.float32)
+        grad = jax.jit(jax.grad(lambda *qkv: jnp.sum(attend(*qkv) * cotangent), (0, 1, 2)))
+        qkv = [x.astype(dtype) for x in (q, k, v)]
+        out, grads = jax.block_until_ready((jax.jit(attend)(*qkv), grad(*qkv)))
+        start = time.perf_counter()
+        for _ in range(5):
+            jax.block_until_ready(grad(*qkv))
+        return out, grads, (time.perf_counter() - start) / 5 * 1e3
+
+    for window in (None, T // 4):
+        truth, truth_grads, _ = run("reference", window, jnp.float32)
+        for name in ("reference", "cudnn"):
+            try:
+                out, grads, ms = run(name, window, jnp.bfloat16)
+            except SystemExit as e:
+                print(f"window {window}, {name}: {e}")
+                continue
+            error = lambda a, b: float(np.abs(np.float32(a) - b).max() / np.abs(b).max())
+            dq, dk, dv = (error(a, b) for a, b in zip(grads, truth_grads))
+            print(f"window {window}, {name:9s} bf16: output {error(out, truth):.1e}, dq {dq:.1e}, "
+                  f"dk {dk:.1e}, dv {dv:.1e}; forward + backward {ms:.2f} ms")
+
+
+def bench_7b_step(layers=8, batch=8, micro=2, seq_len=8192):
+    """train.py's step (AdamW, clipping, spike guard, z-loss, micro-batches) at the 7B's width
+    with fewer layers, on one device: memory, step time, tokens/s and MFU. (On CPU: tiny's.)"""
+    import jax
+    import numpy as np
+
+    import olmo3
+    import train
+
+    cfg = dataclasses.replace(olmo3.MODELS["7b"], n_layers=layers)
+    if jax.default_backend() == "cpu":  # a smoke test
+        cfg, seq_len = dataclasses.replace(olmo3.MODELS["tiny"], compute_dtype="bfloat16"), 256
+    # cosine: the olmo3 schedule's step counts assume the 7B's batch
+    r = dataclasses.replace(train.RECIPES["7b"], global_batch=batch, micro_batch=micro,
+                            seq_len=seq_len, schedule="cosine")
+    mesh = olmo3.make_mesh(fsdp=1, devices=jax.devices()[:1])
+    gib = lambda n: f"{n / 2**30:.1f} GiB"
+    print(f"{cfg.n_layers} layers, width {cfg.d_model} ({olmo3.param_count(cfg) / 1e9:.2f}B), "
+          f"batch {batch} x {seq_len}, micro-batch {micro}, on {jax.devices()[0].device_kind}")
+    with jax.set_mesh(mesh):
+        target = train.abstract_state(cfg, r, mesh)
+        step = train.compile_step(cfg, r, mesh, target)
+        memory = step.memory_analysis()
+        print(f"compiled: arguments {gib(memory.argument_size_in_bytes)}, temporaries "
+              f"{gib(memory.temp_size_in_bytes)}", flush=True)
+        state = train.init_state(cfg, r, target)
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len + 1))
+        put = lambda x: jax.device_put(x.astype(np.int32), olmo3.batch_sharding(mesh))
+        data = {"inputs": put(tokens[:, :-1]), "labels": put(tokens[:, 1:])}
+        for _ in range(2):  # compiles nothing more: warms up
+            state, metrics = step(state, data)
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(5):
+            state, metrics = step(state, data)
+        jax.block_until_ready((state, metrics))
+    seconds = (time.perf_counter() - start) / 5
+    rate = batch * seq_len / seconds
+    tflops = rate * olmo3.flops_per_token(cfg, seq_len) / 1e12
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
+    print(f"step {seconds:.3f} s, {rate:,.0f} tokens/s, {tflops:.0f} TFLOP/s: MFU "
+          f"{tflops / 989:.1%} of the H100's and H200's 989 (dense bf16); peak memory {gib(peak)}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -319,6 +406,7 @@ def main(argv=None):
     ap.add_argument("--packing", type=float, metavar="GB", help="stage 3's packing over GB")
     ap.add_argument("--eval", action="store_true", help="downstream evaluation requests/s")
     ap.add_argument("--plot-schedule", metavar="PNG", help="draw the 7b preset's LR schedule")
+    ap.add_argument("--gpu", action="store_true", help="cuDNN attention and the 7B-wide step")
     args = ap.parse_args(argv)
     sys.path.insert(0, HERE)
     if args.baseline:
@@ -331,6 +419,9 @@ def main(argv=None):
         return bench_eval()
     if args.plot_schedule:
         return plot_schedule(args.plot_schedule)
+    if args.gpu:
+        bench_attention()
+        return bench_7b_step()
     print(f"training step, {os.cpu_count()} CPU cores; model FLOPs count sliding windows "
           "(olmo3.flops_per_token)", flush=True)
     ratios = [compare(name, dtype, args.reps, args.steps) for name in args.configs.split(",")

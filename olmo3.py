@@ -422,12 +422,13 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's
     # fused one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA
     # path, whose [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when
-    # the default remat keeps them for every layer. On CPU it is the reference below, the fastest
-    # there.
+    # the default remat keeps them for every layer. cuDNN takes only bf16 and fp16, so tiny's
+    # fp32 takes the reference on a GPU too. On CPU it is the reference below, the fastest there.
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
-    if name == "cudnn" or (name == "auto" and backend == "gpu"):
+    cudnn_dtype = q.dtype in (jnp.bfloat16, jnp.float16)  # the only dtypes cuDNN takes
+    if name == "cudnn" or (name == "auto" and backend == "gpu" and cudnn_dtype):
         return attention_cudnn(q, k, v, window, segments)
     # --- The reference. Heads go first so that both products are plain batched matmuls.
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a

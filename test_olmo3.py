@@ -419,11 +419,15 @@ def test_splash_kernel_takes_every_length(T, window):
 
 
 def test_auto_attention_on_a_gpu_asks_for_cudnn_by_name(monkeypatch):
-    """On a GPU, "auto" is cuDNN asked for by name (JAX's default would be XLA's, whose scores
-    do not fit): here, with no cuDNN, that is a one-line error, as any shape cuDNN refuses is;
-    packed documents, which cuDNN through JAX cannot mask, are one too."""
+    """On a GPU, "auto" is cuDNN asked for by name for bf16 (JAX's default would be XLA's, whose
+    scores do not fit): here, with no cuDNN, that is a one-line error, as any shape cuDNN refuses
+    is; packed documents, which cuDNN through JAX cannot mask, are one too. fp32, which cuDNN
+    does not take (tiny's), gets the reference."""
     q, k, v = random_qkv()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    np.testing.assert_allclose(olmo3.attention(q, k, v, 16, TINY), attention_numpy(q, k, v, 16),
+                               atol=1e-5)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     with pytest.raises(SystemExit, match=r"^error: cuDNN's attention cannot run this \(cuDNN"):
         olmo3.attention(q, k, v, 16, TINY)
     with pytest.raises(SystemExit, match=r"^error: cuDNN's attention in JAX cannot keep packed"):
