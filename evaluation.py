@@ -15,18 +15,18 @@
 # (in mc, the choices are listed in the context and the continuation is a letter), 5shot puts five
 # solved examples before the question, and bpb variants score bits per byte. The rules, each marked
 # where the code applies it (1, 3 and 4 are olmo_eval's: tasks.py and metrics.py, version 0.9.0):
-#   rule 1. A doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a continuation
-#           scored with no context, which some oe-eval metrics divide by): skipped.
-#   rule 2. --eval-limit N keeps the first N documents (doc ids), in file order.
-#   rule 3. Accuracy: each continuation's score is divided by 1, its characters or its tokens (the
-#           task's primary metric says which), and the document is right if the argmax over its
-#           continuations (the first on a tie) is its label.
-#   rule 4. Bits per byte: only the right continuation of each document is scored, as -score /
-#           bytes * log2(e). It is the one whose label is its own text (a str or list), or
-#           whose idx equals the label (multiple choice); a label of None reads as 0. Kept:
-#           {"idx": 0, "label": ["signs"]} (lambada:bpb_0shot), {"idx": 0, "label": None}
-#           (codex_humaneval:gold_bpb_0shot), {"idx": 2, "label": 2}; dropped: {"idx": 1,
-#           "label": 2}.
+#   rule 1 (load_task). A doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a
+#           continuation scored with no context, which some oe-eval metrics divide by): skipped.
+#   rule 2 (load_task). --eval-limit N keeps the first N documents (doc ids), in file order.
+#   rule 3 (metric_value). Accuracy: each continuation's score is divided by 1, its characters or
+#           its tokens (the task's primary metric says which), and the document is right if the
+#           argmax over its continuations (the first on a tie) is its label.
+#   rule 4 (load_task keeps, metric_value scores). Bits per byte: only the right continuation of
+#           each document is scored, as -score / bytes * log2(e). A request is kept iff its label
+#           is text (a str or list: the right continuation's own), or its idx equals its label
+#           (multiple choice; a label of None reads as 0). Kept: {"idx": 0, "label": ["signs"]}
+#           (lambada:bpb_0shot), {"idx": 0, "label": None} (codex_humaneval:gold_bpb_0shot),
+#           {"idx": 2, "label": 2}; dropped: {"idx": 1, "label": 2}.
 import dataclasses
 import functools
 import gzip

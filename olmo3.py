@@ -158,7 +158,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # In plain Python, for the 7B's 32 layers in 8 groups of 4 (sliding, sliding, sliding, full):
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
-    #           x = block(weights of layer 4 g + j, x, windows[j], a RoPE table, cfg, segments)
+    #           x = block(weights of layer 4 g + j, x, window j of [4096, 4096, 4096, None],
+    #                     a RoPE table, cfg, segments)
     # That is `for l in range(32): x = block(...)`, cut into groups to save compile time, not to
     # change the math (as MaxText does). A group, not a layer, is the scanned unit, because a
     # layer's window is a Python value baked into its program, and every scan step runs the same
@@ -175,11 +176,10 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
     # 4096, None] for the 7B (None: full attention). is_full(j) is is_full(g * group_size + j),
-    # because group_size is global_every (or all the layers).
+    # because group_size is global_every (or all the layers; see is_full's last-layer rule).
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # Every layer is a jax.checkpoint, and --remat picks only its policy: even --remat false
-    # recomputes all but the matmul outputs (dots_saveable keeps every matmul output, the
-    # reference attention's scores included)
+    # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat): even
+    # --remat false recomputes all but the matmul outputs
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -403,9 +403,9 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
     # XLA, left alone, may choose to gather a whole batch onto every device. The mesh is the one
     # that train.main (or evaluation.main, prepare.dry_run, a test) sets with `with
     # jax.set_mesh(mesh)`; while tracing, get_abstract_mesh() returns it (its axis names and sizes,
-    # no devices), and the bare PartitionSpec takes its mesh from there. A name not in AXIS_RULES
-    # ("seq") is not split, as None is: it only says which dimension that is. An activation's D is
-    # not split (None); the sharding paragraphs say why.
+    # no devices), and with_sharding_constraint, given a PartitionSpec with no mesh, uses that
+    # one. A name not in AXIS_RULES ("seq") is not split, as None is: it only says which
+    # dimension that is. An activation's D is not split (None); the sharding paragraphs say why.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

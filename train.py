@@ -139,16 +139,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
     # nanoGPT's loop. `step` (state["step"]) counts the updates done; `update` = step + 1 is the
-    # one this iteration makes, 1-based as OLMo-core counts: it is logged, saved (checkpoint N
-    # holds the state after N updates) and the LR's index. By the iteration's end they agree: the
-    # state's step, the checkpoint and the printed step are all `update`. The batch is a pure
-    # function of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
-    # asynchronously), and log reads each update's metrics one update late, so between steps the
-    # devices do not wait for the host (an evaluation or a save does make them wait). With m6
-    # update 6's metrics, still being computed (Log.queue is in the reporting part, below):
-    #   queue(6, m6): reads 5's, keeps 6's | queue(7, m7): reads 6's, keeps 7's
-    #   a save of 7: catch_up() reads 7's  | queue(8, m8): reads nothing (catch_up emptied the
-    #                                        | queue), keeps 8's
+    # one this iteration makes, 1-based as OLMo-core counts: it is the LR's index, and the step
+    # number logged and saved for it (checkpoint N holds the state after N updates). The batch is
+    # a pure function of step, so a resume replays the same data. step_fn returns at once (JAX
+    # dispatches asynchronously), and log reads each update's metrics one iteration late, so
+    # between steps the devices do not wait for the host (an evaluation or a save does make them
+    # wait). One row per iteration, with m7 update 7's metrics (Log.queue is below, in reporting):
+    #   update 7: queue(7, m7) reads and logs 6's, and keeps 7's (still being computed)
+    #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
+    #             reads 8's at once, so the saved log reaches step 8
+    #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
     # Reading can end the run: 10 skipped updates in a row stop it (Log.read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
@@ -233,9 +233,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but no shardings (under this mesh's Auto axes, the README's Mesh row, eval_shape
-    # returns none, not even for params passed through unchanged), so they are written out
-    # here; a test compares the two.
+    # shapes but drops the shardings (the README's glossary, eval_shape row), so they are written
+    # out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -358,8 +357,8 @@ def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], row i to micro-batch i % accum: with 8 rows
     # and accum 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::accum] for a in ...])).
     # Why strided: with 2 devices, device 0 holds rows 0-3, and keeps two rows of each
-    # micro-batch (0 and 2 of micro-batch 0, 1 and 3 of micro-batch 1), so no row moves
-    # (constrain pins that). A plain reshape(accum, global/accum)
+    # micro-batch (rows 0 and 2 of micro-batch 0 = [0 2 4 6], rows 1 and 3 of micro-batch 1 =
+    # [1 3 5 7]), so no row moves (constrain pins that). A plain reshape(accum, global/accum)
     # would put all of micro-batch 0 on device 0.
     # [8] -> [4, 2] ([[0 1] [2 3] [4 5] [6 7]]) -> swapaxes -> [2, 4]: [[0 2 4 6] [1 3 5 7]]
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
