@@ -50,15 +50,17 @@ def config_from_hf(hf: dict) -> olmo3.Config:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
-    # RoPE comes per layer type, in one of two forms:
+    # The result: `full`, the full-attention layers' RoPE, is {rope_theta: 500000, rope_type:
+    # yarn, factor: 8, ...} for AI2's stage-3 model, and the sliding layers' must be plain RoPE
+    # with the same theta. The config gives RoPE per layer type, in one of two forms:
     #   legacy (AI2's released config): rope_theta 500000 and rope_scaling {rope_type: yarn,
     #     factor: 8, ...}, which transformers applies to the full-attention layers only;
     #   rope_parameters: {"full_attention": {rope_type: yarn, factor: 8, ...},
     #     "sliding_attention": {rope_type: default, rope_theta: 500000}}.
     # `full` merges them, later keys winning: rope_theta, then rope_parameters' full_attention,
-    # then rope_scaling. Either form gives full = {rope_theta: 500000, rope_type: yarn,
-    # factor: 8, ...}, and the sliding layers must be plain. The legacy form, worked:
-    # {rope_theta: 500000} | {} (no rope_parameters) | {rope_type: yarn, factor: 8, ...}.
+    # then rope_scaling. The legacy form: {rope_theta: 500000} | {} (no rope_parameters) |
+    # {rope_type: yarn, factor: 8, ...}. The other: {rope_theta: top-level or 500000} |
+    # {rope_type: yarn, factor: 8, ...} | {} (no rope_scaling).
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

@@ -47,17 +47,16 @@ class Loader:
 
     def __init__(self, source, seq_len, global_batch, seed, rows=None, tokenizer="dolma2",
                  root=None, vocab_size=None, permutation_seed=-1):
-        # (second read) `rows` are the rows of every global batch that this process reads: all
-        # of them by default. On a pod they are train.local_rows, the rows its devices hold (on
-        # 2 processes of 2 devices each, with fsdp=4, process 1 reads rows 8-15 of 16).
-        # `permutation_seed` is OLMo-core's source_permutation_seed (stage 3; -1 keeps the files'
-        # order).
         self.files = resolve_source(source, tokenizer, root)
-        # OLMo-core shuffles the file indices with random.Random(seed). Shuffling the list with
-        # it gives the same permutation.
+        # (stage 3) `permutation_seed` is OLMo-core's source_permutation_seed (-1 keeps the
+        # files' order). OLMo-core shuffles the file indices with random.Random(seed); shuffling
+        # the list with it gives the same permutation.
         if permutation_seed >= 0:
             random.Random(permutation_seed).shuffle(self.files)
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        # (second read) `rows` are the rows of every global batch that this process reads: all
+        # of them by default. On a pod they are train.local_rows, the rows its devices hold (on
+        # 2 processes of 2 devices each, with fsdp=4, process 1 reads rows 8-15 of 16).
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
         self.vocab_size = vocab_size
         self.shuffled = (None, None)  # (epoch, its order), kept from the last epoch_order

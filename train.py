@@ -144,12 +144,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # a pure function of step, so a resume replays the same data. step_fn returns at once (JAX
     # dispatches asynchronously), and log reads each update's metrics one iteration late, so
     # between steps the devices do not wait for the host (an evaluation or a save does make them
-    # wait). One row per iteration, with m7 update 7's metrics (Log.queue is below, in reporting):
-    #   update 7: queue(7, m7) reads and logs 6's, and keeps 7's (still being computed)
-    #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
-    #             reads 8's at once, so the saved log reaches step 8
-    #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
-    # Reading can end the run: 10 skipped updates in a row stop it (Log.read).
+    # wait; Log.queue, below in reporting, has the timeline). Reading can end the run: 10
+    # skipped updates in a row stop it (Log.read). On a first read, the stop lines below come
+    # down to --stop-at (a signal's part is the second read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch: this process's rows -> one array over every device (second read; on one
@@ -163,7 +160,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
         # SIGTERM) that any process got, as read with update - 1's metrics (second read:
-        # stop_reason). On one host with no signal, only --stop-at stops the run early.
+        # stop_reason).
         stop = stop_reason(update, args, log.signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
             log.catch_up()  # reads update's metrics now, so the saved log reaches its step
@@ -233,8 +230,7 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but drops the shardings (the README's glossary, eval_shape row), so they are written
-    # out here; a test compares the two.
+    # shapes but not the shardings, so they are written out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -357,8 +353,8 @@ def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], row i to micro-batch i % accum: with 8 rows
     # and accum 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::accum] for a in ...])).
     # Why strided: with 2 devices, device 0 holds rows 0-3, and keeps two rows of each
-    # micro-batch (rows 0 and 2 of micro-batch 0 = [0 2 4 6], rows 1 and 3 of micro-batch 1 =
-    # [1 3 5 7]), so no row moves (constrain pins that). A plain reshape(accum, global/accum)
+    # micro-batch (global rows 0 and 2 of micro-batch 0's [0 2 4 6], and 1 and 3 of micro-batch
+    # 1's [1 3 5 7]), so no row moves (constrain pins that). A plain reshape(accum, global/accum)
     # would put all of micro-batch 0 on device 0.
     # [8] -> [4, 2] ([[0 1] [2 3] [4 5] [6 7]]) -> swapaxes -> [2, 4]: [[0 2 4 6] [1 3 5 7]]
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
@@ -421,14 +417,13 @@ def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays afte
 
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
-    # (step: the updates done, as in the state, so update step + 1's values go to slot
-    # step % 128 = (update - 1) % 128)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. history [2, 128] is a ring of the last 128 of each, indexed by step (before step
-    # 128, only the first `step` slots hold values). mean and std [2]: one per row, over the
-    # held values only (not this one). At step 3, slots 0-2 hold values, and mean and std are
-    # over those 3 (enough is False). At step 63 (update 64), 63 are held, and with this one
-    # that is 64: enough is True.
+    # update. history [2, 128] is a ring of the last 128 of each: update u's values go to slot
+    # (u - 1) % 128 (`step` is the state's, the updates done: u - 1). Before step 128, only the
+    # first `step` slots hold values. mean and std [2]: one per row, over the held values only
+    # (not this one). At step 3 (update 4), slots 0-2 hold values, and mean and std are over
+    # those 3 (enough is False). At step 63 (update 64), 63 are held, and with this one that is
+    # 64: enough is True, so the guard acts from update 64 on.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
@@ -502,8 +497,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) and reads the update before's, waiting
-        # for it if need be while update's step is already queued, so the devices stay busy (the
-        # timeline is above train's loop).
+        # for it if need be while update's step is already queued, so the devices stay busy. One
+        # row per iteration of train's loop, with m7 update 7's metrics (read: a skip is counted,
+        # and a line printed and recorded if it is a log_every update):
+        #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
+        #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(),
+        #             which reads 8's at once, so the saved log reaches step 8
+        #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
         # (second read) It also asks whether any process got a signal (stop_signalled, a tiny
         # all-reduce, dispatched as the step is: the host does not wait here), and the answer
         # rides with update's metrics; on one host with no signal it is always False. stop_reason
