@@ -14,9 +14,12 @@
 # TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own text is the continuation
 # (in mc, the choices are listed in the context and the continuation is a letter), 5shot puts five
 # solved examples before the question, and bpb variants score bits per byte. Four rules decide
-# which requests count and how they are scored, each written where the code applies it: rules 1,
-# 2 and 4 in load_task, rules 3 and 4 in metric_value (1, 3 and 4 are olmo_eval's: tasks.py and
-# metrics.py, version 0.9.0).
+# which requests count and how they are scored (1, 3 and 4 are olmo_eval's: tasks.py and
+# metrics.py, version 0.9.0), each spelled out where the code applies it:
+#   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
+#   rule 2 (load_task): --eval-limit N keeps the first N documents.
+#   rule 3 (metric_value): accuracy, the argmax of each document's normalised scores.
+#   rule 4 (load_task, metric_value): bits per byte, over each document's right continuation.
 import dataclasses
 import functools
 import gzip

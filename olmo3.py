@@ -157,11 +157,11 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
     # On a first read, take `layer` below as `block`: its checkpoint only decides what the
     # backward pass keeps.
-    # In plain Python, for the 7B's 32 layers in 8 groups of 4 (sliding, sliding, sliding, full):
+    # In plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096,
+    # 4096, None] (three sliding layers, then a full one):
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
-    #           x = block(weights of layer 4 g + j, x, window j of [4096, 4096, 4096, None],
-    #                     a RoPE table, cfg, segments)
+    #           x = layer(weights of layer 4 g + j, x, windows[j], a RoPE table, cfg, segments)
     # That is `for l in range(32): x = block(...)`, cut into groups to save compile time, not to
     # change the math (as MaxText does). A group, not a layer, is the scanned unit, because a
     # layer's window is a Python value baked into its program, and every scan step runs the same
@@ -169,15 +169,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
-    # tiny, q [4, 256, 256] -> [1, 4, 256, 256], and windows (below) is [64, 64, 64, None]
+    # tiny, q [4, 256, 256] -> [1, 4, 256, 256]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
-    # the RoPE tables for sliding and for full-attention layers: {"sliding": rope_tables(...,
-    # full=False), "full": rope_tables(..., full=True)} (YaRN applies to full ones only)
+    # the RoPE tables of sliding and of full-attention layers (YaRN applies to full ones only;
+    # without it the two are the same)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # Every group has the same window layout, because group_size is global_every (or all the
-    # layers), so layer j of every group has window windows[j]: [4096, 4096, 4096, None] for
-    # the 7B (None: full attention; layer 4 g + j is full iff j == 3).
+    # windows[j]: layer j's window, in every group (the same in each, because group_size is
+    # global_every or all the layers)
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat): even
     # --remat false recomputes all but the matmul outputs
@@ -190,7 +189,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # model layer g * group_size + j's weights
-            # ropes["full"] is YaRN's table when yarn_factor is set, else the same as "sliding"
             x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
         return x, None
     # for g in range(8): x, _ = group(x, groups sliced at g): scan slices each leaf of the pytree
@@ -314,12 +312,13 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # ----------------------------------------------------------------------------- sharding
 
 # Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid with
-# named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). fsdp cuts
-# two things: each weight matrix along its embed (D) dimension (gathered over fsdp before each
-# matmul, the third paragraph says), and each batch along its rows (with data, if data > 1). tensor
-# cuts a weight's heads, MLP or vocab dimension. (AXIS_RULES, below, says which dimension goes
-# where.) Weights and batches get their shardings from functions given the mesh; inside the model,
-# constrain reads the mesh that `jax.set_mesh` set (train.main does).
+# named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). fsdp is
+# used twice: ZeRO-3 for the weights, and data parallelism for the batches. It cuts each weight
+# matrix along its embed (D) dimension (gathered over fsdp before each matmul, the third paragraph
+# says), and each batch along its rows (with data, if data > 1). tensor cuts a weight's heads, MLP
+# or vocab dimension. (AXIS_RULES, below, says which dimension goes where.) Weights and batches get
+# their shardings from functions given the mesh; inside the model, constrain reads the mesh that
+# `jax.set_mesh` set (train.main does).
 #
 # An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed 4096,
 # heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds [32, 1024, 2048],
@@ -328,10 +327,11 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # (tiny's, in the README's dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4
 # ways along its rows, so a device holds 128 sequences, rows 128 i to 128 (i + 1), the same ones as
 # its tensor partner (the device with the same fsdp index). An activation between blocks,
-# [rows, T, D], keeps its D whole. fsdp does not cut it, because fsdp already cuts the rows, and a
-# mesh axis cuts at most one dimension of an array. tensor does not cut it either: this code's
-# tensor axis cuts heads, MLP and vocab, as Megatron's does, so tensor partners hold the same rows
-# whole.
+# [rows, T, D], keeps its D whole: a device's x_BTD is [128, 8192, 4096]. fsdp does not cut D,
+# because fsdp already cuts the rows, and a mesh axis cuts at most one dimension of an array. tensor
+# does not cut it either: this code's tensor axis cuts heads, MLP and vocab, as Megatron's does, so
+# tensor partners hold the same rows whole. Inside a block, q = x @ Wq on a device is [128, 8192,
+# 2048]: its rows, and its half of the heads.
 #
 # What XLA communicates (README stop 4 shows how to count it in a dump): it inserts the
 # communication itself, and typically chooses three collectives. Before a layer's matmuls it

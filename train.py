@@ -144,9 +144,14 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # a pure function of step, so a resume replays the same data. step_fn returns at once (JAX
     # dispatches asynchronously), and log reads each update's metrics one iteration late, so
     # between steps the devices do not wait for the host (an evaluation or a save does make them
-    # wait; Log.queue, below in reporting, has the timeline). Reading can end the run: 10
-    # skipped updates in a row stop it (Log.read). On a first read, the stop lines below come
-    # down to --stop-at (a signal's part is the second read).
+    # wait). One row per iteration, with m7 update 7's metrics (a read counts a skip, and prints
+    # and records a line for a log_every update; Log.queue is below, in reporting):
+    #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
+    #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
+    #             reads 8's at once, so the saved log reaches step 8
+    #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
+    # Reading can end the run: 10 skipped updates in a row stop it (Log.read). On a first read,
+    # the stop lines below come down to --stop-at (a signal's part is the second read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch: this process's rows -> one array over every device (second read; on one
@@ -289,7 +294,8 @@ def compile_step(cfg, r, mesh, target):
     # static arguments would be. out_shardings keeps the state's shardings (None: XLA places the
     # metrics). lower() traces the step for these shapes and shardings; compile() builds it.
     # The inputs' shardings are those in target's and batch's ShapeDtypeStructs: this is where
-    # the state's and the batch's shardings enter jit.
+    # the state's and the batch's shardings enter jit. The compiled step takes only arrays cut
+    # exactly so (init_state and restore make the state, device_batch the batch).
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -435,6 +441,7 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
     # stops at the non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
+    # slot step % 128 is this update's: (update - 1) % 128
     return enough & ~within, history.at[:, step % HISTORY].set(kept)
 
 
@@ -497,13 +504,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) and reads the update before's, waiting
-        # for it if need be while update's step is already queued, so the devices stay busy. One
-        # row per iteration of train's loop, with m7 update 7's metrics (read: a skip is counted,
-        # and a line printed and recorded if it is a log_every update):
-        #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
-        #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(),
-        #             which reads 8's at once, so the saved log reaches step 8
-        #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
+        # for it if need be while update's step is already queued, so the devices stay busy (the
+        # timeline is above train's loop).
         # (second read) It also asks whether any process got a signal (stop_signalled, a tiny
         # all-reduce, dispatched as the step is: the host does not wait here), and the answer
         # rides with update's metrics; on one host with no signal it is always False. stop_reason
