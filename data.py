@@ -65,7 +65,8 @@ class Loader:
         # that the hosts compare and a checkpoint keeps.
         named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
         self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)
-        self.first_id = np.cumsum([0] + [n // seq_len for n in self.sizes])  # per file
+        # each file's first instance id: files of 3 and 4 instances give [0, 3, 7]
+        self.first_id = np.cumsum([0] + [n // seq_len for n in self.sizes])
         self.set_instances(int(self.first_id[-1]))
 
     def set_instances(self, num_instances):  # sets the instance count and steps_per_epoch

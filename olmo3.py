@@ -172,8 +172,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
-    # the RoPE tables of sliding and of full-attention layers (YaRN applies to full ones only;
-    # without it the two are the same)
+    # the RoPE tables, (cos_TE, sin_TE) each, of sliding and of full-attention layers (YaRN
+    # applies to full ones only; without it the two are the same)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # windows[j]: layer j's window, in every group (the same in each, because group_size is
     # global_every or all the layers)
@@ -312,13 +312,12 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # ----------------------------------------------------------------------------- sharding
 
 # Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid with
-# named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). fsdp is
-# used twice: ZeRO-3 for the weights, and data parallelism for the batches. It cuts each weight
-# matrix along its embed (D) dimension (gathered over fsdp before each matmul, the third paragraph
-# says), and each batch along its rows (with data, if data > 1). tensor cuts a weight's heads, MLP
-# or vocab dimension. (AXIS_RULES, below, says which dimension goes where.) Weights and batches get
-# their shardings from functions given the mesh; inside the model, constrain reads the mesh that
-# `jax.set_mesh` set (train.main does).
+# named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). In short
+# (AXIS_RULES, below, is the table): data and fsdp cut a batch's rows; fsdp also cuts each weight
+# matrix along its embed (D) dimension, as ZeRO-3 does (gathered over fsdp before each matmul, the
+# third paragraph says); tensor cuts a weight's heads, MLP or vocab dimension, as Megatron does.
+# Weights and batches get their shardings from functions given the mesh; inside the model, constrain
+# reads the mesh that `jax.set_mesh` set (train.main does).
 #
 # An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed 4096,
 # heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds [32, 1024, 2048],
@@ -327,11 +326,12 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # (tiny's, in the README's dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4
 # ways along its rows, so a device holds 128 sequences, rows 128 i to 128 (i + 1), the same ones as
 # its tensor partner (the device with the same fsdp index). An activation between blocks,
-# [rows, T, D], keeps its D whole: a device's x_BTD is [128, 8192, 4096]. fsdp does not cut D,
+# [rows, T, D], keeps its D whole: a device's x_BTD is [128, 8192, 4096] (the whole batch in one
+# micro-batch; the preset's micro-batches of 64 give [16, 8192, 4096]). fsdp does not cut D,
 # because fsdp already cuts the rows, and a mesh axis cuts at most one dimension of an array. tensor
 # does not cut it either: this code's tensor axis cuts heads, MLP and vocab, as Megatron's does, so
 # tensor partners hold the same rows whole. Inside a block, q = x @ Wq on a device is [128, 8192,
-# 2048]: its rows, and its half of the heads.
+# 2048] (or [16, ...]): its rows, and its half of the heads.
 #
 # What XLA communicates (README stop 4 shows how to count it in a dump): it inserts the
 # communication itself, and typically chooses three collectives. Before a layer's matmuls it

@@ -235,7 +235,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but not the shardings, so they are written out here; a test compares the two.
+    # shapes but not the shardings (olmo3.make_mesh's axes are Auto, so its results carry none),
+    # so they are written out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -337,7 +338,7 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     updates, opt_state = adam(r).update(jax.tree.map(clip, grads), state["opt_state"])
     # + wd * p on every weight but the embedding (the norms and lm_head too, as OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
-    updates = decayed | {"embed": updates["embed"]}
+    updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
     # The LR is indexed by this update (state["step"] + 1), not by Adam's count, so a stage
     # restarts its schedule while Adam's count carries over (--init-from)
     lr = schedule(r)(state["step"] + 1)
