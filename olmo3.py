@@ -327,11 +327,12 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # ways along its rows, so a device holds 128 sequences, rows 128 i to 128 (i + 1), the same ones as
 # its tensor partner (the device with the same fsdp index). An activation between blocks,
 # [rows, T, D], keeps its D whole: a device's x_BTD is [128, 8192, 4096] (the whole batch in one
-# micro-batch; the preset's micro-batches of 64 give [16, 8192, 4096]). fsdp does not cut D,
-# because fsdp already cuts the rows, and a mesh axis cuts at most one dimension of an array. tensor
-# does not cut it either: this code's tensor axis cuts heads, MLP and vocab, as Megatron's does, so
-# tensor partners hold the same rows whole. Inside a block, q = x @ Wq on a device is [128, 8192,
-# 2048] (or [16, ...]): its rows, and its half of the heads.
+# micro-batch; the preset's micro-batches of 64 give [16, 8192, 4096]). In an activation, fsdp does
+# not cut D (in a weight it does, and it is gathered before use), because fsdp already cuts the
+# rows, and a mesh axis cuts at most one dimension of an array. tensor does not cut it either: this
+# code's tensor axis cuts heads, MLP and vocab, as Megatron's does, so tensor partners hold the same
+# rows whole. Inside a block, q = x @ Wq on a device is [128, 8192, 2048] (or [16, ...]): its rows,
+# and its half of the heads.
 #
 # What XLA communicates (README stop 4 shows how to count it in a dump): it inserts the
 # communication itself, and typically chooses three collectives. Before a layer's matmuls it
@@ -341,9 +342,9 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # partner sums over its half of the heads or of the MLP, and the two partial sums are added. In the
 # backward pass it reduce-scatters each gradient back to its fsdp shard. data=N keeps N copies of
 # the weights (each one split over fsdp) and all-reduces their gradients. Inside a block, q, k, v,
-# the MLP's hidden activations and the logits come out cut over `tensor` as their weights are, with
-# no communication. (Smaller cases: the embedding's lookup in a table whose rows are split over
-# `tensor` needs communication, which XLA chooses, correct whatever it chooses; QK-norm's
+# the MLP's hidden activations and the logits come out cut over `tensor` as their weights are,
+# normally with no communication. (Smaller cases: the embedding's lookup in a table whose rows are
+# split over `tensor` needs communication, which XLA chooses, correct whatever it chooses; QK-norm's
 # statistics span all heads, so XLA sums them across tensor partners, as it combines the loss's
 # logsumexp over the vocabulary cut over `tensor`.)
 

@@ -5,7 +5,9 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs
 # (a laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the
-# model's olmo3.Config. The README has a JAX glossary.
+# model's olmo3.Config. `step` is always the updates done (the state's step, 0-based) and `update`
+# = step + 1 the one being made (the logged step, its checkpoint's number, the LR's index). The
+# README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -138,20 +140,15 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop. `step` (state["step"]) counts the updates done; `update` = step + 1 is the
-    # one this iteration makes, 1-based as OLMo-core counts: it is the LR's index, and the step
-    # number logged and saved for it (checkpoint N holds the state after N updates). The batch is
-    # a pure function of step, so a resume replays the same data. step_fn returns at once (JAX
-    # dispatches asynchronously), and log reads each update's metrics one iteration late, so
-    # between steps the devices do not wait for the host (an evaluation or a save does make them
-    # wait). One row per iteration, with m7 update 7's metrics (a read counts a skip, and prints
-    # and records a line for a log_every update; Log.queue is below, in reporting):
-    #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
-    #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
-    #             reads 8's at once, so the saved log reaches step 8
-    #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
-    # Reading can end the run: 10 skipped updates in a row stop it (Log.read). On a first read,
-    # the stop lines below come down to --stop-at (a signal's part is the second read).
+    # nanoGPT's loop. `step` (state["step"]) counts the updates done; `update` = step + 1 is the one
+    # this iteration makes, 1-based as OLMo-core counts: it is the LR's index, and the step number
+    # logged and saved for it (checkpoint N holds the state after N updates). The batch is a pure
+    # function of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
+    # asynchronously), and log.queue(update, metrics) reads the update before's metrics (and every
+    # log_every updates prints them), so between steps the devices do not wait for the host (an
+    # evaluation or a save does make them wait; Log.queue, below in reporting, has the timeline).
+    # Reading can end the run: 10 skipped updates in a row stop it (Log.read). On a first read, the
+    # stop lines below come down to --stop-at (a signal's part is the second read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch: this process's rows -> one array over every device (second read; on one
@@ -359,10 +356,9 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
 def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], row i to micro-batch i % accum: with 8 rows
     # and accum 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::accum] for a in ...])).
-    # Why strided: with 2 devices, device 0 holds rows 0-3, and keeps two rows of each
-    # micro-batch (global rows 0 and 2 of micro-batch 0's [0 2 4 6], and 1 and 3 of micro-batch
-    # 1's [1 3 5 7]), so no row moves (constrain pins that). A plain reshape(accum, global/accum)
-    # would put all of micro-batch 0 on device 0.
+    # Why strided: with 2 devices, device 0 holds rows 0-3: rows 0 and 2 of micro-batch 0, and
+    # 1 and 3 of micro-batch 1, so no row moves (constrain pins that). A plain reshape(accum,
+    # global/accum) would put all of micro-batch 0 on device 0.
     # [8] -> [4, 2] ([[0 1] [2 3] [4 5] [6 7]]) -> swapaxes -> [2, 4]: [[0 2 4 6] [1 3 5 7]]
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
@@ -505,8 +501,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) and reads the update before's, waiting
-        # for it if need be while update's step is already queued, so the devices stay busy (the
-        # timeline is above train's loop).
+        # for it if need be while update's step is already queued, so the devices stay busy. One
+        # row per iteration of train's loop, with m7 update 7's metrics:
+        #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
+        #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(),
+        #             which reads 8's at once, so the saved log reaches step 8
+        #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
+        # (Reading an update's metrics counts a skip, and prints a line every log_every updates.)
         # (second read) It also asks whether any process got a signal (stop_signalled, a tiny
         # all-reduce, dispatched as the step is: the host does not wait here), and the answer
         # rides with update's metrics; on one host with no signal it is always False. stop_reason
