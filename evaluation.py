@@ -100,7 +100,7 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     # Every process holds the whole batch here, so each device takes its slices (`index`) of it
     # (train.device_batch does the same with only the process's own rows). With 8 rows over 4
-    # devices, a device holds x[2:4] of the [8, width] batch; `sums` [8] is one global array,
+    # devices, device 1 holds x[2:4] of the [8, width] batch; `sums` [8] is one global array,
     # which process_allgather copies whole to every host. (On one host, put(a) is
     # jax.device_put(a, sharding), and process_allgather is np.asarray.)
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])

@@ -179,7 +179,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # global_every or all the layers)
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat): even
-    # --remat false recomputes all but the matmul outputs
+    # --remat false recomputes all but the matmul outputs, which are most of the cost to
+    # recompute, while the elementwise rest is cheap to redo and costly to keep
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -311,9 +312,18 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 # ----------------------------------------------------------------------------- sharding
 
+MESH_AXES = ("data", "fsdp", "tensor")
+# This is the one table from logical axes to mesh axes. Every weight's and activation's sharding
+# comes from it (the replicated scalars use P(), and train.stop_signalled its own). A batch's rows
+# (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
+# Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
+# splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
+AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+              "mlp": "tensor", "vocab": "tensor"}
+
 # Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid with
 # named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). In short
-# (AXIS_RULES, below, is the table): data and fsdp cut a batch's rows; fsdp also cuts each weight
+# (AXIS_RULES, above, is the table): data and fsdp cut a batch's rows; fsdp also cuts each weight
 # matrix along its embed (D) dimension, as ZeRO-3 does (gathered over fsdp before each matmul, the
 # third paragraph says); tensor cuts a weight's heads, MLP or vocab dimension, as Megatron does.
 # Weights and batches get their shardings from functions given the mesh; inside the model, constrain
@@ -348,15 +358,6 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # statistics span all heads, so XLA sums them across tensor partners, as it combines the loss's
 # logsumexp over the vocabulary cut over `tensor`.)
 
-MESH_AXES = ("data", "fsdp", "tensor")
-# This is the one table from logical axes to mesh axes. Every weight's and activation's sharding
-# comes from it (the replicated scalars use P(), and train.stop_signalled its own). A batch's rows
-# (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
-# Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
-# splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
-AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-              "mlp": "tensor", "vocab": "tensor"}
-
 
 def logical_to_spec(axes) -> P:
     # Maps logical axis names (None means not split) to a PartitionSpec with one entry per
@@ -379,6 +380,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
     # valid sizes, no more than there are, and (with a -1) the given sizes divide all of them
+    # (without a -1, n is their product, which always divides)
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")

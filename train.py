@@ -146,7 +146,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # function of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
     # asynchronously), and log.queue(update, metrics) reads the update before's metrics (and every
     # log_every updates prints them), so between steps the devices do not wait for the host (an
-    # evaluation or a save does make them wait; Log.queue, below in reporting, has the timeline).
+    # evaluation or a save does make them wait). One row per iteration, with m7 update 7's
+    # metrics (Log.queue is below, in reporting):
+    #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
+    #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
+    #             reads 8's at once, so the saved log reaches step 8
+    #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
     # Reading can end the run: 10 skipped updates in a row stop it (Log.read). On a first read, the
     # stop lines below come down to --stop-at (a signal's part is the second read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
@@ -232,8 +237,7 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but not the shardings (olmo3.make_mesh's axes are Auto, so its results carry none),
-    # so they are written out here; a test compares the two.
+    # shapes but not the shardings, so they are written out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -501,13 +505,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def queue(self, update, metrics):
         # Keeps update's metrics (still being computed) and reads the update before's, waiting
-        # for it if need be while update's step is already queued, so the devices stay busy. One
-        # row per iteration of train's loop, with m7 update 7's metrics:
-        #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
-        #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(),
-        #             which reads 8's at once, so the saved log reaches step 8
-        #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
-        # (Reading an update's metrics counts a skip, and prints a line every log_every updates.)
+        # for it if need be while update's step is already queued, so the devices stay busy (the
+        # timeline is above train's loop). Reading an update's metrics counts a skip, and prints
+        # a line every log_every updates.
         # (second read) It also asks whether any process got a signal (stop_signalled, a tiny
         # all-reduce, dispatched as the step is: the host does not wait here), and the answer
         # rides with update's metrics; on one host with no signal it is always False. stop_reason
