@@ -321,42 +321,42 @@ MESH_AXES = ("data", "fsdp", "tensor")
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
-# Sharding, in three paragraphs. What a device holds: the mesh arranges the devices in a grid with
-# named axes, as 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). In short
-# (AXIS_RULES, above, is the table): data and fsdp cut a batch's rows; fsdp also cuts each weight
-# matrix along its embed (D) dimension, as ZeRO-3 does (gathered over fsdp before each matmul, the
-# third paragraph says); tensor cuts a weight's heads, MLP or vocab dimension, as Megatron does.
-# Weights and batches get their shardings from functions given the mesh; inside the model, constrain
-# reads the mesh that `jax.set_mesh` set (train.main does).
+# Sharding, in three parts. First, the mesh: it arranges the devices in a grid with named axes, as
+# 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). By AXIS_RULES (above),
+# data and fsdp cut a batch's rows; fsdp also cuts each weight matrix along its embed (D)
+# dimension, as ZeRO-3 does; tensor cuts a weight's heads, MLP or vocab dimension, as Megatron
+# does. A mesh axis cuts at most one dimension of an array. Weights and batches get their
+# shardings from functions given the mesh; inside the model, constrain reads the mesh that
+# `jax.set_mesh` set (train.main does).
 #
-# An example on those 8 devices (an 8-GPU machine is one). The 7B's q weight [layers 32, embed 4096,
-# heads 4096] is cut 4 ways along embed and 2 ways along heads, so a device holds [32, 1024, 2048],
-# an eighth of it, and an eighth of its Adam moments. The device at (fsdp i, tensor j) holds
-#     q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)].
-# (tiny's, in the README's dry run: [4, 256, 256] -> (4, 64, 128).) A batch [512, 8192] is cut 4
-# ways along its rows, so a device holds 128 sequences, rows 128 i to 128 (i + 1), the same ones as
-# its tensor partner (the device with the same fsdp index). An activation between blocks,
-# [rows, T, D], keeps its D whole: a device's x_BTD is [128, 8192, 4096] (the whole batch in one
-# micro-batch; the preset's micro-batches of 64 give [16, 8192, 4096]). In an activation, fsdp does
-# not cut D (in a weight it does, and it is gathered before use), because fsdp already cuts the
-# rows, and a mesh axis cuts at most one dimension of an array. tensor does not cut it either: this
-# code's tensor axis cuts heads, MLP and vocab, as Megatron's does, so tensor partners hold the same
-# rows whole. Inside a block, q = x @ Wq on a device is [128, 8192, 2048] (or [16, ...]): its rows,
-# and its half of the heads.
+# Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B and a batch
+# of 512 x 8192 in one micro-batch (the preset's micro-batches of 64 give 16 rows, not 128):
+#   array         shape                what cuts each dimension              one device holds
+#   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
+#   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
+#   batch         [512, 8192]          data x fsdp (rows), -                 [128, 8192]
+#   x_BTD         [512, 8192, 4096]    data x fsdp, -, -                     [128, 8192, 4096]
+#   q = x @ Wq    [512, 8192, 4096]    data x fsdp, -, tensor                [128, 8192, 2048]
+#   logits        [512, 8192, 100352]  data x fsdp, -, tensor (vocab)        [128, 8192, 50176]
+# The device at (fsdp i, tensor j) holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of
+# the weight, and an eighth of its Adam moments. It holds rows 128 i to 128 (i + 1) of the batch,
+# the same rows as its tensor partner (the device with the same fsdp index). (tiny's q, in the
+# README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp already
+# cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same rows
+# whole. q and the logits come out cut over tensor as their weights are, normally with no
+# communication (XLA chooses their cuts; constrain pins x_BTD's).
 #
-# What XLA communicates (README stop 4 shows how to count it in a dump): it inserts the
-# communication itself, and typically chooses three collectives. Before a layer's matmuls it
-# all-gathers the fsdp shards of the weights (one layer's q, gathered over fsdp, is [4096, 2048] on
-# a device). After `o` and `down` it all-reduces over `tensor`: their input dimension is the one
-# tensor cuts (o is [layers, heads 4096, embed 4096], cut P(None, 'tensor', 'fsdp')), so each
-# partner sums over its half of the heads or of the MLP, and the two partial sums are added. In the
-# backward pass it reduce-scatters each gradient back to its fsdp shard. data=N keeps N copies of
-# the weights (each one split over fsdp) and all-reduces their gradients. Inside a block, q, k, v,
-# the MLP's hidden activations and the logits come out cut over `tensor` as their weights are,
-# normally with no communication. (Smaller cases: the embedding's lookup in a table whose rows are
-# split over `tensor` needs communication, which XLA chooses, correct whatever it chooses; QK-norm's
-# statistics span all heads, so XLA sums them across tensor partners, as it combines the loss's
-# logsumexp over the vocabulary cut over `tensor`.)
+# Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
+# communication itself, and typically chooses:
+#   all-gather over fsdp: each layer's weights, before its matmuls (q's becomes [4096, 2048]);
+#   all-reduce over tensor: after o and down, whose input dimension tensor cuts, so each partner
+#     holds a partial sum over its half of the heads or of the MLP, and the two are added;
+#   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;
+#   all-reduce over data, when data > 1: the gradients of its N copies of the weights.
+# (Smaller cases: the embedding's lookup in a table whose rows are split over tensor needs
+# communication, which XLA chooses, correct whatever it chooses; QK-norm's statistics span all
+# heads, so XLA sums them across tensor partners, as it combines the loss's logsumexp over the
+# vocabulary cut over tensor.)
 
 
 def logical_to_spec(axes) -> P:
@@ -411,7 +411,7 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
     # jax.set_mesh(mesh)`; while tracing, get_abstract_mesh() returns it (its axis names and sizes,
     # no devices), and with_sharding_constraint, given a PartitionSpec with no mesh, uses that
     # one. A name not in AXIS_RULES ("seq") is not split, as None is: it only says which
-    # dimension that is. An activation's D is not split (None); the sharding paragraphs say why.
+    # dimension that is. An activation's D is not split (None); the sharding part says why.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
@@ -425,10 +425,10 @@ ATTENTION = ("auto", "reference", "cudnn", "splash")
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
     # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
-    # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's
-    # fused one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA
-    # path, whose [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when
-    # the default remat keeps them for every layer. cuDNN takes only bf16 and fp16, so tiny's
+    # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's fused
+    # one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA path, whose
+    # [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when the default
+    # remat (--remat false) keeps them for every layer. cuDNN takes only bf16 and fp16, so tiny's
     # fp32 takes the reference on a GPU too. On CPU it is the reference below, the fastest there.
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):

@@ -140,24 +140,28 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop. `step` (state["step"]) counts the updates done; `update` = step + 1 is the one
-    # this iteration makes, 1-based as OLMo-core counts: it is the LR's index, and the step number
-    # logged and saved for it (checkpoint N holds the state after N updates). The batch is a pure
-    # function of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
-    # asynchronously), and log.queue(update, metrics) reads the update before's metrics (and every
-    # log_every updates prints them), so between steps the devices do not wait for the host (an
-    # evaluation or a save does make them wait). One row per iteration, with m7 update 7's
-    # metrics (Log.queue is below, in reporting):
+    # nanoGPT's loop. On one host with no signal, it comes down to
+    #   for step, batch in loader.iterate(...):   # step: the updates done (state["step"])
+    #       update = step + 1                       # the update this iteration makes
+    #       state, metrics = step_fn(state, jax.device_put(batch, sharding))  # returns at once
+    #       read update - 1's metrics, and every log_every updates print them   # log.queue
+    #       evaluate every eval_every updates; save every save_every and at the end
+    #       at --stop-at, save and exit 75                                 # stop_reason
+    # `update` is 1-based, as OLMo-core counts: it is the LR's index, and the step number logged
+    # and saved for it (checkpoint N holds the state after N updates). The batch is a pure function
+    # of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
+    # asynchronously), and reading the metrics one iteration late means the devices do not wait
+    # for the host between steps (an evaluation or a save does make them wait). One row per
+    # iteration, with m7 update 7's metrics (Log.queue is below, in reporting):
     #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
     #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
     #             reads 8's at once, so the saved log reaches step 8
     #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
-    # Reading can end the run: 10 skipped updates in a row stop it (Log.read). On a first read, the
-    # stop lines below come down to --stop-at (a signal's part is the second read).
+    # Reading can end the run: 10 skipped updates in a row stop it (Log.read).
     for step, batch in loader.iterate(int(state["step"]), r.steps):
         update = step + 1
         # device_batch: this process's rows -> one array over every device (second read; on one
-        # host it is jax.device_put(batch, olmo3.batch_sharding(mesh)))
+        # host it is the sketch's jax.device_put, with sharding olmo3.batch_sharding(mesh))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         # First read: this reads the update before's metrics (nanoGPT's loss.item(); a line every
         # log_every updates), and keeps update's. (second read) It also asks every process
@@ -216,8 +220,10 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 
 # ----------------------------------------------------------------------------- the state
-# fresh_state builds the state from params; abstract_state describes it (train's `target`);
-# init_state creates it sharded; starting_state picks a resumed, fresh or --init-from one.
+# fresh_state builds the state from params; abstract_state describes it (train's `target`: every
+# leaf's shape and sharding, which init_state creates into, restore reads onto and compile_step
+# compiles for); init_state creates it sharded; starting_state picks a resumed, fresh or
+# --init-from one.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
