@@ -185,9 +185,9 @@ def load_task(spec, limit, tokenizer, seq_len):
     requests = [req for req in requests if req["doc_id"] in kept]
     # rule 4: bits per byte scores only the right continuation of each document. A request is kept
     # iff its label is text (a str or list: the right continuation's own), or its idx equals its
-    # label (multiple choice; a label of None reads as 0). Kept: {"idx": 0, "label": ["signs"]}
-    # (lambada:bpb_0shot), {"idx": 0, "label": None} (codex_humaneval:gold_bpb_0shot), {"idx": 2,
-    # "label": 2}; dropped: {"idx": 1, "label": 2}.
+    # label (multiple choice; a label of None reads as 0: a gold-only task has one continuation, idx
+    # 0). Kept: {"idx": 0, "label": ["signs"]} (lambada:bpb_0shot), {"idx": 0, "label": None}
+    # (codex_humaneval:gold_bpb_0shot), {"idx": 2, "label": 2}; dropped: {"idx": 1, "label": 2}.
     if DIVIDE_BY[metric] == "bytes":
         requests = [req for req in requests if isinstance(req["label"], str | list) or
                     req["idx"] == (0 if req["label"] is None else req["label"])]

@@ -169,7 +169,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
-    # tiny, q [4, 256, 256] -> [1, 4, 256, 256]
+    # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
+    # layer j gets p["q"] [256, 256]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
     positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
     # the RoPE tables, (cos_TE, sin_TE) each, of sliding and of full-attention layers (YaRN
@@ -343,8 +344,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # the same rows as its tensor partner (the device with the same fsdp index). (tiny's q, in the
 # README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp already
 # cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same rows
-# whole. q and the logits come out cut over tensor as their weights are, normally with no
-# communication (XLA chooses their cuts; constrain pins x_BTD's).
+# whole. q and the logits come out cut over tensor as their weights are, with no communication
+# (constrain pins x_BTD's and the logits' cuts; XLA chooses q's, normally this one).
 #
 # Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
 # communication itself, and typically chooses:

@@ -6,7 +6,8 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs
 # (a laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the
 # model's olmo3.Config. `step` is always the updates done (the state's step, 0-based) and `update`
-# = step + 1 the one being made (the logged step, its checkpoint's number, the LR's index). The
+# = step + 1 the one being made (the logged step, its checkpoint's number, the LR's index). After
+# update u the state's step is u, so save and the logs, given update, name the same step. The
 # README has a JAX glossary.
 import argparse
 import dataclasses
@@ -163,10 +164,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (second read; on one
         # host it is the sketch's jax.device_put, with sharding olmo3.batch_sharding(mesh))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # First read: this reads the update before's metrics (nanoGPT's loss.item(); a line every
-        # log_every updates), and keeps update's. (second read) It also asks every process
-        # whether to stop (log.signalled, an all-reduce).
-        log.queue(update, metrics)
+        # This reads the update before's metrics (nanoGPT's loss.item(); a line every log_every
+        # updates), and keeps update's. (second read) update's metrics also carry whether any
+        # process got a signal (stop_signalled, a tiny all-reduce dispatched as the step is),
+        # which is read with them, one iteration late, as log.signalled.
+        log.queue(update, metrics | {"signalled": stop_signalled(mesh)})
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
@@ -243,7 +245,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but not the shardings, so they are written out here; a test compares the two.
+    # shapes but drops the shardings (under olmo3.make_mesh's Auto axes: README, pod glossary), so
+    # they are written out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -319,8 +322,8 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     def loss(params, micro):
         segments = micro.get("segments") if r.doc_masking else None  # keep documents apart
         logits = olmo3.forward(params, micro["inputs"], cfg, segments)
-        ce, z, _ = olmo3.loss_terms(logits, micro["labels"], r.z_loss)
-        return (ce + z) / n_tokens, ce / n_tokens
+        ce_sum, z_sum, _ = olmo3.loss_terms(logits, micro["labels"], r.z_loss)
+        return (ce_sum + z_sum) / n_tokens, ce_sum / n_tokens
     # grad_fn(params, micro) -> ((the loss with z-loss, ce), grads): has_aux says loss returns
     # (what to differentiate, an extra), and value_and_grad passes the extra (ce) through
     grad_fn = jax.value_and_grad(loss, has_aux=True)
@@ -467,7 +470,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
     # What train's loop calls: log(text) or log(**record); queue(update, metrics), the read one
     # update behind, and catch_up() before a save (both read through `read`); flush() after a
-    # save. (second read) queue also asks for the stop flag: on one host, bool(SIGNALS).
+    # save. (second read) Reading also keeps the metrics' stop flag as log.signalled.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -513,12 +516,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         # Keeps update's metrics (still being computed) and reads the update before's, waiting
         # for it if need be while update's step is already queued, so the devices stay busy (the
         # timeline is above train's loop). Reading an update's metrics counts a skip, and prints
-        # a line every log_every updates.
-        # (second read) It also asks whether any process got a signal (stop_signalled, a tiny
-        # all-reduce, dispatched as the step is: the host does not wait here), and the answer
-        # rides with update's metrics; on one host with no signal it is always False. stop_reason
-        # has the timeline of a SIGTERM.
-        metrics = metrics | {"signalled": stop_signalled(self.mesh)}
+        # a line every log_every updates. (second read) It sets log.signalled from the metrics'
+        # "signalled" (on one host with no signal, always False); stop_reason has the timeline of
+        # a SIGTERM.
         self.catch_up()
         self.queued = (update, metrics)
 
@@ -782,8 +782,8 @@ def stop_reason(update, args, signalled):  # why the run stops after update (Non
     # signalled came with update - 1's metrics, which every process read alike, so all stop
     # after the same update. A flag asked for with update u's metrics is read one update late,
     # in iteration u + 1. With a SIGTERM during update 7, one row an iteration of the loop:
-    #   7: queue(7, m7) asks 7's flag (False), then reads 6's  <- the SIGTERM comes as it waits
-    #   8: queue(8, m8) asks 8's flag (True), reads 7's (False): log.signalled is False
+    #   7: m7 carries 7's flag (False); queue(7, m7) reads 6's  <- the SIGTERM comes as it waits
+    #   8: m8 carries 8's flag (True); queue(8, m8) reads 7's (False): log.signalled is False
     #   9: queue(9, m9) reads 8's (True): stop_reason says stop, the save's catch_up() reads
     #      9's, and every process saves 9 and exits 75
     if update == args.stop_at:
