@@ -57,10 +57,9 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #     factor: 8, ...}, which transformers applies to the full-attention layers only;
     #   rope_parameters: {"full_attention": {rope_type: yarn, factor: 8, ...},
     #     "sliding_attention": {rope_type: default, rope_theta: 500000}}.
-    # `full` merges them, later keys winning: rope_theta, then rope_parameters' full_attention,
-    # then rope_scaling. The legacy form: {rope_theta: 500000} | {} (no rope_parameters) |
-    # {rope_type: yarn, factor: 8, ...}. The other: {rope_theta: top-level or 500000} |
-    # {rope_type: yarn, factor: 8, ...} | {} (no rope_scaling).
+    # `full` merges what either form gives, later keys winning: rope_theta < rope_parameters'
+    # full_attention < rope_scaling. Each form fills one of the last two, and both end as the
+    # result above.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

@@ -5,10 +5,11 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs
 # (a laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the
-# model's olmo3.Config. `step` is always the updates done (the state's step, 0-based) and `update`
-# = step + 1 the one being made (the logged step, its checkpoint's number, the LR's index). After
-# update u the state's step is u, so save and the logs, given update, name the same step. The
-# README has a JAX glossary.
+# model's olmo3.Config. In train's loop, `step` is the updates done (the state's step, 0-based)
+# and `update` = step + 1 the one being made (the logged step, its checkpoint's number, the LR's
+# index). Update 1 reads batch(0), turns the state's step 0 into 1, is printed as "step 1" and
+# saved as checkpoint 1: after update u the state's step is u, so save's and the logs' "step"
+# (given update) is the same number. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -164,11 +165,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (second read; on one
         # host it is the sketch's jax.device_put, with sharding olmo3.batch_sharding(mesh))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
+        # (second read) whether any process got a signal: a tiny all-reduce, dispatched as the
+        # step is, read with update's metrics one iteration late (log.signalled)
+        metrics["signalled"] = stop_signalled(mesh)
         # This reads the update before's metrics (nanoGPT's loss.item(); a line every log_every
-        # updates), and keeps update's. (second read) update's metrics also carry whether any
-        # process got a signal (stop_signalled, a tiny all-reduce dispatched as the step is),
-        # which is read with them, one iteration late, as log.signalled.
-        log.queue(update, metrics | {"signalled": stop_signalled(mesh)})
+        # updates), and keeps update's.
+        log.queue(update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
@@ -300,11 +302,11 @@ def compile_step(cfg, r, mesh, target):
                                   sharding=olmo3.batch_sharding(mesh))
     # The batch is described as the loader gives it: inputs, labels and, when packed, segments
     batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
-    # donate_argnums=0: the new state reuses the old state's buffers, so memory holds one copy
-    # (the caller must not touch the old one again). cfg and r are baked into the program, as
-    # static arguments would be. out_shardings keeps the state's shardings (None: XLA places the
-    # metrics). lower() traces the step for these shapes and shardings; compile() builds it.
-    # The inputs' shardings are those in target's and batch's ShapeDtypeStructs: this is where
+    # donate_argnums=0: the new state reuses the old state's buffers, so between steps memory holds
+    # one copy of it (the caller must not touch the old one again). cfg and r are baked into the
+    # program, as static arguments would be. out_shardings keeps the state's shardings (None: XLA
+    # places the metrics). lower() traces the step for these shapes and shardings; compile() builds
+    # it. The inputs' shardings are those in target's and batch's ShapeDtypeStructs: this is where
     # the state's and the batch's shardings enter jit. The compiled step takes only arrays cut
     # exactly so (init_state and restore make the state, device_batch the batch).
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
@@ -390,6 +392,7 @@ def schedule(r: Recipe):  # -> a function: update k (1-based) -> its LR
     #                      F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
+    # (the max()es keep a run no longer than its warmup valid)
     if r.schedule == "cosine":  # optax's decay_steps includes the warmup, so it is T
         lr = cosine(max(r.steps, warmup + 1))
     elif r.schedule == "linear":  # join_schedules counts its second part's steps from W
@@ -482,6 +485,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
+        # a resume keeps the earlier lines (flush rewrites the files whole)
         self.lines = {name: path.read_text().splitlines(True) if path.exists() else []
                       for name, path in self.files.items()}
 
