@@ -330,23 +330,25 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # shardings from functions given the mesh; inside the model, constrain reads the mesh that
 # `jax.set_mesh` set (train.main does).
 #
-# Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B preset: a
-# batch of 512 x 8192, run in micro-batches of 64 rows (the activations are one micro-batch's):
+# Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B: a batch
+# of 512 x 8192, run in micro-batches of 8 rows (the README's 8 x H100 setting; the activations
+# are one micro-batch's):
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
 #   batch         [512, 8192]          data x fsdp (rows), -                 [128, 8192]
-#   x_BTD         [64, 8192, 4096]     data x fsdp, -, -                     [16, 8192, 4096]
-#   q = x @ Wq    [64, 8192, 4096]     data x fsdp, -, tensor                [16, 8192, 2048]
-#   logits        [64, 8192, 100352]   data x fsdp, -, tensor (vocab)        [16, 8192, 50176]
+#   x_BTD         [8, 8192, 4096]      data x fsdp, -, -                     [2, 8192, 4096]
+#   q = x @ Wq    [8, 8192, 4096]      data x fsdp, -, tensor                [2, 8192, 2048]
+#   logits        [8, 8192, 100352]    data x fsdp, -, tensor (vocab)        [2, 8192, 50176]
 # The device at (fsdp i, tensor j) holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of
 # the weight, and an eighth of its Adam moments. It holds rows 128 i to 128 (i + 1) of the batch
-# (16 of them in each micro-batch, train.split_micro says which), the same rows as its tensor
+# (2 of them in each micro-batch, train.split_micro says which), the same rows as its tensor
 # partner (the device with the same fsdp index). (tiny's q, in the
 # README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp already
 # cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same rows
-# whole. q and the logits come out cut over tensor as their weights are, with no communication
-# (constrain pins x_BTD's and the logits' cuts; XLA chooses q's, normally this one).
+# whole. q and the logits come out cut over tensor as their weights are, with no communication of
+# activations (their weights' fsdp all-gather, part three, aside; constrain pins x_BTD's and the
+# logits' cuts, and XLA chooses q's, normally this one).
 #
 # Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
 # communication itself, and typically chooses:

@@ -8,8 +8,8 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # model's olmo3.Config. In train's loop, `step` is the updates done (the state's step, 0-based)
 # and `update` = step + 1 the one being made (the logged step, its checkpoint's number, the LR's
 # index). Update 1 reads batch(0), turns the state's step 0 into 1, is printed as "step 1" and
-# saved as checkpoint 1: after update u the state's step is u, so save's and the logs' "step"
-# (given update) is the same number. The README has a JAX glossary.
+# saved as checkpoint 1: after update u the state's step is u, and u is also the logged step and
+# the checkpoint's number. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -153,8 +153,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # and saved for it (checkpoint N holds the state after N updates). The batch is a pure function
     # of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
     # asynchronously), and reading the metrics one iteration late means the devices do not wait
-    # for the host between steps (an evaluation or a save does make them wait). One row per
-    # iteration, with m7 update 7's metrics (Log.queue is below, in reporting):
+    # for the host between steps (an evaluation or a save does make them wait). Log.queue (below,
+    # in reporting) is catch_up(), which waits for and reads the kept metrics, then keeps the new
+    # ones. One row per iteration, with m7 update 7's metrics:
     #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
     #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
     #             reads 8's at once, so the saved log reaches step 8
@@ -247,8 +248,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but drops the shardings (under olmo3.make_mesh's Auto axes: README, pod glossary), so
-    # they are written out here; a test compares the two.
+    # shapes, but under olmo3.make_mesh's mesh (a plain Mesh, whose axes are Auto) it returns no
+    # shardings, so they are written out here; a test compares the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -410,12 +411,12 @@ RESTART = 596_048
 
 # -> (update k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
 def olmo3_stage1(peak, floor, warmup, tokens, cosine):
-    # AI2 ran stage 1 in two parts. Part 1 (-1.py) is cosine(T1), aimed at 5T tokens
-    # (T1 updates); AI2 stopped it after update 596,047. Part 2 (-2.py), from RESTART on, is
-    # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at update W2, then
-    # the second half of a cosine from P to F, reaching F at T2. For the 7b preset (4,194,304
-    # tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts inside
-    # its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
+    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
+    # cosine(T1), aimed at 5T tokens (T1 updates); AI2 stopped it after update 596,047. Part 2, from
+    # RESTART on, is HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at update
+    # W2, then the second half of a cosine from P to F, reaching F at T2. For the 7b preset
+    # (4,194,304 tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts
+    # inside its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
     t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
     # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
