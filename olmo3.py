@@ -179,9 +179,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # windows[j]: layer j's window, in every group (the same in each, because group_size is
     # global_every or all the layers)
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # Every layer is a jax.checkpoint, and --remat picks only its policy (Config.remat): even
-    # --remat false recomputes all but the matmul outputs, which are most of the cost to
-    # recompute, while the elementwise rest is cheap to redo and costly to keep
+    # Every layer is a jax.checkpoint; --remat picks only its policy (Config.remat says what each
+    # keeps: the matmul outputs are costly to recompute, the elementwise rest cheap)
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -331,8 +330,7 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # `jax.set_mesh` set (train.main does).
 #
 # Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B: a batch
-# of 512 x 8192, run in micro-batches of 8 rows (the README's 8 x H100 setting; the activations
-# are one micro-batch's):
+# of 512 x 8192, run in micro-batches of 8 rows (the activations are one micro-batch's):
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
@@ -340,15 +338,16 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   x_BTD         [8, 8192, 4096]      data x fsdp, -, -                     [2, 8192, 4096]
 #   q = x @ Wq    [8, 8192, 4096]      data x fsdp, -, tensor                [2, 8192, 2048]
 #   logits        [8, 8192, 100352]    data x fsdp, -, tensor (vocab)        [2, 8192, 50176]
-# The device at (fsdp i, tensor j) holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of
-# the weight, and an eighth of its Adam moments. It holds rows 128 i to 128 (i + 1) of the batch
-# (2 of them in each micro-batch, train.split_micro says which), the same rows as its tensor
-# partner (the device with the same fsdp index). (tiny's q, in the
-# README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp already
-# cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same rows
-# whole. q and the logits come out cut over tensor as their weights are, with no communication of
-# activations (their weights' fsdp all-gather, part three, aside; constrain pins x_BTD's and the
-# logits' cuts, and XLA chooses q's, normally this one).
+# The device at (fsdp i, tensor j) holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of the
+# weight, and an eighth of its Adam moments. Before each matmul, XLA gathers a layer's weight over
+# fsdp (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048]. It holds
+# rows 128 i to 128 (i + 1) of the batch (2 of them in each micro-batch, train.split_micro says
+# which), the same rows as its tensor partner (the device with the same fsdp index). (tiny's q, in
+# the README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp
+# already cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same
+# rows whole. q and the logits need no communication: each device computes its own heads' or vocab's
+# columns for its rows. constrain pins the cuts of x_BTD and the logits; XLA chooses q's, normally
+# this one.
 #
 # Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
 # communication itself, and typically chooses:

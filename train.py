@@ -3,13 +3,13 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs
-# (a laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the
-# model's olmo3.Config. In train's loop, `step` is the updates done (the state's step, 0-based)
+# file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs (a
+# laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the model's
+# olmo3.Config. In train's loop, `step` is the updates done (the state's step: 0 before the first)
 # and `update` = step + 1 the one being made (the logged step, its checkpoint's number, the LR's
-# index). Update 1 reads batch(0), turns the state's step 0 into 1, is printed as "step 1" and
-# saved as checkpoint 1: after update u the state's step is u, and u is also the logged step and
-# the checkpoint's number. The README has a JAX glossary.
+# index). Update 1 reads batch(0), turns the state's step 0 into 1, is printed as "step 1" and saved
+# as checkpoint 1: after update u the state's step is u, and u is also the logged step and the
+# checkpoint's number. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
