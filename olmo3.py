@@ -329,8 +329,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # shardings from functions given the mesh; inside the model, constrain reads the mesh that
 # `jax.set_mesh` set (train.main does).
 #
-# Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B: a batch
-# of 512 x 8192, run in micro-batches of 8 rows (the activations are one micro-batch's):
+# Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B with
+# --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8: a batch of 512 x 8192, run as 64
+# micro-batches of 8 rows (the activations are one micro-batch's; the preset's --micro-batch is
+# 64, for 64 devices):
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
@@ -345,15 +347,17 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # which), the same rows as its tensor partner (the device with the same fsdp index). (tiny's q, in
 # the README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp
 # already cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same
-# rows whole. q and the logits need no communication: each device computes its own heads' or vocab's
-# columns for its rows. constrain pins the cuts of x_BTD and the logits; XLA chooses q's, normally
-# this one.
+# rows whole. Computing q and the logits needs no communication beyond the weights' gather:
+# each device computes its own heads' or vocab's columns for its rows (QK-norm's statistics and
+# the loss's logsumexp then sum across tensor partners, part three). constrain pins the cuts of
+# x_BTD and the logits; XLA chooses q's, normally this one.
 #
 # Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
 # communication itself, and typically chooses:
 #   all-gather over fsdp: each layer's weights, before its matmuls (q's becomes [4096, 2048]);
 #   all-reduce over tensor: after o and down, whose input dimension tensor cuts, so each partner
-#     holds a partial sum over its half of the heads or of the MLP, and the two are added;
+#     holds a partial sum over its half of the heads or of the MLP, and the two are added (and,
+#     in the backward pass, for the gradient of x entering q, k, v, gate and up, likewise);
 #   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;
 #   all-reduce over data, when data > 1: the gradients of its N copies of the weights.
 # (Smaller cases: the embedding's lookup in a table whose rows are split over tensor needs

@@ -7,9 +7,9 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the model's
 # olmo3.Config. In train's loop, `step` is the updates done (the state's step: 0 before the first)
 # and `update` = step + 1 the one being made (the logged step, its checkpoint's number, the LR's
-# index). Update 1 reads batch(0), turns the state's step 0 into 1, is printed as "step 1" and saved
-# as checkpoint 1: after update u the state's step is u, and u is also the logged step and the
-# checkpoint's number. The README has a JAX glossary.
+# index). Update 1 reads batch(0), turns the state's step 0 into 1, is logged as "step 1" and would
+# be saved as checkpoint 1: after update u the state's step is u, and u is also the logged step and
+# the checkpoint's number. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -73,7 +73,8 @@ RECIPES = {
                    log_every=25, eval_every=100, save_every=100),
     # A micro-batch of 64 fits v5p-128 (39 GiB a device) and v5p-64 (80 of 95 GiB; the README's
     # v5p-64 row takes 32, for 42 GiB).
-    # Saving every 250 steps means about one save an hour on v5p-128, as Cloud TPU advises.
+    # Saving every 250 steps means a save about every 70 minutes on v5p-128 at 40% MFU (Cloud TPU
+    # advises about an hour).
     "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     # Stage 3 is the long-context extension that made AI2's released model. This is how it ran
@@ -450,7 +451,8 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
     enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from update 64 on)
-    within = values - mean <= 6 * std  # OLMo-core's test as written: False for NaN or +inf
+    # one-sided, as OLMo-core's test is written: only a rise counts; False for NaN or +inf
+    within = values - mean <= 6 * std
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
     # stops at the non-finite loss.)
