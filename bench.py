@@ -7,7 +7,7 @@
     python bench.py --eval              # downstream evaluation requests/s
     python bench.py --plot-schedule docs/olmo3-lr.png
     python bench.py --gpu               # one GPU: cuDNN attention against the reference, and
-                                        # the 7B-wide step (8 layers) in tokens/s and MFU
+                                        # the step at the 7B's width (8 layers): tokens/s, MFU
 
 Each contender runs in its own process (so peak memory is its own); contenders are alternated
 rep by rep (so this machine's drift hits all alike), and medians are reported.
@@ -406,7 +406,7 @@ def main(argv=None):
     ap.add_argument("--packing", type=float, metavar="GB", help="stage 3's packing over GB")
     ap.add_argument("--eval", action="store_true", help="downstream evaluation requests/s")
     ap.add_argument("--plot-schedule", metavar="PNG", help="draw the 7b preset's LR schedule")
-    ap.add_argument("--gpu", action="store_true", help="cuDNN attention and the 7B-wide step")
+    ap.add_argument("--gpu", action="store_true", help="cuDNN attention; the 7B-width step")
     args = ap.parse_args(argv)
     sys.path.insert(0, HERE)
     if args.baseline:

@@ -331,8 +331,7 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #
 # Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B with
 # --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8: a batch of 512 x 8192, run as 64
-# micro-batches of 8 rows (the activations are one micro-batch's; the preset's --micro-batch is
-# 64, for 64 devices):
+# micro-batches of 8 rows. The batch row is the whole batch; the rows below it, one micro-batch:
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
@@ -347,10 +346,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # which), the same rows as its tensor partner (the device with the same fsdp index). (tiny's q, in
 # the README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp
 # already cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same
-# rows whole. Computing q and the logits needs no communication beyond the weights' gather:
-# each device computes its own heads' or vocab's columns for its rows (QK-norm's statistics and
-# the loss's logsumexp then sum across tensor partners, part three). constrain pins the cuts of
-# x_BTD and the logits; XLA chooses q's, normally this one.
+# rows whole. The matmuls that make q and the logits need no communication beyond the weights'
+# gather: each device computes its own heads' or vocab's columns for its rows. What follows them
+# does: QK-norm's statistics and the loss's logsumexp sum across tensor partners (part three).
+# constrain pins the cuts of x_BTD and the logits; XLA chooses q's, normally this one.
 #
 # Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
 # communication itself, and typically chooses:

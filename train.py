@@ -356,7 +356,7 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     # The LR is indexed by this update (state["step"] + 1), not by Adam's count, so a stage
     # restarts its schedule while Adam's count carries over (--init-from)
     lr = schedule(r)(state["step"] + 1)
-    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
     # The spike guard (OLMo-core's; nanoGPT has none) may skip the update: then params and
     # opt_state stay as they were, while step and history advance.
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
