@@ -272,6 +272,7 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
     return (x32 * cos_TE[:, None, :] + rotated * sin_TE[:, None, :]).astype(x_BTHE.dtype)
 
 
+# (an einsum, not dense: dense casts its result back to h's dtype, and the logits stay fp32)
 def unembed(params, h):  # -> fp32 logits over the padded vocab, with the matmul in h's dtype
     logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
                         preferred_element_type=jnp.float32)
