@@ -6,7 +6,7 @@
 # one, and the last layer is always full.
 #
 # The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers ->
-# unembed), loss_terms and flops_per_token, then the sharding (its first paragraphs say what
+# unembed), loss_terms and flops_per_token, then the sharding (part two of its comment says what
 # each device holds), and attention with its kernels last. Read it in that order, looking ahead for
 # what block calls (attention among them: its plain version, then the kernels on a later read). The
 # model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params`
@@ -332,7 +332,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #
 # Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B with
 # --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8: a batch of 512 x 8192, run as 64
-# micro-batches of 8 rows. The batch row is the whole batch; the rows below it, one micro-batch:
+# micro-batches of 8 rows. The `batch` line is the whole batch; the lines below it, one micro-batch.
+# Device d sits at fsdp d // 2, tensor d % 2 (make_mesh reshapes jax.devices() in order):
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]

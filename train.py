@@ -373,9 +373,9 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
 def split_micro(x, accum: int):
     # [global, ...] -> [accum, global/accum, ...], row i to micro-batch i % accum: with 8 rows
     # and accum 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::accum] for a in ...])).
-    # Why strided: with 2 devices, device 0 holds rows 0-3: rows 0 and 2 of micro-batch 0, and
-    # 1 and 3 of micro-batch 1, so no row moves (constrain pins that). A plain reshape(accum,
-    # global/accum) would put all of micro-batch 0 on device 0.
+    # Why strided: with 2 devices, device 0 holds global rows 0-3; rows 0 and 2 go to micro-batch
+    # 0 and rows 1 and 3 to micro-batch 1, so no row moves (constrain pins that). A plain
+    # reshape(accum, global/accum) would put all of micro-batch 0 on device 0.
     # [8] -> [4, 2] ([[0 1] [2 3] [4 5] [6 7]]) -> swapaxes -> [2, 4]: [[0 2 4 6] [1 3 5 7]]
     x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
