@@ -3,13 +3,11 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# file's order, roughly as `train` calls them. Below the "second read" banner is what a pod needs (a
-# laptop run uses its checkpoints and Ctrl-C too). `r` is always the Recipe and `cfg` the model's
-# olmo3.Config. In train's loop, `step` is the updates done (the state's step: 0 before the first)
-# and `update` = step + 1 the one being made (the logged step, its checkpoint's number, the LR's
-# index). Update 1 reads batch(0), turns the state's step 0 into 1, is logged as "step 1" and would
-# be saved as checkpoint 1: after update u the state's step is u, and u is also the logged step and
-# the checkpoint's number. The README has a JAX glossary.
+# order `train` calls them. Below the "second read" banner is what a pod needs (checkpoints,
+# stopping, several hosts), then the command line. `r` is always the Recipe, `cfg` the model's
+# olmo3.Config. Counting, as OLMo-core does: update u (1, 2, ...) trains on batch u - 1 and is
+# logged and saved as step u. The state's step counts the updates done, so in the loop `step` is
+# u - 1 and `update` is u. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -109,7 +107,7 @@ def main(argv=None):
     # before the first step.)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    # (second read) every host must see the run directory that process 0 writes
+    # every host must see the run directory that process 0 writes (one host always does)
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
@@ -124,63 +122,39 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
     # files are written with each checkpoint)
     log = Log(cfg, r, args.out, mesh)
-    # (beside the core; skim on a first read)
-    # evals(params, update) evaluates, with evaluation.py (beside the core): the sets and tasks
-    # given (--eval-data, --eval-tasks), or else the corpus's held-out set. With the core alone
-    # (a copy of the three files), evals is None: no evaluations, samples or loss plot.
-    evals = None
-    have_evaluation = importlib.util.find_spec("evaluation") is not None
-    if args.eval_data or args.eval_tasks or (heldout and have_evaluation):
-        import evaluation
-        sets = args.eval_data if args.eval_data else heldout
-        evals = evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
+    evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, update), or None
     # target: the state's shapes and shardings, with nothing allocated yet; what a fresh state is
     # created as, restore reads onto and compile_step compiles for
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
-    # (second read) after a resume, drops metrics.jsonl's records newer than the state
+    # after a resume, drops metrics.jsonl's records newer than the state (a kill can leave some)
     log.rewind(int(state["step"]))
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop. On one host with no signal, it comes down to
-    #   for step, batch in loader.iterate(...):   # step: the updates done (state["step"])
-    #       update = step + 1                       # the update this iteration makes
-    #       state, metrics = step_fn(state, jax.device_put(batch, sharding))  # returns at once
-    #       read update - 1's metrics, and every log_every updates print them   # log.queue
-    #       evaluate every eval_every updates; save every save_every and at the end
-    #       at --stop-at, save and exit 75                                 # stop_reason
-    # `update` is 1-based, as OLMo-core counts: it is the LR's index, and the step number logged
-    # and saved for it (checkpoint N holds the state after N updates). The batch is a pure function
-    # of step, so a resume replays the same data. step_fn returns at once (JAX dispatches
-    # asynchronously), and reading the metrics one iteration late means the devices do not wait
-    # for the host between steps (an evaluation or a save does make them wait). Log.queue (below,
-    # in reporting) is catch_up(), which waits for and reads the kept metrics, then keeps the new
-    # ones. One row per iteration, with m7 update 7's metrics:
-    #   update 7: queue(7, m7) reads 6's, and keeps 7's (still being computed)
-    #   update 8: queue(8, m8) reads 7's and keeps 8's; then a save of 8 calls catch_up(), which
-    #             reads 8's at once, so the saved log reaches step 8
-    #   update 9: queue(9, m9) reads nothing (catch_up emptied the queue), and keeps 9's
-    # Reading can end the run: 10 skipped updates in a row stop it (Log.read).
-    for step, batch in loader.iterate(int(state["step"]), r.steps):
-        update = step + 1
-        # device_batch: this process's rows -> one array over every device (second read; on one
-        # host it is the sketch's jax.device_put, with sharding olmo3.batch_sharding(mesh))
+    # nanoGPT's loop, with one difference: JAX dispatches asynchronously. step_fn returns at once
+    # and the devices compute; reading a result (nanoGPT's loss.item()) waits for them. So each
+    # iteration reads the metrics of the update before, `previous`, while its own step runs, and
+    # the devices never wait for the host (an evaluation or a save does make them wait).
+    previous = None  # (update, metrics): dispatched, not read yet
+    for step, batch in loader.iterate(int(state["step"]), r.steps):  # step: the updates done
+        update = step + 1  # the update this iteration makes
+        # device_batch: this process's rows -> one array over every device (on one host, it is
+        # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # (second read) whether any process got a signal: a tiny all-reduce, dispatched as the
-        # step is, read with update's metrics one iteration late (log.signalled)
+        # whether any process got a signal (a tiny all-reduce, read with the metrics)
         metrics["signalled"] = stop_signalled(mesh)
-        # This reads the update before's metrics (nanoGPT's loss.item(); a line every log_every
-        # updates), and keeps update's.
-        log.queue(update, metrics)
+        if previous:
+            log.read(*previous)  # prints a line every log_every updates; 10 skips stop the run
+        previous = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
-        # SIGTERM) that any process got, as read with update - 1's metrics (second read:
-        # stop_reason).
+        # SIGTERM) that any process got, as read with the update before's metrics
         stop = stop_reason(update, args, log.signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
-            log.catch_up()  # reads update's metrics now, so the saved log reaches its step
+            log.read(*previous)  # this update's metrics now, so the saved log reaches its step
+            previous = None
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -189,7 +163,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             log.flush()
             return EXIT_STOPPED
     manager.wait_until_finished()
-    if args.samples and have_evaluation:
+    if args.samples and importlib.util.find_spec("evaluation"):  # with evaluation.py only
         import evaluation
         evaluation.samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
@@ -197,7 +171,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     return 0
 
 
-# ----------------------------------------------------------------------------- data
+# ----------------------------------------------------------------------------- data and evaluation
 
 def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-out mix or None)
     # (data.Loader and data.corpus are the reading map's stop 6)
@@ -223,6 +197,18 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         options |= dict(group_size=r.source_group_size, cache=args.out, rank=jax.process_index())
         loader = data.PackedLoader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     return loader, heldout
+
+
+def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, update), or None
+    # evaluation.py (beside the core) evaluates the sets and tasks given (--eval-data,
+    # --eval-tasks), or else the corpus's held-out set. With the core alone (a copy of the three
+    # files) there is no evaluator: no evaluations, samples or loss plot.
+    have_evaluation = importlib.util.find_spec("evaluation") is not None
+    if not (args.eval_data or args.eval_tasks or (heldout and have_evaluation)):
+        return None
+    import evaluation
+    sets = args.eval_data if args.eval_data else heldout
+    return evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
 
 
 # ----------------------------------------------------------------------------- the state
@@ -474,17 +460,15 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
-    # What train's loop calls: log(text) or log(**record); queue(update, metrics), the read one
-    # update behind, and catch_up() before a save (both read through `read`); flush() after a
-    # save. (second read) Reading also keeps the metrics' stop flag as log.signalled.
+    # What train's loop calls: log(text) or log(**record); read(update, metrics), one update
+    # late; flush() after a save. Reading also keeps the metrics' stop flag as log.signalled.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (update, time) of the last progress line; skipped: updates skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
-        # queued: (update, metrics) handed over but not read yet; signalled: whether any process
-        # got a signal, as of the newest metrics read (stop_reason)
-        self.queued, self.signalled = None, False
+        # signalled: whether any process got a signal, as of the newest metrics read
+        self.signalled = False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -519,21 +503,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def queue(self, update, metrics):
-        # Keeps update's metrics (still being computed) and reads the update before's, waiting
-        # for it if need be while update's step is already queued, so the devices stay busy (the
-        # timeline is above train's loop). Reading an update's metrics counts a skip, and prints
-        # a line every log_every updates. (second read) It sets log.signalled from the metrics'
-        # "signalled" (on one host with no signal, always False); stop_reason has the timeline of
-        # a SIGTERM.
-        self.catch_up()
-        self.queued = (update, metrics)
-
-    def catch_up(self):  # reads the update kept by queue now (a save does, to log what it saves)
-        if self.queued:
-            self.read(*self.queued)
-        self.queued = None
-
     def read(self, update, metrics):
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
         # row stop the run), and logs a line every log_every updates. (self(...) is log(...).)
@@ -564,72 +533,11 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
              tokens_per_s=rate, time=now - self.started)
 
 
-# ----------------------------------------------------------------------------- command line
-
-# the flags whose values are a few names
-CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTION,
-           "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
-
-
-def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with the flags applied
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = ap.add_argument
-    add("--preset", default="tiny", choices=list(RECIPES))
-    add("--stage2", action="store_true", help="OLMo 3 stage 2 (use with --init-from stage 1)")
-    add("--out", help="run directory (default runs/PRESET); resumes if it holds a checkpoint")
-    add("--data", help="stdlib, shakespeare, a mix file, a token-file glob or a tokenize folder")
-    add("--data-root", help="where mix file paths start (default: the mix file's folder)")
-    add("--eval-data", help="held-out sets: a mix file, NAME=SOURCE,... or one source")
-    add("--eval-tasks", default="", help="OLMES tasks: hellaswag:rc_0shot,arc_easy:rc_5shot")
-    add("--eval-only", action="store_true", help="evaluate --init-from's weights, write eval.json")
-    add("--generate", metavar="TEXT", help="continue TEXT with --init-from's weights")
-    add("--max-new-tokens", type=int, default=256)
-    add("--temperature", type=float, default=0.0, help="for --generate (0: greedy)")
-    add("--init-from", help="start from a checkpoint's weights (and Adam moments if it has them)")
-    add("--mesh", default="fsdp=-1", type=parse_mesh, help="data=N,fsdp=N,tensor=N (-1: the rest)")
-    add("--samples", type=int, default=3, help="prompts to continue at the end")
-    add("--stop-at", type=int, help="checkpoint and exit after this step, as if preempted")
-    add("--dry-run", action="store_true", help="compile the step, print memory per device, exit")
-    add("--devices", type=int, help="use N fake CPU devices (e.g. with --dry-run: plan a pod)")
-    add("--topology", help="--dry-run for a TPU slice (v5p:4x4x4 = 64 chips); needs libtpu")
-    add("--coordinator", help="HOST:PORT of process 0, where JAX cannot find the cluster itself")
-    add("--num-processes", type=int)
-    add("--process-id", type=int)
-    for f in dataclasses.fields(olmo3.Config) + dataclasses.fields(Recipe):  # every field
-        kind = type(f.default)
-        add("--" + f.name.replace("_", "-"), dest=f.name, type=boolean if kind is bool else kind,
-            choices=CHOICES.get(f.name), metavar=kind.__name__.upper())
-    args = ap.parse_args(argv)
-    args.out = args.out if args.out else f"runs/{args.preset}"
-    # every field's flag defaults to None, so the fields given are those that are not None
-    given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                         if getattr(args, f.name) is not None}
-    # The layers: the preset's recipe, then STAGE2's fields with --stage2, then every flag given
-    r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
-    cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
-    return cfg, dataclasses.replace(r, **given(Recipe)), args
-
-
-def boolean(text):  # "true" or "false" (argparse reports anything else)
-    return bool(("false", "true").index(text.lower()))
-
-
-# An axis left out of --mesh is 1: tensor=2 on 8 devices uses 2 (fsdp=-1,tensor=2 uses all 8).
-# (olmo3.make_mesh's own default is fsdp=-1.)
-def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1}
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
-    for name, _, value in (part.partition("=") for part in text.split(",")):
-        if name not in olmo3.MESH_AXES or not value.lstrip("-").isdigit():
-            raise SystemExit(f"error: --mesh {text!r}: expected data=N,fsdp=N,tensor=N (-1: rest)")
-        sizes[name] = int(value)
-    return sizes
-
-
 # =============================================================================
 # Second read: what a pod needs. Checkpoints that survive a kill at any moment and resume on
 # another mesh, a SIGTERM that every process acts on at the same step, and what runs across
 # hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts agree.
+# Then the command line.
 # =============================================================================
 
 
@@ -786,13 +694,9 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
-    # signalled came with update - 1's metrics, which every process read alike, so all stop
-    # after the same update. A flag asked for with update u's metrics is read one update late,
-    # in iteration u + 1. With a SIGTERM during update 7, one row an iteration of the loop:
-    #   7: m7 carries 7's flag (False); queue(7, m7) reads 6's  <- the SIGTERM comes as it waits
-    #   8: m8 carries 8's flag (True); queue(8, m8) reads 7's (False): log.signalled is False
-    #   9: queue(9, m9) reads 8's (True): stop_reason says stop, the save's catch_up() reads
-    #      9's, and every process saves 9 and exits 75
+    # signalled came with the update before's metrics, which every process read alike, so all
+    # stop after the same update. With a SIGTERM during update 7: update 8's flag is the first
+    # True one, the loop reads it in iteration 9, and every process saves 9 and exits 75.
     if update == args.stop_at:
         return "--stop-at"
     if signalled:  # a process got a signal: all stop, together
@@ -869,6 +773,68 @@ def check_processes_agree(value, problem):  # on several hosts, checks every one
     differ = np.flatnonzero(every != every[0]).tolist()  # from process 0's
     if differ:
         raise SystemExit(f"error: process(es) {differ} {problem}")
+
+
+# ----------------------------------------------------------------------------- command line
+
+# the flags whose values are a few names
+CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTION,
+           "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
+
+
+def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with the flags applied
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = ap.add_argument
+    add("--preset", default="tiny", choices=list(RECIPES))
+    add("--stage2", action="store_true", help="OLMo 3 stage 2 (use with --init-from stage 1)")
+    add("--out", help="run directory (default runs/PRESET); resumes if it holds a checkpoint")
+    add("--data", help="stdlib, shakespeare, a mix file, a token-file glob or a tokenize folder")
+    add("--data-root", help="where mix file paths start (default: the mix file's folder)")
+    add("--eval-data", help="held-out sets: a mix file, NAME=SOURCE,... or one source")
+    add("--eval-tasks", default="", help="OLMES tasks: hellaswag:rc_0shot,arc_easy:rc_5shot")
+    add("--eval-only", action="store_true", help="evaluate --init-from's weights, write eval.json")
+    add("--generate", metavar="TEXT", help="continue TEXT with --init-from's weights")
+    add("--max-new-tokens", type=int, default=256)
+    add("--temperature", type=float, default=0.0, help="for --generate (0: greedy)")
+    add("--init-from", help="start from a checkpoint's weights (and Adam moments if it has them)")
+    add("--mesh", default="fsdp=-1", type=parse_mesh, help="data=N,fsdp=N,tensor=N (-1: the rest)")
+    add("--samples", type=int, default=3, help="prompts to continue at the end")
+    add("--stop-at", type=int, help="checkpoint and exit after this step, as if preempted")
+    add("--dry-run", action="store_true", help="compile the step, print memory per device, exit")
+    add("--devices", type=int, help="use N fake CPU devices (e.g. with --dry-run: plan a pod)")
+    add("--topology", help="--dry-run for a TPU slice (v5p:4x4x4 = 64 chips); needs libtpu")
+    add("--coordinator", help="HOST:PORT of process 0, where JAX cannot find the cluster itself")
+    add("--num-processes", type=int)
+    add("--process-id", type=int)
+    for f in dataclasses.fields(olmo3.Config) + dataclasses.fields(Recipe):  # every field
+        kind = type(f.default)
+        add("--" + f.name.replace("_", "-"), dest=f.name, type=boolean if kind is bool else kind,
+            choices=CHOICES.get(f.name), metavar=kind.__name__.upper())
+    args = ap.parse_args(argv)
+    args.out = args.out if args.out else f"runs/{args.preset}"
+    # every field's flag defaults to None, so the fields given are those that are not None
+    given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                         if getattr(args, f.name) is not None}
+    # The layers: the preset's recipe, then STAGE2's fields with --stage2, then every flag given
+    r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
+    cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
+    return cfg, dataclasses.replace(r, **given(Recipe)), args
+
+
+def boolean(text):  # "true" or "false" (argparse reports anything else)
+    return bool(("false", "true").index(text.lower()))
+
+
+# An axis left out of --mesh is 1: tensor=2 on 8 devices uses 2 (fsdp=-1,tensor=2 uses all 8).
+# (olmo3.make_mesh's own default is fsdp=-1.)
+def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1}
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    for name, _, value in (part.partition("=") for part in text.split(",")):
+        if name not in olmo3.MESH_AXES or not value.lstrip("-").isdigit():
+            raise SystemExit(f"error: --mesh {text!r}: expected data=N,fsdp=N,tensor=N (-1: rest)")
+        sizes[name] = int(value)
+    return sizes
 
 
 if __name__ == "__main__":
