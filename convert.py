@@ -50,16 +50,14 @@ def config_from_hf(hf: dict) -> olmo3.Config:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
-    # The result: `full`, the full-attention layers' RoPE, is {rope_theta: 500000, rope_type:
-    # yarn, factor: 8, ...} for AI2's stage-3 model, and the sliding layers' must be plain RoPE
-    # with the same theta. The config gives RoPE per layer type, in one of two forms:
-    #   legacy (AI2's released config): rope_theta 500000 and rope_scaling {rope_type: yarn,
-    #     factor: 8, ...}, which transformers applies to the full-attention layers only;
-    #   rope_parameters: {"full_attention": {rope_type: yarn, factor: 8, ...},
-    #     "sliding_attention": {rope_type: default, rope_theta: 500000}}.
-    # `full` merges what either form gives, later keys winning: rope_theta < rope_parameters'
-    # full_attention < rope_scaling. Each form fills one of the last two, and both end as the
-    # result above.
+    # A config gives RoPE in one of two forms (AI2's stage-3 values shown; ... is YaRN's others):
+    #   legacy (AI2's released config): rope_theta: 500000, rope_scaling: {rope_type: yarn,
+    #     factor: 8, ...}; transformers applies rope_scaling to the full-attention layers only
+    #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
+    #     sliding_attention: {rope_type: default, rope_theta: 500000}}
+    # `full`, the full-attention layers' RoPE, merges rope_theta, then rope_parameters'
+    # full_attention, then rope_scaling (later keys win; a form leaves the others out), so either
+    # way it is {rope_theta: 500000, rope_type: yarn, factor: 8, ...}.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

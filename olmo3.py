@@ -331,9 +331,11 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # `jax.set_mesh` set (train.main does).
 #
 # Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B with
-# --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8: a batch of 512 x 8192, run as 64
-# micro-batches of 8 rows. The `batch` line is the whole batch; the lines below it, one micro-batch.
-# Device d sits at fsdp d // 2, tensor d % 2 (make_mesh reshapes jax.devices() in order):
+# --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8 (and --remat true, to fit 80 GB): a batch of
+# 512 x 8192, run as 64 micro-batches of 8 rows (micro-batch a holds global rows a, a + 64, ...,
+# a + 448: train.split_micro). Device d sits at fsdp i = d // 2, tensor j = d % 2 (make_mesh
+# reshapes jax.devices() in order). The `batch` line is the whole batch; the lines below it, one
+# micro-batch:
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
@@ -341,17 +343,18 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   x_BTD         [8, 8192, 4096]      data x fsdp, -, -                     [2, 8192, 4096]
 #   q = x @ Wq    [8, 8192, 4096]      data x fsdp, -, tensor                [2, 8192, 2048]
 #   logits        [8, 8192, 100352]    data x fsdp, -, tensor (vocab)        [2, 8192, 50176]
-# The device at (fsdp i, tensor j) holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of the
-# weight, and an eighth of its Adam moments. Before each matmul, XLA gathers a layer's weight over
-# fsdp (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048]. It holds
-# rows 128 i to 128 (i + 1) of the batch (2 of them in each micro-batch, train.split_micro says
-# which), the same rows as its tensor partner (the device with the same fsdp index). (tiny's q, in
-# the README's dry run: [4, 256, 256] -> (4, 64, 128).) An activation keeps its D whole: fsdp
-# already cuts its rows, and tensor cuts only heads, MLP and vocab, so tensor partners hold the same
-# rows whole. The matmuls that make q and the logits need no communication beyond the weights'
-# gather: each device computes its own heads' or vocab's columns for its rows. What follows them
-# does: QK-norm's statistics and the loss's logsumexp sum across tensor partners (part three).
-# constrain pins the cuts of x_BTD and the logits; XLA chooses q's, normally this one.
+# - Weights. The device holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of the weight,
+#   and an eighth of its Adam moments. Before each matmul, XLA gathers a layer's weight over fsdp
+#   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048]. (tiny's q,
+#   in the README's dry run: [4, 256, 256] -> (4, 64, 128).)
+# - Rows. It holds rows 128 i to 128 (i + 1) of the batch: in micro-batch a, rows 128 i + a and
+#   128 i + 64 + a. Its tensor partner (the device with the same i) holds the same rows.
+# - Activations keep D whole: fsdp already cuts their rows, and tensor cuts only heads, MLP and
+#   vocab, so tensor partners hold the same rows whole. The matmuls that make q and the logits
+#   need no communication beyond the weights' gather: each device computes its own heads' or
+#   vocab's columns for its rows. What follows them does: QK-norm's statistics and the loss's
+#   logsumexp sum across tensor partners (part three). constrain pins the cuts of x_BTD and the
+#   logits; XLA chooses q's, normally this one.
 #
 # Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
 # communication itself, and typically chooses:

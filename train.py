@@ -3,11 +3,11 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# order `train` calls them. Below the "second read" banner is what a pod needs (checkpoints,
-# stopping, several hosts), then the command line. `r` is always the Recipe, `cfg` the model's
-# olmo3.Config. Counting, as OLMo-core does: update u (1, 2, ...) trains on batch u - 1 and is
-# logged and saved as step u. The state's step counts the updates done, so in the loop `step` is
-# u - 1 and `update` is u. The README has a JAX glossary.
+# file's order. Below the "second read" banner is what a pod needs (checkpoints, stopping, several
+# hosts), then the command line. `r` is always the Recipe, `cfg` the model's olmo3.Config. Counting,
+# as OLMo-core does: update u (1, 2, ...) trains on batch u - 1 and is logged and saved as step u.
+# The state's step counts the updates done, so in the loop `step` is u - 1 and `update` is u. The
+# README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -34,7 +34,8 @@ logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on e
 EXIT_STOPPED = 75  # checkpointed before the last step, so rerun to resume (EX_TEMPFAIL)
 
 
-# Training settings: AI2's stage 1, but a plain cosine; 7b has AI2's two-part schedule
+# Training settings: AI2's stage 1, but a plain cosine. RECIPES below changes a few fields for each
+# preset (7b: AI2's two-part schedule, micro-batches, saves every 250 steps).
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -136,6 +137,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # and the devices compute; reading a result (nanoGPT's loss.item()) waits for them. So each
     # iteration reads the metrics of the update before, `previous`, while its own step runs, and
     # the devices never wait for the host (an evaluation or a save does make them wait).
+    # Iteration u: dispatch update u; read u - 1's metrics (its log line and its stop flag); maybe
+    # evaluate; maybe save u, reading u's metrics first. A SIGTERM during update 7 first shows in
+    # update 8's flag, read in iteration 9: every process saves 9 and exits 75.
     previous = None  # (update, metrics): dispatched, not read yet
     for step, batch in loader.iterate(int(state["step"]), r.steps):  # step: the updates done
         update = step + 1  # the update this iteration makes
@@ -235,8 +239,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # need never be whole on one device): init_state creates each device's shards in place from
     # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
     # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes, but under olmo3.make_mesh's mesh (a plain Mesh, whose axes are Auto) it returns no
-    # shardings, so they are written out here; a test compares the two.
+    # shapes but no shardings: olmo3.make_mesh's axes are Auto (the compiler picks shardings as it
+    # compiles, so a traced value carries none). So they are written out here; a test compares
+    # the two.
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -313,6 +318,7 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
         segments = micro.get("segments") if r.doc_masking else None  # keep documents apart
         logits = olmo3.forward(params, micro["inputs"], cfg, segments)
         ce_sum, z_sum, _ = olmo3.loss_terms(logits, micro["labels"], r.z_loss)
+        # (what is differentiated: CE + z-loss; what is logged: CE alone)
         return (ce_sum + z_sum) / n_tokens, ce_sum / n_tokens
     # grad_fn(params, micro) -> ((the loss with z-loss, ce), grads): has_aux says loss returns
     # (what to differentiate, an extra), and value_and_grad passes the extra (ce) through
