@@ -189,12 +189,10 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
-            p = jax.tree.map(lambda w: w[j], p_group)  # model layer g * group_size + j's weights
+            p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
         return x, None
-    # for g in range(8): x, _ = group(x, groups sliced at g): scan slices each leaf of the pytree
-    # `groups` along its first axis
-    x, _ = jax.lax.scan(group, x, groups)
+    x, _ = jax.lax.scan(group, x, groups)  # group g gets each leaf of `groups` sliced at g
     return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)  # as block's norms
 
 
@@ -330,12 +328,11 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # shardings from functions given the mesh; inside the model, constrain reads the mesh that
 # `jax.set_mesh` set (train.main does).
 #
-# Second, what a device holds on those 8 devices (an 8-GPU machine is one), for the 7B with
-# --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8 (and --remat true, to fit 80 GB): a batch of
-# 512 x 8192, run as 64 micro-batches of 8 rows (micro-batch a holds global rows a, a + 64, ...,
-# a + 448: train.split_micro). Device d sits at fsdp i = d // 2, tensor j = d % 2 (make_mesh
-# reshapes jax.devices() in order). The `batch` line is the whole batch; the lines below it, one
-# micro-batch:
+# Second, what a device holds on those 8 devices (say, one 8-GPU machine), for the 7B with
+# --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8: a batch of 512 x 8192, run as 64
+# micro-batches of 8 rows (whether it fits in memory is the README's pod table's question). Device
+# d sits at fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order). The
+# `batch` line is the whole batch; the lines below it, one micro-batch:
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
@@ -347,8 +344,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   and an eighth of its Adam moments. Before each matmul, XLA gathers a layer's weight over fsdp
 #   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048]. (tiny's q,
 #   in the README's dry run: [4, 256, 256] -> (4, 64, 128).)
-# - Rows. It holds rows 128 i to 128 (i + 1) of the batch: in micro-batch a, rows 128 i + a and
-#   128 i + 64 + a. Its tensor partner (the device with the same i) holds the same rows.
+# - Rows. It holds rows 128 i to 128 (i + 1) of the batch, 2 of them in each micro-batch (which
+#   two is train.split_micro's business). Its tensor partner (same i) holds the same rows.
 # - Activations keep D whole: fsdp already cuts their rows, and tensor cuts only heads, MLP and
 #   vocab, so tensor partners hold the same rows whole. The matmuls that make q and the logits
 #   need no communication beyond the weights' gather: each device computes its own heads' or
@@ -415,14 +412,11 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
 
 
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
-    # With no mesh set (a test, convert --verify) it does nothing. Under a mesh it pins x's
-    # sharding: pinned activations keep their rows split over the data-parallel devices, where
-    # XLA, left alone, may choose to gather a whole batch onto every device. The mesh is the one
-    # that train.main (or evaluation.main, prepare.dry_run, a test) sets with `with
-    # jax.set_mesh(mesh)`; while tracing, get_abstract_mesh() returns it (its axis names and sizes,
-    # no devices), and with_sharding_constraint, given a PartitionSpec with no mesh, uses that
-    # one. A name not in AXIS_RULES ("seq") is not split, as None is: it only says which
-    # dimension that is. An activation's D is not split (None); the sharding part says why.
+    # Pins x's rows to the data-parallel devices, where XLA, left alone, may gather a whole batch
+    # onto every device. The mesh is the one `with jax.set_mesh(mesh)` set (train.main does, and
+    # so do evaluation.main, prepare.dry_run and tests): get_abstract_mesh() returns it while
+    # tracing, and with_sharding_constraint uses it. With none set (a test, convert --verify), it
+    # does nothing. A name not in AXIS_RULES ("seq") is not split: it only names the dimension.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

@@ -108,7 +108,8 @@ def main(argv=None):
     # before the first step.)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    # every host must see the run directory that process 0 writes (one host always does)
+    # every host must see the run directory that process 0 writes (on one host, this only makes
+    # the directory)
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
@@ -124,8 +125,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # files are written with each checkpoint)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, update), or None
-    # target: the state's shapes and shardings, with nothing allocated yet; what a fresh state is
-    # created as, restore reads onto and compile_step compiles for
+    # target: the state's shapes and shardings, with nothing allocated (abstract_state)
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     # after a resume, drops metrics.jsonl's records newer than the state (a kill can leave some)
@@ -146,7 +146,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # whether any process got a signal (a tiny all-reduce, read with the metrics)
+        # whether any process had got a signal when it came to this line (a tiny all-reduce,
+        # read with the metrics); a signal after this line shows in the next update's flag
         metrics["signalled"] = stop_signalled(mesh)
         if previous:
             log.read(*previous)  # prints a line every log_every updates; 10 skips stop the run
@@ -216,10 +217,8 @@ def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, update), or
 
 
 # ----------------------------------------------------------------------------- the state
-# fresh_state builds the state from params; abstract_state describes it (train's `target`: every
-# leaf's shape and sharding, which init_state creates into, restore reads onto and compile_step
-# compiles for); init_state creates it sharded; starting_state picks a resumed, fresh or
-# --init-from one.
+# fresh_state builds the state from params; abstract_state describes it; init_state creates it
+# sharded; starting_state picks a resumed, fresh or --init-from one.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
@@ -235,13 +234,11 @@ def fresh_state(r, params):  # the training state before update 1
 
 
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
-    # jit and Orbax need every leaf's shape and sharding before any array exists (the 7B's state
-    # need never be whole on one device): init_state creates each device's shards in place from
-    # these, restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is
-    # a jax.ShapeDtypeStruct (shape, dtype, sharding). jax.eval_shape(fresh_state) would give the
-    # shapes but no shardings: olmo3.make_mesh's axes are Auto (the compiler picks shardings as it
-    # compiles, so a traced value carries none). So they are written out here; a test compares
-    # the two.
+    # jit and Orbax need every leaf's shape and sharding before any array exists, so that the 7B's
+    # state is never whole on one device: init_state creates each device's shards from these,
+    # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
+    # jax.ShapeDtypeStruct (shape, dtype, sharding). (jax.eval_shape(fresh_state) gives the shapes
+    # but, under this mesh, no shardings, so they are written out; a test compares the two.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -431,12 +428,10 @@ def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays afte
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. history [2, 128] is a ring of the last 128 of each: update u's values go to slot
-    # (u - 1) % 128 (`step` is the state's, the updates done: u - 1). Before step 128, only the
-    # first `step` slots hold values. mean and std [2]: one per row, over the held values only
-    # (not this one). At step 3 (update 4), slots 0-2 hold values, and mean and std are over
-    # those 3 (enough is False). At step 63 (update 64), 63 are held, and with this one that is
-    # 64: enough is True, so the guard acts from update 64 on.
+    # update. history [2, 128] is a ring of each one's last 128 values. `step` (the updates done)
+    # of its slots hold one, up to 128, and this update's go to slot step % 128. A value spikes
+    # when it is more than 6 std above the mean of the held ones (mean and std [2], one per row),
+    # once there are 64 values with this one: from update 64 on.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
@@ -449,7 +444,6 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
     # stops at the non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
-    # slot step % 128 is this update's: (update - 1) % 128
     return enough & ~within, history.at[:, step % HISTORY].set(kept)
 
 
@@ -701,8 +695,7 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
     # signalled came with the update before's metrics, which every process read alike, so all
-    # stop after the same update. With a SIGTERM during update 7: update 8's flag is the first
-    # True one, the loop reads it in iteration 9, and every process saves 9 and exits 75.
+    # stop after the same update (the loop's comment traces a SIGTERM).
     if update == args.stop_at:
         return "--stop-at"
     if signalled:  # a process got a signal: all stop, together
