@@ -55,9 +55,10 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #     factor: 8, ...}; transformers applies rope_scaling to the full-attention layers only
     #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
     #     sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # `full`, the full-attention layers' RoPE, merges rope_theta, then rope_parameters'
-    # full_attention, then rope_scaling (later keys win; a form leaves the others out), so either
-    # way it is {rope_theta: 500000, rope_type: yarn, factor: 8, ...}.
+    # `full`, the full-attention layers' RoPE, is the dicts below merged (later keys win), so both
+    # forms give {rope_theta: 500000, rope_type: yarn, factor: 8, ...}:
+    #   legacy: {rope_theta: 500000} | rope_scaling
+    #   newer:  {rope_theta: 500000 (the default)} | rope_parameters["full_attention"]
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

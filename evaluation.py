@@ -183,11 +183,14 @@ def load_task(spec, limit, tokenizer, seq_len):
     # Doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys drops repeats, keeps order).
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    # rule 4: bits per byte scores only the right continuation of each document. A request is kept
-    # iff its label is text (a str or list: the right continuation's own), or its idx equals its
-    # label (multiple choice; a label of None reads as 0: a gold-only task has one continuation, idx
-    # 0). Kept: {"idx": 0, "label": ["signs"]} (lambada:bpb_0shot), {"idx": 0, "label": None}
-    # (codex_humaneval:gold_bpb_0shot), {"idx": 2, "label": 2}; dropped: {"idx": 1, "label": 2}.
+    # rule 4: bits per byte scores only each document's right continuation. Tasks mark it in one
+    # of three ways, and a request is kept if:
+    #   its label is the text itself, a str or list (lambada:bpb_0shot: {"idx": 0, "label":
+    #     ["signs"]});
+    #   its label is None and its idx 0 (a gold-only task has one continuation, idx 0:
+    #     codex_humaneval:gold_bpb_0shot);
+    #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
+    #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
     if DIVIDE_BY[metric] == "bytes":
         requests = [req for req in requests if isinstance(req["label"], str | list) or
                     req["idx"] == (0 if req["label"] is None else req["label"])]
@@ -221,8 +224,9 @@ def metric_value(metric, requests, scores, tokens):
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     # rule 3 (accuracy): each continuation's score is divided by 1, its characters or its tokens
-    # (the task's primary metric says which), and a document is right if the argmax over its
-    # continuations (the first on a tie) is its label. rule 4 (bits per byte): -score / bytes *
+    # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts -6.0 /
+    # 5 = -1.2), and a document is right if the argmax over its continuations (the first on a tie)
+    # is its label. rule 4 (bits per byte): -score / bytes *
     # log2(e) of the right continuation.
     if DIVIDE_BY[metric] == "bytes":  # rule 4: the right continuation's score (load_task kept
         # it; if a document kept several, olmo_eval scores the first). by_idx holds nats per byte

@@ -331,12 +331,12 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # Second, what a device holds on those 8 devices (say, one 8-GPU machine), for the 7B with
 # --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8: a batch of 512 x 8192, run as 64
 # micro-batches of 8 rows (whether it fits in memory is the README's pod table's question). Device
-# d sits at fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order). The
-# `batch` line is the whole batch; the lines below it, one micro-batch:
+# d sits at fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order):
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
 #   batch         [512, 8192]          data x fsdp (rows), -                 [128, 8192]
+#   and, in one micro-batch of 8 rows (train.split_micro picks them):
 #   x_BTD         [8, 8192, 4096]      data x fsdp, -, -                     [2, 8192, 4096]
 #   q = x @ Wq    [8, 8192, 4096]      data x fsdp, -, tensor                [2, 8192, 2048]
 #   logits        [8, 8192, 100352]    data x fsdp, -, tensor (vocab)        [2, 8192, 50176]

@@ -135,31 +135,32 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     step_fn = compile_step(cfg, r, mesh, target)
     # nanoGPT's loop, with one difference: JAX dispatches asynchronously. step_fn returns at once
     # and the devices compute; reading a result (nanoGPT's loss.item()) waits for them. So each
-    # iteration reads the metrics of the update before, `previous`, while its own step runs, and
-    # the devices never wait for the host (an evaluation or a save does make them wait).
+    # iteration reads the metrics of the update before (`unread`) while its own step runs, and
+    # the devices need not wait for the host between steps (an evaluation or a save does wait).
     # Iteration u: dispatch update u; read u - 1's metrics (its log line and its stop flag); maybe
-    # evaluate; maybe save u, reading u's metrics first. A SIGTERM during update 7 first shows in
-    # update 8's flag, read in iteration 9: every process saves 9 and exits 75.
-    previous = None  # (update, metrics): dispatched, not read yet
+    # evaluate; maybe save u, reading u's metrics first.
+    unread = None  # (update, metrics): dispatched, not read yet
     for step, batch in loader.iterate(int(state["step"]), r.steps):  # step: the updates done
         update = step + 1  # the update this iteration makes
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # whether any process had got a signal when it came to this line (a tiny all-reduce,
-        # read with the metrics); a signal after this line shows in the next update's flag
+        # Whether any process has got a signal by now (a tiny all-reduce, read with the metrics).
+        # A SIGTERM that comes after this line in iteration 7 (while log.read waits, say) is in
+        # update 8's flag, read in iteration 9: every process saves 9 and exits 75.
         metrics["signalled"] = stop_signalled(mesh)
-        if previous:
-            log.read(*previous)  # prints a line every log_every updates; 10 skips stop the run
-        previous = (update, metrics)
+        if unread:
+            log.read(*unread)  # prints a line every log_every updates; 10 skips stop the run
+        unread = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
         # SIGTERM) that any process got, as read with the update before's metrics
         stop = stop_reason(update, args, log.signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
-            log.read(*previous)  # this update's metrics now, so the saved log reaches its step
-            previous = None
+            # a save waits for update anyway: read its metrics now, so the saved log reaches it
+            log.read(*unread)
+            unread = None
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and update < r.steps:  # (after the last step the run ends with 0)
@@ -238,7 +239,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # state is never whole on one device: init_state creates each device's shards from these,
     # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
     # jax.ShapeDtypeStruct (shape, dtype, sharding). (jax.eval_shape(fresh_state) gives the shapes
-    # but, under this mesh, no shardings, so they are written out; a test compares the two.)
+    # but, under this mesh, no shardings: XLA picks those only as it compiles. So they are written
+    # out; a test compares the two.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -428,10 +430,10 @@ def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays afte
 
 def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. history [2, 128] is a ring of each one's last 128 values. `step` (the updates done)
-    # of its slots hold one, up to 128, and this update's go to slot step % 128. A value spikes
-    # when it is more than 6 std above the mean of the held ones (mean and std [2], one per row),
-    # once there are 64 values with this one: from update 64 on.
+    # update. history [2, 128] is a ring of each one's last 128 values: after `step` updates (the
+    # state's step), min(step, 128) slots hold one, and this update's go to slot step % 128. A value
+    # spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one per
+    # row), once there are 64 values with this one: from update 64 on.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
