@@ -166,8 +166,9 @@ class PackedLoader(Loader):
 
     def batch(self, step):
         # A document's EOS is labelled with the next document's first token (Loader.batch's plain
-        # shift, as OLMo-core's get_labels, which masks only padding). So each EOS learns to
-        # predict an unrelated document's first token, seeing only its own document (the mask),
+        # shift, as OLMo-core's get_labels, which masks only padding). So each EOS but the row's
+        # last (padding follows that one, so it has no target) learns to predict an unrelated
+        # document's first token, seeing only its own document (the mask),
         # as in OLMo-core. A document's segment runs up to and including its EOS. The padding is
         # a segment of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at
         # positions 2 and 4,

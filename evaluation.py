@@ -93,16 +93,15 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 # vocab: the softmax's width; step_rows: rows a step runs (as training's micro-batch)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # On one host this is logprobs(params, x, y) on padded batches. They are [step_rows, width], so
-    # one shape compiles (for each vocab), and they run on every device of every host.
+    # On one host this is logprobs(params, x, y) on padded batches, with put(a) =
+    # jax.device_put(a, sharding) and process_allgather = np.asarray. The batches are [step_rows,
+    # width], so one shape compiles (for each vocab), and they run on every device of every host.
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    # Every process holds the whole batch here, so each device takes its slices (`index`) of it
-    # (train.device_batch does the same with only the process's own rows). With 8 rows over 4
-    # devices, device 1 holds x[2:4] of the [8, width] batch; `sums` [8] is one global array,
-    # which process_allgather copies whole to every host. (On one host, put(a) is
-    # jax.device_put(a, sharding), and process_allgather is np.asarray.)
+    # (pods) Every process holds the whole batch here, so each device takes its slices (`index`)
+    # of it. With 8 rows over 4 devices, device 1 holds x[2:4] of the [8, width] batch; `sums`
+    # [8] is one global array, which process_allgather copies whole to every host.
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)

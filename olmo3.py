@@ -155,18 +155,10 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
-    # On a first read, take `layer` below as `block`: its checkpoint only decides what the
-    # backward pass keeps.
-    # In plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096,
-    # 4096, None] (three sliding layers, then a full one):
-    #   for g in range(8):        # lax.scan: the compiler traces one group, once
-    #       for j in range(4):    # a Python loop, unrolled inside the traced group
-    #           x = layer(weights of layer 4 g + j, x, windows[j], a RoPE table, cfg, segments)
-    # That is `for l in range(32): x = block(...)`, cut into groups to save compile time, not to
-    # change the math (as MaxText does). A group, not a layer, is the scanned unit, because a
-    # layer's window is a Python value baked into its program, and every scan step runs the same
-    # program. (tiny is one group of 4. When global_every does not divide n_layers, all layers are
-    # one group.)
+    # The layers: in effect `for l in range(32): x = block(...)` for the 7B, cut into groups of
+    # layers to save compile time (as MaxText does), with the same math. The loop itself is at the
+    # end (`group` and the scan). On a first read, take `layer` below as `block`: its checkpoint
+    # only decides what the backward pass keeps.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -187,6 +179,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # (cfg) are static, Python values that Python `if`s read (attention's `if window`)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
+    # In plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096,
+    # 4096, None] (three sliding layers, then a full one):
+    #   for g in range(8):        # lax.scan: the compiler traces one group, once
+    #       for j in range(4):    # a Python loop, unrolled inside the traced group
+    #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
+    # A group, not a layer, is the scanned unit, because a layer's window is a Python value baked
+    # into its program, and every scan step runs the same program. (tiny is one group of 4. When
+    # global_every does not divide n_layers, all layers are one group.)
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
@@ -342,8 +342,9 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   logits        [8, 8192, 100352]    data x fsdp, -, tensor (vocab)        [2, 8192, 50176]
 # - Weights. The device holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of the weight,
 #   and an eighth of its Adam moments. Before each matmul, XLA gathers a layer's weight over fsdp
-#   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048]. (tiny's q,
-#   in the README's dry run: [4, 256, 256] -> (4, 64, 128).)
+#   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048], one layer
+#   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
+#   128).)
 # - Rows. It holds rows 128 i to 128 (i + 1) of the batch, 2 of them in each micro-batch (which
 #   two is train.split_micro's business). Its tensor partner (same i) holds the same rows.
 # - Activations keep D whole: fsdp already cuts their rows, and tensor cuts only heads, MLP and

@@ -133,10 +133,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop, with one difference: JAX dispatches asynchronously. step_fn returns at once
-    # and the devices compute; reading a result (nanoGPT's loss.item()) waits for them. So each
-    # iteration reads the metrics of the update before (`unread`) while its own step runs, and
-    # the devices need not wait for the host between steps (an evaluation or a save does wait).
+    # nanoGPT's loop, with one difference: each iteration reads the metrics of the update before
+    # (`unread`), not its own. step_fn returns at once and the devices compute (as a CUDA launch
+    # returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for them. Reading the
+    # update before's while this one runs means the devices need not wait for the host between
+    # steps (an evaluation or a save does wait).
     # Iteration u: dispatch update u; read u - 1's metrics (its log line and its stop flag); maybe
     # evaluate; maybe save u, reading u's metrics first.
     unread = None  # (update, metrics): dispatched, not read yet
@@ -145,9 +146,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # Whether any process has got a signal by now (a tiny all-reduce, read with the metrics).
-        # A SIGTERM that comes after this line in iteration 7 (while log.read waits, say) is in
-        # update 8's flag, read in iteration 9: every process saves 9 and exits 75.
+        # whether any process has got a signal by now (a tiny all-reduce, read with the metrics;
+        # second read: stop_reason)
         metrics["signalled"] = stop_signalled(mesh)
         if unread:
             log.read(*unread)  # prints a line every log_every updates; 10 skips stop the run
@@ -239,8 +239,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # state is never whole on one device: init_state creates each device's shards from these,
     # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
     # jax.ShapeDtypeStruct (shape, dtype, sharding). (jax.eval_shape(fresh_state) gives the shapes
-    # but, under this mesh, no shardings: XLA picks those only as it compiles. So they are written
-    # out; a test compares the two.)
+    # but no shardings: make_mesh's axes are Auto, which leaves shardings to XLA as it compiles.
+    # So they are written out; a test compares the two.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -697,7 +697,9 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 
 def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
     # signalled came with the update before's metrics, which every process read alike, so all
-    # stop after the same update (the loop's comment traces a SIGTERM).
+    # stop after the same update. A SIGTERM that comes after iteration 7's stop_signalled (while
+    # log.read waits, say) is in update 8's flag, read in iteration 9: every process saves 9 and
+    # exits 75.
     if update == args.stop_at:
         return "--stop-at"
     if signalled:  # a process got a signal: all stop, together
