@@ -214,8 +214,9 @@ def request_rows(requests, tokenizer, seq_len):
 def metric_value(metric, requests, scores, tokens):
     """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
     # by_doc = {doc_id: {idx: score / size}}, each continuation's normalised score, and
-    # gold = {doc_id: the right idx}. setdefault keeps a pair's first score if a file lists it
-    # twice, as ICLMetric does.
+    # gold = {doc_id: the right idx}: for ARC's question 7 with two choices, by_doc {7: {0: -3.1,
+    # 1: -2.4}} and gold {7: 1}. setdefault keeps a pair's first score if a file lists it twice,
+    # as ICLMetric does.
     by_doc, gold = {}, {}
     for req, s, n in zip(requests, scores, tokens):
         text = req["request"]["continuation"]

@@ -156,9 +156,16 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
     # The layers: in effect `for l in range(32): x = block(...)` for the 7B, cut into groups of
-    # layers to save compile time (as MaxText does), with the same math. The loop itself is at the
-    # end (`group` and the scan). On a first read, take `layer` below as `block`: its checkpoint
-    # only decides what the backward pass keeps.
+    # layers to save compile time (as MaxText does), with the same math. On a first read, take
+    # `layer` below as `block`: its checkpoint only decides what the backward pass keeps.
+    # In plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096,
+    # 4096, None] (three sliding layers, then a full one):
+    #   for g in range(8):        # lax.scan: the compiler traces one group, once
+    #       for j in range(4):    # a Python loop, unrolled inside the traced group
+    #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
+    # A group, not a layer, is the scanned unit, because a layer's window is a Python value baked
+    # into its program, and every scan step runs the same program. (tiny is one group of 4. When
+    # global_every does not divide n_layers, all layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -179,14 +186,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # (cfg) are static, Python values that Python `if`s read (attention's `if window`)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
-    # In plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096,
-    # 4096, None] (three sliding layers, then a full one):
-    #   for g in range(8):        # lax.scan: the compiler traces one group, once
-    #       for j in range(4):    # a Python loop, unrolled inside the traced group
-    #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
-    # A group, not a layer, is the scanned unit, because a layer's window is a Python value baked
-    # into its program, and every scan step runs the same program. (tiny is one group of 4. When
-    # global_every does not divide n_layers, all layers are one group.)
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights

@@ -5,9 +5,9 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order. Below the "second read" banner is what a pod needs (checkpoints, stopping, several
 # hosts), then the command line. `r` is always the Recipe, `cfg` the model's olmo3.Config. Counting,
-# as OLMo-core does: update u (1, 2, ...) trains on batch u - 1 and is logged and saved as step u.
-# The state's step counts the updates done, so in the loop `step` is u - 1 and `update` is u. The
-# README has a JAX glossary.
+# as OLMo-core does: update u (1, 2, ...) trains on loader.batch(u - 1) and is logged and saved as
+# step u. The state's step counts the updates done, so in the loop `step` is u - 1 and `update` is
+# u. The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -141,6 +141,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # Iteration u: dispatch update u; read u - 1's metrics (its log line and its stop flag); maybe
     # evaluate; maybe save u, reading u's metrics first.
     unread = None  # (update, metrics): dispatched, not read yet
+    signalled = False  # whether any process got a signal, as of the newest metrics read
     for step, batch in loader.iterate(int(state["step"]), r.steps):  # step: the updates done
         update = step + 1  # the update this iteration makes
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -149,17 +150,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # whether any process has got a signal by now (a tiny all-reduce, read with the metrics;
         # second read: stop_reason)
         metrics["signalled"] = stop_signalled(mesh)
-        if unread:
-            log.read(*unread)  # prints a line every log_every updates; 10 skips stop the run
+        if unread:  # prints a line every log_every updates; 10 skipped in a row stop the run
+            signalled = log.read(*unread)
         unread = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
             evals(state["params"], update)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
         # SIGTERM) that any process got, as read with the update before's metrics
-        stop = stop_reason(update, args, log.signalled)
+        stop = stop_reason(update, args, signalled)
         if update % r.save_every == 0 or update == r.steps or stop:
             # a save waits for update anyway: read its metrics now, so the saved log reaches it
-            log.read(*unread)
+            signalled = log.read(*unread)
             unread = None
             save(manager, update, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -433,7 +434,7 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # update. history [2, 128] is a ring of each one's last 128 values: after `step` updates (the
     # state's step), min(step, 128) slots hold one, and this update's go to slot step % 128. A value
     # spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one per
-    # row), once there are 64 values with this one: from update 64 on.
+    # row), once there are 64 values with this one: from update 64 on (step 63: 63 are held).
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
@@ -463,14 +464,12 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
     # What train's loop calls: log(text) or log(**record); read(update, metrics), one update
-    # late; flush() after a save. Reading also keeps the metrics' stop flag as log.signalled.
+    # late, which returns the metrics' stop flag; flush() after a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (update, time) of the last progress line; skipped: updates skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
-        # signalled: whether any process got a signal, as of the newest metrics read
-        self.signalled = False
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -496,20 +495,19 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 import evaluation
                 evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes it before
-    # Orbax commits the checkpoint, so a kill between the two leaves records past it, and so does
-    # the stop after 10 skipped updates. rewind drops them; the resumed run logs those updates
-    # (step + 1 on) again. A record's "step" is its update (1-based), and rewind's step is the
-    # state's (updates done), so the records kept are those of updates 1 to step.
+    # (second read) metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes
+    # it before Orbax commits the checkpoint, so a kill between the two leaves records past it, and
+    # so does the stop after 10 skipped updates. rewind drops them; the resumed run logs those
+    # updates (step + 1 on) again. A record's "step" is its update (1-based), and rewind's step is
+    # the state's (updates done), so the records kept are those of updates 1 to step.
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, update, metrics):
+    def read(self, update, metrics):  # -> the metrics' stop flag: did any process get a signal?
         # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
         # row stop the run), and logs a line every log_every updates. (self(...) is log(...).)
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
-        self.signalled = m["signalled"]
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {update}: update skipped (loss {m['loss']:.4f}, grad norm "
@@ -519,7 +517,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
         if update % r.log_every and update != r.steps:
-            return
+            return m["signalled"]
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         # the "step" logged and printed is the update (1-based), state["step"] + 1
         line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
@@ -533,6 +531,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (update, now)
         self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
+        return m["signalled"]
 
 
 # =============================================================================
