@@ -1,5 +1,6 @@
 """Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files."""
-# Usage: python data.py tokenize INPUT... --out DIR [--heldout 0.05] [--tokenizer bytes]
+# Usage: python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]
+# (--heldout 0.05 holds 5% of the documents out; the default is 0)
 # (prepare.py, beside the core, holds the command line and reads the documents)
 #
 # Read in this order:

@@ -229,8 +229,8 @@ def metric_value(metric, requests, scores, tokens):
     # is its label. rule 4 (bits per byte): -score / bytes *
     # log2(e) of the right continuation.
     if DIVIDE_BY[metric] == "bytes":  # rule 4: the right continuation's score (load_task kept
-        # it; if a document kept several, olmo_eval scores the first). by_idx holds nats per byte
-        # (<= 0); the value is bits per byte (>= 0).
+        # it; if a document kept several, olmo_eval scores the first). by_idx holds log-probs per
+        # byte, in nats (<= 0); the value is bits per byte (>= 0).
         value = np.mean([-list(by_idx.values())[0] * LOG2_E for by_idx in by_doc.values()])
     else:  # rule 3: by_doc {7: {0: -3.1, 1: -2.4}} and gold {7: 1} make document 7 right
         value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]

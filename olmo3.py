@@ -327,10 +327,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # shardings from functions given the mesh; inside the model, constrain reads the mesh that
 # `jax.set_mesh` set (train.main does).
 #
-# Second, what a device holds on those 8 devices (say, one 8-GPU machine), for the 7B with
-# --mesh fsdp=4,tensor=2 (data is 1) --micro-batch 8: a batch of 512 x 8192, run as 64
-# micro-batches of 8 rows (whether it fits in memory is the README's pod table's question). Device
-# d sits at fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order):
+# Second, what a device holds on those 8 devices, for the 7B with --mesh fsdp=4,tensor=2 (data is 1)
+# --micro-batch 8: a batch of 512 x 8192, run as 64 micro-batches of 8 rows (whether it fits in
+# memory is the README's pod table's question). Device d sits at fsdp i = d // 2, tensor j = d % 2
+# (make_mesh reshapes jax.devices() in order):
 #   array         shape                what cuts each dimension              one device holds
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
@@ -351,7 +351,7 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   need no communication beyond the weights' gather: each device computes its own heads' or
 #   vocab's columns for its rows. What follows them does: QK-norm's statistics and the loss's
 #   logsumexp sum across tensor partners (part three). constrain pins the cuts of x_BTD and the
-#   logits; XLA chooses q's, normally this one.
+#   logits; XLA chooses q's, normally the table's.
 #
 # Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
 # communication itself, and typically chooses:

@@ -150,7 +150,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # whether any process has got a signal by now (a tiny all-reduce, read with the metrics;
         # second read: stop_reason)
         metrics["signalled"] = stop_signalled(mesh)
-        if unread:  # prints a line every log_every updates; 10 skipped in a row stop the run
+        # log.read prints a line every log_every updates (10 skipped in a row stop the run) and
+        # returns the metrics' stop flag
+        if unread:
             signalled = log.read(*unread)
         unread = (update, metrics)
         if evals and (update % r.eval_every == 0 or update == r.steps):
@@ -434,7 +436,8 @@ def spike_guard(history, step, values):  # -> (is each a spike, the history with
     # update. history [2, 128] is a ring of each one's last 128 values: after `step` updates (the
     # state's step), min(step, 128) slots hold one, and this update's go to slot step % 128. A value
     # spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one per
-    # row), once there are 64 values with this one: from update 64 on (step 63: 63 are held).
+    # row), once there are 64 values with this one: from update 64 on (step 63: 63 are held). At
+    # step 3, slots 0-2 hold values, and this one goes to slot 3.
     n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
