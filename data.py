@@ -334,7 +334,7 @@ def get_tokenizer(name):
 # ----------------------------------------------------------------------------- tokenize
 
 def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
-    """Documents -> DIR/train.npy and DIR/train.txt (its mix file), and heldout's if any."""
+    """Documents -> DIR/train.npy, train.txt (its mix), heldout.npy; heldout.txt if any is."""
     # total is the input's size in bytes, for the ETA.
     # For corpora of many GB, AI2's `dolma tokens --dtype uint32` writes the same kind of files,
     # in parallel (its default dtype, uint16, cannot hold dolma2's ids).

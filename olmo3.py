@@ -332,6 +332,7 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # memory is the README's pod table's question). Device d sits at fsdp i = d // 2, tensor j = d % 2
 # (make_mesh reshapes jax.devices() in order):
 #   array         shape                what cuts each dimension              one device holds
+#   embed         [100352, 4096]       tensor (vocab), fsdp (embed)          [50176, 1024]
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
 #   batch         [512, 8192]          data x fsdp (rows), -                 [128, 8192]

@@ -4,10 +4,10 @@ Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a 
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order. Below the "second read" banner is what a pod needs (checkpoints, stopping, several
-# hosts), then the command line. `r` is always the Recipe, `cfg` the model's olmo3.Config. Counting,
-# as OLMo-core does: update u (1, 2, ...) trains on loader.batch(u - 1) and is logged and saved as
-# step u. The state's step counts the updates done, so in the loop `step` is u - 1 and `update` is
-# u. The README has a JAX glossary.
+# hosts), then the command line. `r` is always the Recipe, `cfg` the model's olmo3.Config. Steps
+# (updates) count from 1, as OLMo-core's do: step s trains on loader.batch(s - 1) and is logged and
+# saved as step s, and after it the state's step is s (the steps done). The README has a JAX
+# glossary.
 import argparse
 import dataclasses
 import datetime
@@ -124,7 +124,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
     # files are written with each checkpoint)
     log = Log(cfg, r, args.out, mesh)
-    evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, update), or None
+    evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state)
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
@@ -133,42 +133,43 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop, with one difference: each iteration reads the metrics of the update before
+    # nanoGPT's loop, with one difference: each iteration reads the metrics of the step before
     # (`unread`), not its own. step_fn returns at once and the devices compute (as a CUDA launch
     # returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for them. Reading the
-    # update before's while this one runs means the devices need not wait for the host between
+    # step before's while this one runs means the devices need not wait for the host between
     # steps (an evaluation or a save does wait).
-    # Iteration u: dispatch update u; read u - 1's metrics (its log line and its stop flag); maybe
-    # evaluate; maybe save u, reading u's metrics first.
-    unread = None  # (update, metrics): dispatched, not read yet
+    # Iteration s: dispatch step s; read s - 1's metrics (its log line and its stop flag); maybe
+    # evaluate; maybe save s, reading s's metrics first. On one host with no signal and no
+    # --stop-at, signalled stays False and stop None.
+    unread = None  # (step, metrics): dispatched, not read yet
     signalled = False  # whether any process got a signal, as of the newest metrics read
-    for step, batch in loader.iterate(int(state["step"]), r.steps):  # step: the updates done
-        update = step + 1  # the update this iteration makes
+    for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
+        step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         # whether any process has got a signal by now (a tiny all-reduce, read with the metrics;
         # second read: stop_reason)
         metrics["signalled"] = stop_signalled(mesh)
-        # log.read prints a line every log_every updates (10 skipped in a row stop the run) and
+        # log.read prints a line every log_every steps (10 skipped in a row stop the run) and
         # returns the metrics' stop flag
         if unread:
             signalled = log.read(*unread)
-        unread = (update, metrics)
-        if evals and (update % r.eval_every == 0 or update == r.steps):
-            evals(state["params"], update)  # the results are logged
+        unread = (step, metrics)
+        if evals and (step % r.eval_every == 0 or step == r.steps):
+            evals(state["params"], step)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
-        # SIGTERM) that any process got, as read with the update before's metrics
-        stop = stop_reason(update, args, signalled)
-        if update % r.save_every == 0 or update == r.steps or stop:
-            # a save waits for update anyway: read its metrics now, so the saved log reaches it
+        # SIGTERM) that any process got, as read with the step before's metrics
+        stop = stop_reason(step, args, signalled)
+        if step % r.save_every == 0 or step == r.steps or stop:
+            # a save waits for the step anyway: read its metrics now, so the saved log reaches it
             signalled = log.read(*unread)
             unread = None
-            save(manager, update, state, cfg, r, loader.fingerprint)
+            save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
-        if stop and update < r.steps:  # (after the last step the run ends with 0)
+        if stop and step < r.steps:  # (after the last step the run ends with 0)
             manager.wait_until_finished()
-            log(f"stopped after step {update} ({stop}), checkpointed: rerun to resume")
+            log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return EXIT_STOPPED
     manager.wait_until_finished()
@@ -208,7 +209,7 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     return loader, heldout
 
 
-def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, update), or None
+def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
     # evaluation.py (beside the core) evaluates the sets and tasks given (--eval-data,
     # --eval-tasks), or else the corpus's held-out set. With the core alone (a copy of the three
     # files) there is no evaluator: no evaluations, samples or loss plot.
@@ -230,7 +231,7 @@ shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
 
-def fresh_state(r, params):  # the training state before update 1
+def fresh_state(r, params):  # the training state before step 1
     # opt_state is Adam's (count, mu, nu): count 0, and mu and nu zeros shaped like params.
     # history [2, 128]: the spike guard's last losses (row 0) and grad norms (row 1).
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
@@ -347,7 +348,7 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     # + wd * p on every weight but the embedding (the norms and lm_head too, as OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
     updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
-    # The LR is indexed by this update (state["step"] + 1), not by Adam's count, so a stage
+    # The LR is indexed by this step's number (state["step"] + 1), not by Adam's count, so a stage
     # restarts its schedule while Adam's count carries over (--init-from)
     lr = schedule(r)(state["step"] + 1)
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
@@ -377,8 +378,8 @@ def split_micro(x, accum: int):
 
 # ----------------------------------------------------------------------------- the optimizer
 
-def schedule(r: Recipe):  # -> a function: update k (1-based) -> its LR
-    # These are OLMo-core's formulas for its step k (our update k), with peak P, floor
+def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
+    # These are OLMo-core's formulas for its step k (ours too), with peak P, floor
     # F = min_lr_ratio * P, warmup W and t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
@@ -400,15 +401,15 @@ def schedule(r: Recipe):  # -> a function: update k (1-based) -> its LR
     return lr
 
 
-# the first update of stage 1's second part (AI2 restarted after update 596,047)
+# the first step of stage 1's second part (AI2 restarted after step 596,047)
 RESTART = 596_048
 
 
-# -> (update k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
+# -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
 def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
-    # cosine(T1), aimed at 5T tokens (T1 updates); AI2 stopped it after update 596,047. Part 2, from
-    # RESTART on, is HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at update
+    # cosine(T1), aimed at 5T tokens (T1 steps); AI2 stopped it after step 596,047. Part 2, from
+    # RESTART on, is HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step
     # W2, then the second half of a cosine from P to F, reaching F at T2. For the 7b preset
     # (4,194,304 tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts
     # inside its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
@@ -416,12 +417,12 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
     # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
     warmup2 = int(5e12) // tokens // 2 + warmup // 2
-    # half is a cosine from P to F over 2 (T2 - W2) updates. Update k is its step
+    # half is a cosine from P to F over 2 (T2 - W2) steps. Our step k is its step
     # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2 (and from T2 on).
     half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
     part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
                                 half((k - warmup2) + (t_max2 - warmup2)))  # half's own step
-    # The 7b preset's LR at a few updates k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
+    # The 7b preset's LR at a few steps k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
     # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
     # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
     return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
@@ -431,26 +432,26 @@ def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays afte
     return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
-def spike_guard(history, step, values):  # -> (is each a spike, the history with them)
+def spike_guard(history, done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. history [2, 128] is a ring of each one's last 128 values: after `step` updates (the
-    # state's step), min(step, 128) slots hold one, and this update's go to slot step % 128. A value
-    # spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one per
-    # row), once there are 64 values with this one: from update 64 on (step 63: 63 are held). At
-    # step 3, slots 0-2 hold values, and this one goes to slot 3.
-    n_held = jnp.minimum(step, HISTORY)  # how many values the history holds
-    held = jnp.arange(HISTORY) < step  # [128]: which slots hold one (all, from step 128 on)
+    # update. history [2, 128] is a ring of each one's last 128 values. `done` is the steps done
+    # (the state's step): min(done, 128) slots hold values, and this step's go to slot
+    # done % 128. A value spikes when it is more than 6 std above the mean of the held ones (mean
+    # and std [2], one per row), once there are 64 values with this one: from step 64 on (done
+    # 63). At step 4, slots 0-2 hold values, and this one goes to slot 3.
+    n_held = jnp.minimum(done, HISTORY)  # how many values the history holds
+    held = jnp.arange(HISTORY) < done  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
-    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from update 64 on)
+    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from step 64 on)
     # one-sided, as OLMo-core's test is written: only a rise counts; False for NaN or +inf
     within = values - mean <= 6 * std
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
     # stops at the non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
-    return enough & ~within, history.at[:, step % HISTORY].set(kept)
+    return enough & ~within, history.at[:, done % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -466,12 +467,12 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
-    # What train's loop calls: log(text) or log(**record); read(update, metrics), one update
-    # late, which returns the metrics' stop flag; flush() after a save.
+    # What train's loop calls: log(text) or log(**record); read(step, metrics), one step late,
+    # which returns the metrics' stop flag; flush() after a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (update, time) of the last progress line; skipped: updates skipped in a row
+        # last: (step, time) of the last progress line; skipped: steps skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
@@ -500,39 +501,37 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     # (second read) metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes
     # it before Orbax commits the checkpoint, so a kill between the two leaves records past it, and
-    # so does the stop after 10 skipped updates. rewind drops them; the resumed run logs those
-    # updates (step + 1 on) again. A record's "step" is its update (1-based), and rewind's step is
-    # the state's (updates done), so the records kept are those of updates 1 to step.
+    # so does the stop after 10 skipped steps. rewind drops them (it keeps steps 1 to the state's
+    # step); the resumed run logs those steps again.
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, update, metrics):  # -> the metrics' stop flag: did any process get a signal?
-        # Waits for one update's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
-        # row stop the run), and logs a line every log_every updates. (self(...) is log(...).)
+    def read(self, step, metrics):  # -> the metrics' stop flag: did any process get a signal?
+        # Waits for one step's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
+        # row stop the run), and logs a line every log_every steps. (self(...) is log(...).)
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
-            self(f"step {update}: update skipped (loss {m['loss']:.4f}, grad norm "
-                 f"{m['grad_norm']:.4f})", step=update, spikes=m["spikes"])
+            self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
+                 f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
         if self.skipped == SKIPS_IN_A_ROW:  # the last checkpoint is the last good state
             self.flush()
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
-                             f"{update} (loss {m['loss']}); lower --lr or check the data; rerun")
-        if update % r.log_every and update != r.steps:
+                             f"{step} (loss {m['loss']}); lower --lr or check the data; rerun")
+        if step % r.log_every and step != r.steps:
             return m["signalled"]
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
-        # the "step" logged and printed is the update (1-based), state["step"] + 1
-        line = [f"step {update:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
+        line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
         if self.last:  # rates start at the second line: the first has no line before it
-            rate = (update - self.last[0]) * tokens / (now - self.last[1])
+            rate = (step - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
             mfu = f"{100 * tflops / self.peak:.1f}%" if self.peak else "n/a"
-            eta = datetime.timedelta(seconds=round((r.steps - update) * tokens / rate))
+            eta = datetime.timedelta(seconds=round((r.steps - step) * tokens / rate))
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
-        self.last = (update, now)
-        self(" | ".join(line), step=update, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
+        self.last = (step, now)
+        self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
         return m["signalled"]
 
@@ -697,12 +696,12 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     return jnp.any(flags)
 
 
-def stop_reason(update, args, signalled):  # why the run stops after update (None: it goes on)
-    # signalled came with the update before's metrics, which every process read alike, so all
-    # stop after the same update. A SIGTERM that comes after iteration 7's stop_signalled (while
-    # log.read waits, say) is in update 8's flag, read in iteration 9: every process saves 9 and
+def stop_reason(step, args, signalled):  # why the run stops after step (None: it goes on)
+    # signalled came with the step before's metrics, which every process read alike, so all
+    # stop after the same step. A SIGTERM that comes after iteration 7's stop_signalled (while
+    # log.read waits, say) is in step 8's flag, read in iteration 9: every process saves 9 and
     # exits 75.
-    if update == args.stop_at:
+    if step == args.stop_at:
         return "--stop-at"
     if signalled:  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
