@@ -327,10 +327,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # shardings from functions given the mesh; inside the model, constrain reads the mesh that
 # `jax.set_mesh` set (train.main does).
 #
-# Second, what a device holds on those 8 devices, for the 7B with --mesh fsdp=4,tensor=2 (data is 1)
-# --micro-batch 8: a batch of 512 x 8192, run as 64 micro-batches of 8 rows (whether it fits in
-# memory is the README's pod table's question). Device d sits at fsdp i = d // 2, tensor j = d % 2
-# (make_mesh reshapes jax.devices() in order):
+# Second, what a device holds on those 8 devices, for the 7B with `--mesh fsdp=4,tensor=2` and
+# `--micro-batch 8` (data is 1): a batch of 512 x 8192, run as 64 micro-batches of 8 rows (gradient
+# accumulation; whether it fits in memory is the README's pod table's question). Device d sits at
+# fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order):
 #   array         shape                what cuts each dimension              one device holds
 #   embed         [100352, 4096]       tensor (vocab), fsdp (embed)          [50176, 1024]
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]

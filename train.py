@@ -103,13 +103,14 @@ def main(argv=None):
     if args.eval_only or args.generate is not None:
         import evaluation  # it lives beside the core
         return evaluation.main(cfg, r, args)
-    # This comes after start_jax, because JAX's distributed start-up installs its own SIGTERM
-    # handler and this one replaces it. (JAX's preemption sync point misses a SIGTERM that comes
-    # before the first step.)
+    # (second read) Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes
+    # after start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this
+    # one replaces it. (JAX's preemption sync point misses a SIGTERM that comes before the first
+    # step.)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    # every host must see the run directory that process 0 writes (on one host, this only makes
-    # the directory)
+    # (second read) every host must see the run directory that process 0 writes (on one host,
+    # this only makes the directory)
     check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
                           "process 0 writes; give every host the same: a bucket, or a shared disk")
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
@@ -133,11 +134,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop, with one difference: each iteration reads the metrics of the step before
-    # (`unread`), not its own. step_fn returns at once and the devices compute (as a CUDA launch
-    # returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for them. Reading the
-    # step before's while this one runs means the devices need not wait for the host between
-    # steps (an evaluation or a save does wait).
+    # nanoGPT's loop, plus what a pod needs. The main difference: each iteration reads the metrics
+    # of the step before (`unread`), not its own. step_fn returns at once and the devices compute
+    # (as a CUDA launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for
+    # them. Reading the step before's while this one runs means the devices need not wait for the
+    # host between steps (an evaluation or a save does wait).
     # Iteration s: dispatch step s; read s - 1's metrics (its log line and its stop flag); maybe
     # evaluate; maybe save s, reading s's metrics first. On one host with no signal and no
     # --stop-at, signalled stays False and stop None.
