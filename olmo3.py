@@ -354,8 +354,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   logsumexp sum across tensor partners (part three). constrain pins the cuts of x_BTD and the
 #   logits; XLA chooses q's, normally the table's.
 #
-# Third, what XLA communicates (README stop 4 shows how to count it in a dump). It inserts the
-# communication itself, and typically chooses:
+# Third, what XLA communicates (the README's "Seeing the communication" counts it in a dump). It
+# inserts the communication itself, and typically chooses:
 #   all-gather over fsdp: each layer's weights, before its matmuls (q's becomes [4096, 2048]);
 #   all-reduce over tensor: after o and down, whose input dimension tensor cuts, so each partner
 #     holds a partial sum over its half of the heads or of the MLP, and the two are added (and,
