@@ -224,10 +224,10 @@ def metric_value(metric, requests, scores, tokens):
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     # rule 3 (accuracy): each continuation's score is divided by 1, its characters or its tokens
-    # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts -6.0 /
-    # 5 = -1.2), and a document is right if the argmax over its continuations (the first on a tie)
-    # is its label. rule 4 (bits per byte): -score / bytes *
-    # log2(e) of the right continuation.
+    # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
+    # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
+    # on a tie) is its label.
+    # rule 4 (bits per byte): -score / bytes * log2(e) of the right continuation.
     if DIVIDE_BY[metric] == "bytes":  # rule 4: the right continuation's score (load_task kept
         # it; if a document kept several, olmo_eval scores the first). by_idx holds log-probs per
         # byte, in nats (<= 0); the value is bits per byte (>= 0).

@@ -319,13 +319,14 @@ MESH_AXES = ("data", "fsdp", "tensor")
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
-# Sharding, in three parts. First, the mesh: it arranges the devices in a grid with named axes, as
-# 8 devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). By AXIS_RULES (above),
-# data and fsdp cut a batch's rows; fsdp also cuts each weight matrix along its embed (D)
-# dimension, as ZeRO-3 does; tensor cuts a weight's heads, MLP or vocab dimension, as Megatron
-# does. A mesh axis cuts at most one dimension of an array. Weights and batches get their
-# shardings from functions given the mesh; inside the model, constrain reads the mesh that
-# `jax.set_mesh` set (train.main does).
+# Sharding, in three parts. First, the mesh: it arranges the devices in a grid with named axes, as 8
+# devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). By AXIS_RULES (above), data
+# and fsdp cut a batch's rows; fsdp also cuts each weight matrix along its embed (D) dimension, as
+# ZeRO-3 does; tensor cuts a weight's heads, MLP or vocab dimension, as Megatron does. A mesh axis
+# cuts at most one dimension of an array. The code sets three kinds of sharding, and XLA chooses the
+# rest: the weights' (abstract_params, below), the batch's (batch_sharding) and a few activations'
+# (constrain, which reads the mesh that `jax.set_mesh` set: train.main does). train.compile_step
+# hands the first two to jit.
 #
 # Second, what a device holds on those 8 devices, for the 7B with `--mesh fsdp=4,tensor=2` and
 # `--micro-batch 8` (data is 1): a batch of 512 x 8192, run as 64 micro-batches of 8 rows (gradient
@@ -346,7 +347,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
 # - Rows. It holds rows 128 i to 128 (i + 1) of the batch, 2 of them in each micro-batch (which
-#   two is train.split_micro's business). Its tensor partner (same i) holds the same rows.
+#   two is train.split_micro's business: strided, so that no row moves between devices). Its
+#   tensor partner (same i) holds the same rows.
 # - Activations keep D whole: fsdp already cuts their rows, and tensor cuts only heads, MLP and
 #   vocab, so tensor partners hold the same rows whole. The matmuls that make q and the logits
 #   need no communication beyond the weights' gather: each device computes its own heads' or

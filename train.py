@@ -139,9 +139,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # (as a CUDA launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for
     # them. Reading the step before's while this one runs means the devices need not wait for the
     # host between steps (an evaluation or a save does wait).
-    # Iteration s: dispatch step s; read s - 1's metrics (its log line and its stop flag); maybe
-    # evaluate; maybe save s, reading s's metrics first. On one host with no signal and no
-    # --stop-at, signalled stays False and stop None.
+    # On one host with no signal and no --stop-at (signalled stays False, stop None), it is
+    #   for step in range(state["step"] + 1, r.steps + 1):
+    #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
+    #       read metrics[step - 1]                                  # waits for them, prints
+    #       every eval_every steps, evaluate; every save_every, read metrics[step] and save
     unread = None  # (step, metrics): dispatched, not read yet
     signalled = False  # whether any process got a signal, as of the newest metrics read
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
