@@ -144,6 +144,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       read metrics[step - 1]                                  # waits for them, prints
     #       every eval_every steps, evaluate; every save_every, read metrics[step] and save
+    # On a pod, a signal that any process got shows in metrics[step - 1]: all save and exit 75.
     unread = None  # (step, metrics): dispatched, not read yet
     signalled = False  # whether any process got a signal, as of the newest metrics read
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
@@ -167,7 +168,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read its metrics now, so the saved log reaches it
             signalled = log.read(*unread)
-            unread = None
+            unread = None  # (so the next iteration has nothing to read)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and step < r.steps:  # (after the last step the run ends with 0)
