@@ -220,8 +220,9 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
 
 
 def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
-    # Use one 2-D matmul, because XLA:CPU runs the 3-D form ([B, T, D] @ [D, F]) about a quarter
-    # slower.
+    # Use one 2-D matmul, because XLA:CPU runs the 3-D form ([B, T, D] @ [D, F]) slower: for tiny's
+    # [16, 256, 256] @ [256, 1024], 1.6x the time forward and 1.8x with the backward (JAX 0.10.2,
+    # 2 EPYC cores).
     y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 

@@ -449,7 +449,7 @@ def spike_guard(history, done, values):  # -> (is each a spike, the history with
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
     enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from step 64 on)
-    # one-sided, as OLMo-core's test is written: only a rise counts; False for NaN or +inf
+    # one-sided, as OLMo-core's test is written: only a rise counts; within is False for NaN, +inf
     within = values - mean <= 6 * std
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
