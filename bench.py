@@ -390,7 +390,8 @@ def bench_7b_step(layers=8, batch=8, micro=2, seq_len=8192):
     tflops = rate * olmo3.flops_per_token(cfg, seq_len) / 1e12
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
     print(f"step {seconds:.3f} s, {rate:,.0f} tokens/s, {tflops:.0f} TFLOP/s: MFU "
-          f"{tflops / 989:.1%} of the H100's and H200's 989 (dense bf16); peak memory {gib(peak)}")
+          f"{tflops / train.PEAK_TFLOPS['h200']:.1%} of the H100's and H200's "
+          f"{train.PEAK_TFLOPS['h200']} (dense bf16); peak memory {gib(peak)}")
 
 
 def main(argv=None):
