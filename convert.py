@@ -52,13 +52,11 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
     # A config gives RoPE in one of two forms (AI2's stage-3 values shown; ... is YaRN's others):
     #   legacy (AI2's released config): rope_theta: 500000, rope_scaling: {rope_type: yarn,
-    #     factor: 8, ...}; transformers applies rope_scaling to the full-attention layers only
+    #     factor: 8, ...}, which transformers applies to the full-attention layers only
     #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
     #     sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # `full`, the full-attention layers' RoPE, is the dicts below merged (later keys win), so both
-    # forms give {rope_theta: 500000, rope_type: yarn, factor: 8, ...}:
-    #   legacy: {rope_theta: 500000} | rope_scaling
-    #   newer:  {rope_theta: 500000 (the default)} | rope_parameters["full_attention"]
+    # `full`, the full-attention layers' RoPE, merges both forms' dicts (later keys win), so
+    # either gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
@@ -67,7 +65,9 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
     # the sliding layers must have plain RoPE with the full layers' theta, as OLMo 3's do
     need(sliding == plain, f"sliding layers' RoPE {sliding}, not the full layers' theta unscaled")
-    expected = 0.1 * math.log(max(factor, 1)) + 1  # YaRN's attention factor, as OLMo 3 uses it
+    # olmo3.rope_tables computes YaRN's attention factor itself, as OLMo 3 does, so a config
+    # that sets another would not match our RoPE
+    expected = 0.1 * math.log(max(factor, 1)) + 1
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
                 "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
@@ -197,7 +197,7 @@ def main(argv=None):
             step_dir / "params", args=ocp.args.PyTreeRestore(restore_args=as_numpy))
         to_hf(params, cfg, args.out)
     if args.verify:
-        import evaluation  # beside the core (torch, transformers) and never imported to train
+        import evaluation  # verify imports torch and transformers (training never does)
         evaluation.verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
     print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters (the vocabulary padded)")
 

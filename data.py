@@ -44,31 +44,31 @@ TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files are raw little-endian uint32, 
 # ----------------------------------------------------------------------------- the loader
 
 class Loader:
-    """OLMo-core's fixed-length instances; batch(step) is a pure function of the step."""
+    """OLMo-core's fixed-length instances; batch(i), the i-th batch, is a pure function of i."""
 
     def __init__(self, source, seq_len, global_batch, seed, rows=None, tokenizer="dolma2",
                  root=None, vocab_size=None, permutation_seed=-1):
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.vocab_size = vocab_size  # (a token id >= vocab_size is an error)
         self.files = resolve_source(source, tokenizer, root)
         # (stage 3) `permutation_seed` is OLMo-core's source_permutation_seed (-1 keeps the
         # files' order). OLMo-core shuffles the file indices with random.Random(seed); shuffling
         # the list with it gives the same permutation.
         if permutation_seed >= 0:
             random.Random(permutation_seed).shuffle(self.files)
-        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.sizes = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in self.files]  # tokens
+        # each file's first instance id: files of 3 and 4 instances give [0, 3, 7]
+        self.first_id = np.cumsum([0] + [n // seq_len for n in self.sizes])
+        self.set_instances(int(self.first_id[-1]))
+        self.shuffled = (None, None)  # (epoch, its order), kept from the last epoch_order
         # (second read) `rows` are the rows of every global batch that this process reads: all
         # of them by default. On a pod they are train.local_rows, the rows its devices hold (on
         # 2 processes of 2 devices each, with fsdp=4, process 1 reads rows 8-15 of 16).
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
-        self.vocab_size = vocab_size
-        self.shuffled = (None, None)  # (epoch, its order), kept from the last epoch_order
-        self.sizes = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in self.files]  # tokens
-        # The data's fingerprint is the files' names and sizes hashed to 60 bits. It is an int64
-        # that the hosts compare and a checkpoint keeps.
+        # (second read) The data's fingerprint is the files' names and sizes hashed to 60 bits.
+        # It is an int64 that the hosts compare and a checkpoint keeps.
         named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
         self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)
-        # each file's first instance id: files of 3 and 4 instances give [0, 3, 7]
-        self.first_id = np.cumsum([0] + [n // seq_len for n in self.sizes])
-        self.set_instances(int(self.first_id[-1]))
 
     def set_instances(self, num_instances):  # sets the instance count and steps_per_epoch
         self.num_instances, self.steps_per_epoch = num_instances, num_instances // self.global_batch
@@ -85,15 +85,15 @@ class Loader:
             self.shuffled = (epoch, batches.reshape(self.steps_per_epoch, -1))
         return self.shuffled[1]
 
-    def batch(self, step):
-        """This process's rows of step's batch: inputs, labels (-100: none), int32 [rows, T]."""
-        epoch, index = divmod(step, self.steps_per_epoch)
+    def batch(self, i):
+        """This process's rows of batch i (from 0): inputs, labels (-100: none), int32 [rows, T]."""
+        epoch, index = divmod(i, self.steps_per_epoch)
         # OLMo-core's epochs count from 1
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
-        # (Skip the rest on a first read: for Loader's rows it is just labels[:, :-1] =
-        # inputs[:, 1:], and the rest is for PackedLoader's rows.) In general, position t predicts
-        # token t + 1 when that token is a document's, not padding. A fixed-length row is all
-        # document (lengths = seq_len). A packed row usually ends in padding.
+        # For Loader's rows the labels are just labels[:, :-1] = inputs[:, 1:] (skip the rest on a
+        # first read: it is for PackedLoader's). Position t predicts token t + 1 when that token
+        # is a document's, not padding. A fixed-length row is all document (lengths = seq_len).
+        # A packed row usually ends in padding.
         # real_next [rows, T - 1]: position t has a target iff t + 1 < length; with length 3
         # and T = 6, it is [True, True, False, False, False].
         real_next = np.arange(1, self.seq_len) < lengths[:, None]
@@ -166,7 +166,7 @@ class PackedLoader(Loader):
             lengths.append(len(tokens))
         return inputs, np.array(lengths)
 
-    def batch(self, step):
+    def batch(self, i):
         # A document's EOS is labelled with the next document's first token (Loader.batch's plain
         # shift, as OLMo-core's get_labels, which masks only padding). So each EOS but the row's
         # last (padding follows that one, so it has no target) learns to predict an unrelated
@@ -175,7 +175,7 @@ class PackedLoader(Loader):
         # a segment of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at
         # positions 2 and 4,
         # tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
-        batch = super().batch(step)
+        batch = super().batch(i)
         eos = batch["inputs"] == self.eos
         return batch | {"segments": (np.cumsum(eos, axis=1) - eos).astype(np.int32)}
 

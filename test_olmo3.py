@@ -1581,7 +1581,7 @@ def test_pod_sigterm_to_one_process_stops_all_at_one_step_with_a_checkpoint(pod_
     assert codes == [75, 75], outputs
     step = stopped_at(outputs[0])
     assert "(another process was asked to stop), checkpointed" in outputs[0]
-    assert "SIGTERM: checkpointing after this step" in outputs[1]
+    assert "SIGTERM: checkpointing within two steps" in outputs[1]
     assert step < POD_STEPS and steps[-1] == step  # the stop's checkpoint is the newest
     after = parts[order[order.index(moment) + 1]][1][0]
     assert f"resumed from step {step}" in after

@@ -145,6 +145,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       read metrics[step - 1]                                  # waits for them, prints
     #       every eval_every steps, evaluate; every save_every, read metrics[step] and save
     # On a pod, a signal that any process got shows in metrics[step - 1]: all save and exit 75.
+    # (On a first read, skip what says signal: it is the second read's stopping.)
     unread = None  # (step, metrics): dispatched, not read yet
     signalled = False  # whether any process got a signal, as of the newest metrics read
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
@@ -155,10 +156,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # whether any process has got a signal by now (a tiny all-reduce, read with the metrics;
         # second read: stop_reason)
         metrics["signalled"] = stop_signalled(mesh)
-        # log.read prints a line every log_every steps (10 skipped in a row stop the run) and
-        # returns the metrics' stop flag
+        # log.read waits for the step before's metrics, prints a line every log_every steps (10
+        # skipped in a row stop the run), and returns them as Python values
         if unread:
-            signalled = log.read(*unread)
+            signalled = log.read(*unread)["signalled"]
         unread = (step, metrics)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -167,7 +168,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stop_reason(step, args, signalled)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read its metrics now, so the saved log reaches it
-            signalled = log.read(*unread)
+            signalled = log.read(*unread)["signalled"]
             unread = None  # (so the next iteration has nothing to read)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -243,12 +244,13 @@ def fresh_state(r, params):  # the training state before step 1
 
 
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
-    # jit and Orbax need every leaf's shape and sharding before any array exists, so that the 7B's
-    # state is never whole on one device: init_state creates each device's shards from these,
-    # restore reads a checkpoint onto them, and compile_step compiles for them. Each leaf is a
-    # jax.ShapeDtypeStruct (shape, dtype, sharding). (jax.eval_shape(fresh_state) gives the shapes
-    # but no shardings: make_mesh's axes are Auto, which leaves shardings to XLA as it compiles.
-    # So they are written out; a test compares the two.)
+    # The shardings are written out by hand here: jax.eval_shape(fresh_state) would give the
+    # shapes but not these shardings (make_mesh's axes are Auto, which leaves shardings to XLA as
+    # it compiles); a test checks that both agree. jit and Orbax need every leaf's shape and
+    # sharding before any array exists, so that the 7B's state is never whole on one device:
+    # init_state creates each device's shards from these, restore reads a checkpoint onto them,
+    # and compile_step compiles for them. Each leaf is a jax.ShapeDtypeStruct (shape, dtype,
+    # sharding).
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -472,7 +474,7 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
     # What train's loop calls: log(text) or log(**record); read(step, metrics), one step late,
-    # which returns the metrics' stop flag; flush() after a save.
+    # which returns the metrics as Python values; flush() after a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -511,7 +513,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, step, metrics):  # -> the metrics' stop flag: did any process get a signal?
+    def read(self, step, metrics):  # -> the metrics as Python values (numbers and lists)
         # Waits for one step's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
         # row stop the run), and logs a line every log_every steps. (self(...) is log(...).)
         r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
@@ -524,7 +526,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{step} (loss {m['loss']}); lower --lr or check the data; rerun")
         if step % r.log_every and step != r.steps:
-            return m["signalled"]
+            return m
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -537,7 +539,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m["signalled"]
+        return m
 
 
 # =============================================================================
@@ -683,11 +685,11 @@ def refuse_fresh_start(out):
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
 
-def request_stop(signum, frame):  # checkpoint after this step and exit (a second Ctrl-C exits now)
+def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
     if SIGNALS and signum == signal.SIGINT:
         raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
     SIGNALS.append(signal.Signals(signum).name)
-    print(f"{SIGNALS[0]}: checkpointing after this step, then stopping (Ctrl-C again: now)")
+    print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
 
 
 def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
