@@ -33,11 +33,11 @@ def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tenso
             yield f"model.layers.{i}.{spec.hf}.weight", kind, i
 
 
-def ours(params, kind, layer):  # our array for `kind` (one layer's, for a block weight)
+def array_of(params, kind, layer):  # our array for `kind` (one layer's, for a block weight)
     return params[kind] if layer is None else params["blocks"][kind][layer]
 
 
-def hf_layout(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
+def as_hf(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
     # HF's nn.Linear weights are [out, in] and ours [in, out], so they are transposed;
     # nn.Embedding is [V, D], as ours is.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
@@ -56,7 +56,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
     #     sliding_attention: {rope_type: default, rope_theta: 500000}}
     # `full`, the full-attention layers' RoPE, merges both forms' dicts (later keys win), so
-    # either gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}.
+    # either gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A config with no YaRN,
+    # as stages 1 and 2 have, gives full = {rope_theta: 500000}: factor 0.)
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
@@ -130,11 +131,11 @@ def from_hf(path):
     # Start from zeros: the embedding's padding rows stay zero (no token id reads them).
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), olmo3.param_specs(cfg),
                           is_leaf=olmo3.is_spec)
-    # Each HF tensor is written into a view of our array: ours() indexes, and hf_layout
+    # Each HF tensor is written into a view of our array: array_of() indexes, and as_hf
     # transposes and cuts the vocabulary, all numpy views, not copies, so `view[...] = tensor`
     # lands in params itself.
     for name, kind, layer in hf_tensors(cfg):
-        tensor, view = files[name].get_tensor(name), hf_layout(ours(params, kind, layer), kind, cfg)
+        tensor, view = files[name].get_tensor(name), as_hf(array_of(params, kind, layer), kind, cfg)
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
         view[...] = tensor
@@ -156,7 +157,7 @@ def to_hf(params, cfg, out):
     from safetensors.numpy import save_file
     weight_map, size = {}, 0
     for kind in [*params["blocks"], "embed", "final_norm", "lm_head"]:
-        shard = {name: np.ascontiguousarray(hf_layout(ours(params, kind, layer), kind, cfg))
+        shard = {name: np.ascontiguousarray(as_hf(array_of(params, kind, layer), kind, cfg))
                  for name, k, layer in hf_tensors(cfg) if k == kind}
         save_file(shard, f"{out}/model-{kind}.safetensors", metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, f"model-{kind}.safetensors")

@@ -11,12 +11,13 @@
 #    set of rows, and so the loss, is the same (up to the order of float sums). Only which device
 #    holds which row differs.
 #    Labels are the inputs shifted left by one, and the last position is ignored (-100).
-# 2. `PackedLoader` (stage 3; skip it on a first read) packs whole documents into the instances
-#    instead, as OLMo-core's NumpyPackedFSLDataset does, and gives each token its document's
-#    segment id for attention.
+# 2. `PackedLoader` (stage 3; skip it, `pack_documents` and `pack` on a first read) packs whole
+#    documents into the instances instead, as OLMo-core's NumpyPackedFSLDataset does, and gives
+#    each token its document's segment id for attention.
 # 3. `resolve_source` turns a mix file (OLMo's `label,relative/path.npy` lines), a glob or a
-#    folder into the token files, in order. The files are local. On a pod, a bucket mounted
-#    with gcsfuse is local too (this is how MaxText reads AI2's data).
+#    folder into the token files, in order (`read_mix` reads a mix file). The files are local. On
+#    a pod, a bucket mounted with gcsfuse is local too (this is how MaxText reads AI2's data).
+#    `get_tokenizer` gives dolma2 (cl100k with AI2's special tokens) or bytes.
 # 4. `tokenize` turns documents into token ids (EOS after every document, no BOS) and writes
 #    them as headerless little-endian uint32 files (OLMo's ".npy" token files, which are not
 #    NumPy's .npy format), plus mix files that list them. A hash of each document's text picks
@@ -91,15 +92,12 @@ class Loader:
         # the epoch's order (epochs count from 1, as OLMo-core's do): its row `index` is this
         # batch's ids, and self.rows picks this process's of them
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
-        # For Loader's rows the labels are just labels[:, :-1] = inputs[:, 1:] (skip the rest on a
-        # first read: it is for PackedLoader's). Position t predicts token t + 1 when that token
-        # is a document's, not padding. A fixed-length row is all document (lengths = seq_len).
-        # A packed row usually ends in padding.
-        # real_next [rows, T - 1]: position t has a target iff t + 1 < length; with length 3
-        # and T = 6, it is [True, True, False, False, False].
-        real_next = np.arange(1, self.seq_len) < lengths[:, None]
-        labels = np.full_like(inputs, -100)
-        labels[:, :-1] = np.where(real_next, inputs[:, 1:], -100)
+        labels = np.full_like(inputs, -100)  # the last position has no target
+        labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
+        # (PackedLoader's rows end in padding, which is no target: position t has one iff
+        # t + 1 < length. Loader's rows are all document, lengths = seq_len, so this changes
+        # nothing for them. With length 3 and T = 6, positions 2 to 4 lose theirs.)
+        labels[:, :-1][np.arange(1, self.seq_len) >= lengths[:, None]] = -100
         return {"inputs": inputs, "labels": labels}
 
     # -> tokens [len(ids), seq_len] int32, and each row's real length (always seq_len here; the

@@ -196,6 +196,7 @@ def load_task(spec, limit, tokenizer, seq_len):
     #     codex_humaneval:gold_bpb_0shot);
     #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
     #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
+    # The code: the first way, or else the right idx is 0 (the second way) or the label (third).
     if DIVIDE_BY[metric] == "bytes":
         requests = [req for req in requests if isinstance(req["label"], str | list) or
                     req["idx"] == (0 if req["label"] is None else req["label"])]
@@ -232,7 +233,8 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # rule 3 (accuracy): each continuation's score is divided by 1, its characters or its tokens
     # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
     # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
-    # on a tie) is its label.
+    # on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0 to
+    # n - 1 in OLMES's files; olmo_eval skips a document where they do not.)
     # rule 4 (bits per byte): -score / bytes * log2(e) of the right continuation, which load_task
     # kept (if a document kept several, olmo_eval scores the first: next(iter(by_idx.values()))).
     # by_idx holds log-probs per byte, in nats (<= 0); the value is bits per byte (>= 0).

@@ -59,7 +59,7 @@ class Config:
         return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
 
 
-NUMERICS = ("compute_dtype", "remat", "attention")
+NUMERICS = ("compute_dtype", "remat", "attention")  # fields a checkpoint need not match
 MODELS = {
     # A laptop CPU trains it in minutes. Its vocabulary is bytes, and window 64 < seq 256 makes
     # both layer kinds matter.
@@ -177,7 +177,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # windows[j]: layer j's window, in every group (the same in each, because group_size is
     # global_every or all the layers)
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # Every layer is a jax.checkpoint; --remat picks its policy (Config.remat says what each keeps)
+    # Every layer is a jax.checkpoint, so the backward pass keeps only what a policy says and
+    # recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
+    # elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
@@ -274,7 +276,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's fused
     # one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA path, whose
     # [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when the default
-    # remat (--remat false) keeps them for every layer. cuDNN takes only bf16 and fp16, so tiny's
+    # policy (dots_saveable, --remat false) keeps the matmul outputs, these among them, for every
+    # layer. cuDNN takes only bf16 and fp16, so tiny's
     # fp32 takes the reference on a GPU too. On CPU it is the reference below, the fastest there.
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
@@ -359,11 +362,12 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # (constrain, which reads the mesh that `jax.set_mesh` set: train.main does). train.compile_step
 # hands the first two to jit.
 #
-# Second, what a device holds on those 8 devices, for the 7B with `--mesh fsdp=4,tensor=2` and
-# `--micro-batch 8` (data is 1): a batch of 512 x 8192, run as 64 micro-batches of 8 rows (gradient
-# accumulation, train.py's, stop 5 of the map: here, read a micro-batch as one forward pass over 8
-# rows; whether it fits in memory is the README's pod table's question). Device d sits at fsdp
-# i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order):
+# Second, what a device holds, for
+#   the 7B on those 8 devices, as `--mesh fsdp=4,tensor=2` (data is 1), where device d sits at
+#     fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order);
+#   a batch of 512 x 8192, run with `--micro-batch 8` as 64 forward passes over 8 rows each
+#     (gradient accumulation, train.py's, stop 5 of the map; whether it fits in memory is the
+#     README's pod table's question):
 #   array         shape                what cuts each dimension              one device holds
 #   embed         [100352, 4096]       tensor (vocab), fsdp (embed)          [50176, 1024]
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
@@ -394,6 +398,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   all-reduce over tensor: after o and down, whose input dimension tensor cuts, so each partner
 #     holds a partial sum over its half of the heads or of the MLP, and the two are added (and,
 #     in the backward pass, for the gradient of x entering q, k, v, gate and up, likewise);
+#   all-reduce over tensor, small: QK-norm's statistics (a mean over all the heads, which tensor
+#     cuts) and the loss's logsumexp (over the vocabulary, which tensor cuts);
 #   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;
 #   all-reduce over data, when data > 1: the gradients of its N copies of the weights.
 # (Also: the embedding's lookup, in a table whose rows tensor cuts, needs communication, which XLA

@@ -3,11 +3,11 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# file's order. Below the "second read" banner is what a pod needs (checkpoints, stopping, several
-# hosts), then the command line. `r` is always the Recipe, `cfg` the model's olmo3.Config. Steps
-# (updates) count from 1, as OLMo-core's do: step s trains on loader.batch(s - 1) and is logged and
-# saved as step s, and after it the state's step is s (the steps done). The README has a JAX
-# glossary.
+# file's order. Below the "second read" banner is what the 7B on a pod needs (AI2's stage-1
+# schedule, checkpoints, stopping, several hosts), then the command line. `r` is always the Recipe,
+# `cfg` the model's olmo3.Config. Steps (updates) count from 1, as OLMo-core's do: step s trains on
+# loader.batch(s - 1) and is logged and saved as step s, and after it the state's step is s (the
+# steps done). The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -103,16 +103,7 @@ def main(argv=None):
     if args.eval_only or args.generate is not None:
         import evaluation  # it lives beside the core
         return evaluation.main(cfg, r, args)
-    # (second read) Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes
-    # after start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this
-    # one replaces it. (JAX's preemption sync point misses a SIGTERM that comes before the first
-    # step.)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, request_stop)
-    # (second read) every host must see the run directory that process 0 writes (on one host,
-    # this only makes the directory)
-    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
-                          "process 0 writes; give every host the same: a bucket, or a shared disk")
+    catch_signals_check_run_dir(args.out)  # (second read) what a run on a pod needs first
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager for the run's checkpoints/ (second read). The first read
     # needs only that it lists the saved steps and saves new ones in the background.
@@ -139,7 +130,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # (as a CUDA launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for
     # them. Reading the step before's while this one runs means the devices need not wait for the
     # host between steps (an evaluation or a save does wait).
-    # On one host with no signal and no --stop-at (signalled stays False, stop None), it is
+    # On one host with no signal and no --stop-at (stop stays None), it is
     #   for step in range(state["step"] + 1, r.steps + 1):
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       read metrics[step - 1], unless a save read them         # waits for them, prints
@@ -149,29 +140,29 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
     # (On a first read, skip what says signal: it is the second read's stopping.)
     unread = None  # (step, metrics): dispatched, not read yet
-    signalled = False  # whether any process got a signal, as of the newest metrics read
+    latest = {}  # the newest metrics read, as Python values (none yet)
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
         step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # whether any process has got a signal by now (a tiny all-reduce, read with the metrics;
-        # second read: stop_reason)
+        # (second read) whether any process has got a signal by now: a tiny all-reduce, read
+        # with the metrics
         metrics["signalled"] = stop_signalled(mesh)
         # log.read waits for the step before's metrics, prints a line every log_every steps (10
         # skipped in a row stop the run), and returns them as Python values
         if unread:
-            signalled = log.read(*unread)["signalled"]
+            latest = log.read(*unread)
         unread = (step, metrics)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
-        # SIGTERM) that any process got, as read with the step before's metrics
-        stop = stop_reason(step, args, signalled)
+        # SIGTERM) that any process got, as the step before's metrics (latest) show
+        stop = stop_reason(step, args, latest)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read its metrics now, so the saved log reaches it
-            # (a signal in them stops the run at the next step)
-            signalled = log.read(*unread)["signalled"]
+            # (a signal in them stops the run after the next step)
+            latest = log.read(*unread)
             unread = None  # (so the next iteration has nothing to read)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -252,10 +243,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
     # whole on one device: init_state creates each device's shards from these, restore reads a
     # checkpoint onto them, and compile_step compiles for them.
-    # (The shardings are written out by hand: jax.eval_shape(fresh_state) would give the shapes
-    # but not these shardings, as make_mesh's axes are Auto, which leaves shardings to XLA as it
-    # compiles. A test checks the shapes and dtypes against eval_shape's, and the shardings
-    # against init_state's arrays.)
+    # (Written out by hand, because jax.eval_shape(fresh_state) would lose the shardings here:
+    # the glossary's Auto axes. A test checks the shapes and dtypes against eval_shape's, and the
+    # shardings against init_state's arrays.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -275,6 +265,7 @@ def init_state(cfg, r, target):
 
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
+    # On a first read: a new run is init_state(cfg, r, target), with the note "fresh start".
     # The state is the run's newest checkpoint, read straight into target's shardings. Otherwise
     # it is a fresh state, into which --init-from (if given) copies its weights and Adam state.
     # In this "warm Adam", the moments and Adam's step count (opt_state.count) carry over, and
@@ -395,10 +386,7 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # F = min_lr_ratio * P, warmup W and t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # Both stay at F from T on. The "olmo3" schedule's second part (olmo3_stage1) is, with its
-    # own warmup W2 and t_max T2,
-    #   HalfCosWithWarmup: ((F + P) / 2) k / W2 for k < W2, then
-    #                      F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
+    # Both stay at F from T on. (The "olmo3" schedule, olmo3_stage1, is in the second read.)
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # (the max()es keep a run no longer than its warmup valid)
@@ -408,36 +396,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
         lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                    optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                   [warmup])
-    else:  # "olmo3": AI2's stage 1 in two parts (the 7b presets; optional on a first read)
+    else:  # "olmo3": AI2's stage 1 in two parts (the 7b presets; second read)
         lr = olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
     return lr
-
-
-# the first step of stage 1's second part (AI2 restarted after step 596,047)
-RESTART = 596_048
-
-
-# -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
-def olmo3_stage1(peak, floor, warmup, tokens, cosine):
-    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
-    # cosine(T1), aimed at 5T tokens (T1 steps); AI2 stopped it after step 596,047. Part 2, from
-    # RESTART on, is HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step
-    # W2, then the second half of a cosine from P to F, reaching F at T2. For the 7b preset
-    # (4,194,304 tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts
-    # inside its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to.
-    t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
-    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
-    # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
-    warmup2 = int(5e12) // tokens // 2 + warmup // 2
-    # half is a cosine from P to F over 2 (T2 - W2) steps. Our step k is its step
-    # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2 (and from T2 on).
-    half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-    part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
-                                half((k - warmup2) + (t_max2 - warmup2)))  # half's own step
-    # The 7b preset's LR at a few steps k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
-    # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
-    # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
-    return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
 
 
 def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays after it)
@@ -446,11 +407,11 @@ def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays afte
 
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. history [2, 128] is a ring of each one's last 128 values. steps_done is the state's
-    # step: min(steps_done, 128) slots hold values, and this step's go to slot steps_done % 128. A
-    # value spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one
-    # per row), once there are 64 values with this one: from step 64 on (steps_done 63). At step 4,
-    # slots 0-2 hold values, and this one goes to slot 3.
+    # update. history [2, 128] is a ring of each one's last 128 values, and steps_done is the
+    # state's step: slots i < min(steps_done, 128) hold values, and this step's go to slot
+    # steps_done % 128 (at step 4, slots 0-2 hold values, and this one goes to slot 3). A value
+    # spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one per
+    # row), once there are 64 values with this one: from step 64 on (steps_done 63).
     n_held = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
@@ -549,11 +510,43 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # =============================================================================
-# Second read: what a pod needs. Checkpoints that survive a kill at any moment and resume on
-# another mesh, a SIGTERM that every process acts on at the same step, and what runs across
-# hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts agree.
-# Then the command line.
+# Second read: what the 7B on a pod needs. AI2's two-part stage-1 schedule; checkpoints that
+# survive a kill at any moment and resume on another mesh; a SIGTERM that every process acts on
+# at the same step; and what runs across hosts: JAX's start-up, each host feeding its own
+# devices, and checks that the hosts agree. Then the command line.
 # =============================================================================
+
+
+# ----------------------------------------------------------------------------- the 7b's schedule
+
+# the first step of stage 1's second part (AI2 restarted after step 596,047)
+RESTART = 596_048
+
+
+# -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
+def olmo3_stage1(peak, floor, warmup, tokens, cosine):
+    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
+    # cosine(T1), aimed at 5T tokens (T1 steps); AI2 stopped it after step 596,047. Part 2, from
+    # RESTART on, is HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step
+    # W2, then the second half of a cosine from P to F, reaching F at T2. For the 7b preset
+    # (4,194,304 tokens a step), T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts
+    # inside its warmup, at 99.8% of (F + P) / 2, close to where part 1 had come down to. In
+    # OLMo-core's formulas (schedule's), with part 2's warmup W2 and t_max T2,
+    #   HalfCosWithWarmup: ((F + P) / 2) k / W2 for k < W2, then
+    #                      F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
+    t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
+    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
+    # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
+    warmup2 = int(5e12) // tokens // 2 + warmup // 2
+    # half is a cosine from P to F over 2 (T2 - W2) steps. Our step k is its step
+    # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2 (and from T2 on).
+    half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
+    part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
+                                half((k - warmup2) + (t_max2 - warmup2)))  # half's own step
+    # The 7b preset's LR at a few steps k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
+    # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
+    # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
+    return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -688,6 +681,18 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 
+def catch_signals_check_run_dir(out):  # main calls it after start_jax, before training
+    # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes after
+    # start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this one
+    # replaces it. (JAX's preemption sync point misses a SIGTERM that comes before the first step.)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
+    # Every host must see the run directory that process 0 writes (on one host, this only makes
+    # the directory).
+    check_processes_agree(run_mark(out), f"do not see the run directory {out} that process 0 "
+                          "writes; give every host the same: a bucket, or a shared disk")
+
+
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
 
@@ -708,14 +713,14 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     return jnp.any(flags)
 
 
-def stop_reason(step, args, signalled):  # why the run stops after step (None: it goes on)
-    # signalled came with the step before's metrics, which every process read alike, so all
-    # stop after the same step. A SIGTERM that comes after iteration 7's stop_signalled (while
-    # log.read waits, say) is in step 8's flag, read in iteration 9: every process saves 9 and
-    # exits 75.
+def stop_reason(step, args, latest):  # why the run stops after step (None: it goes on)
+    # latest holds the step before's metrics (read in this iteration, or by that step's save),
+    # which every process read alike, so all stop after the same step. A SIGTERM that comes after
+    # iteration 7's stop_signalled (while log.read waits, say) is in step 8's flag, read in
+    # iteration 9: every process saves 9 and exits 75.
     if step == args.stop_at:
         return "--stop-at"
-    if signalled:  # a process got a signal: all stop, together
+    if latest.get("signalled"):  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
