@@ -97,7 +97,7 @@ class Loader:
         # (PackedLoader's rows end in padding, which is no target: position t has one iff
         # t + 1 < length. Loader's rows are all document, lengths = seq_len, so this changes
         # nothing for them. With length 3 and T = 6, positions 2 to 4 lose theirs.)
-        labels[:, :-1][np.arange(1, self.seq_len) >= lengths[:, None]] = -100
+        labels[:, :-1][np.arange(1, self.seq_len) >= lengths[:, None]] = -100  # (a view of labels)
         return {"inputs": inputs, "labels": labels}
 
     # -> tokens [len(ids), seq_len] int32, and each row's real length (always seq_len here; the

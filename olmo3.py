@@ -273,12 +273,13 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
     # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
-    # "auto" takes the backend's maintained kernel. That is Pallas' splash on TPU and cuDNN's fused
-    # one on NVIDIA GPUs. cuDNN is asked for by name, because JAX's default is the XLA path, whose
-    # [B, H, T, T] fp32 scores are 8 GiB a sequence and layer at 8192: too much when the default
-    # policy (dots_saveable, --remat false) keeps the matmul outputs, these among them, for every
-    # layer. cuDNN takes only bf16 and fp16, so tiny's
-    # fp32 takes the reference on a GPU too. On CPU it is the reference below, the fastest there.
+    # (First read: skip to `# --- The reference` below.) The kernel, which computes the same:
+    #   "splash", or "auto" on a TPU: Pallas' splash kernel;
+    #   "cudnn", or "auto" on an NVIDIA GPU in bf16 or fp16 (the dtypes cuDNN takes): cuDNN's;
+    #   otherwise, as on a CPU (where it is the fastest) or for tiny's fp32: the reference.
+    # cuDNN is asked for by name, because JAX's default is the XLA path, whose [B, H, T, T] fp32
+    # scores are 8 GiB a sequence and layer at 8192: too much when the default policy
+    # (dots_saveable, --remat false) keeps the matmul outputs, these among them, for every layer.
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)

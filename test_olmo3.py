@@ -141,6 +141,18 @@ def test_the_core_alone_trains_the_tiny_preset(tmp_path):
     assert "done: step 2" in run.stdout and (tmp_path / "run" / "metrics.jsonl").exists()
     assert not (tmp_path / "run" / "loss.png").exists()  # the plot is beside the core
     assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(CORE)
+    # a flag that needs a module beside the core says which one, in one line
+    for flag, needs in (["--dry-run"], "prepare.py"), (["--eval-data", "tok"], "evaluation.py"):
+        run = subprocess.run(
+            [sys.executable, "train.py", *SMALL_RUN, *flag, "--data", "tok", "--out", "run2"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+            f"error: this needs {needs}, beside the core; copy it next to train.py"
+        ], run.stderr
 
 
 def test_readme_names_only_functions_that_exist():

@@ -98,11 +98,9 @@ def main(argv=None):
     cfg, r, args = parse_args(argv)
     start_jax(args)  # fake CPU devices if asked, and the multi-host start-up (second read)
     if args.dry_run:
-        import prepare  # it lives beside the core
-        return prepare.dry_run(cfg, r, args)
+        return beside("prepare").dry_run(cfg, r, args)  # beside: a module beside the core
     if args.eval_only or args.generate is not None:
-        import evaluation  # it lives beside the core
-        return evaluation.main(cfg, r, args)
+        return beside("evaluation").main(cfg, r, args)
     catch_signals_check_run_dir(args.out)  # (second read) what a run on a pod needs first
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager for the run's checkpoints/ (second read). The first read
@@ -140,7 +138,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
     # (On a first read, skip what says signal: it is the second read's stopping.)
     unread = None  # (step, metrics): dispatched, not read yet
-    latest = {}  # the newest metrics read, as Python values (none yet)
+    latest = {}  # (second read) the newest metrics read; only stop_reason looks at it
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
         step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -149,15 +147,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (second read) whether any process has got a signal by now: a tiny all-reduce, read
         # with the metrics
         metrics["signalled"] = stop_signalled(mesh)
-        # log.read waits for the step before's metrics, prints a line every log_every steps (10
-        # skipped in a row stop the run), and returns them as Python values
+        # log.read waits for the step before's metrics, prints a line every log_every steps, and
+        # returns them as Python values (it stops the run after 10 updates in a row that the
+        # spike guard skipped)
         if unread:
             latest = log.read(*unread)
         unread = (step, metrics)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
-        # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
-        # SIGTERM) that any process got, as the step before's metrics (latest) show
+        # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C,
+        # a pod's SIGTERM) that any process got, as the step before's metrics (latest) show
         stop = stop_reason(step, args, latest)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read its metrics now, so the saved log reaches it
@@ -166,15 +165,14 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             unread = None  # (so the next iteration has nothing to read)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
-        if stop and step < r.steps:  # (after the last step the run ends with 0)
+        if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
             manager.wait_until_finished()
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return EXIT_STOPPED
     manager.wait_until_finished()
     if args.samples and importlib.util.find_spec("evaluation"):  # with evaluation.py only
-        import evaluation
-        evaluation.samples(state["params"], cfg, r, loader, args.samples, log)
+        beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
@@ -211,13 +209,19 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
     # evaluation.py (beside the core) evaluates the sets and tasks given (--eval-data,
     # --eval-tasks), or else the corpus's held-out set. With the core alone (a copy of the three
-    # files) there is no evaluator: no evaluations, samples or loss plot.
+    # files) the held-out set is skipped (and so are the samples and the loss plot), and
+    # --eval-data or --eval-tasks is an error.
     have_evaluation = importlib.util.find_spec("evaluation") is not None
     if not (args.eval_data or args.eval_tasks or (heldout and have_evaluation)):
         return None
-    import evaluation
     sets = args.eval_data if args.eval_data else heldout
-    return evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
+    return beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
+
+
+def beside(name):  # imports a module beside the core (evaluation, prepare) where a flag needs it
+    if importlib.util.find_spec(name) is None:  # the core alone, as a copy of its three files
+        raise SystemExit(f"error: this needs {name}.py, beside the core; copy it next to train.py")
+    return importlib.import_module(name)
 
 
 # ----------------------------------------------------------------------------- the state
@@ -243,9 +247,10 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
     # whole on one device: init_state creates each device's shards from these, restore reads a
     # checkpoint onto them, and compile_step compiles for them.
-    # (Written out by hand, because jax.eval_shape(fresh_state) would lose the shardings here:
-    # the glossary's Auto axes. A test checks the shapes and dtypes against eval_shape's, and the
-    # shardings against init_state's arrays.)
+    # (Written out by hand, because jax.eval_shape(fresh_state) gives shapes and dtypes but no
+    # shardings: it traces without compiling, and under make_mesh's Auto axes the compiler picks
+    # shardings only when it compiles. A test checks the shapes and dtypes against eval_shape's,
+    # and the shardings against init_state's arrays.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -465,12 +470,11 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # append), and draws loss.png if evaluation.py is here.
     def flush(self):
         if jax.process_index() == 0:
-            for name, path in self.files.items():  # (main's run_mark made the run directory)
+            for name, path in self.files.items():  # (run_mark made the run directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
                 path.with_suffix(".tmp").replace(path)
             if importlib.util.find_spec("evaluation"):
-                import evaluation
-                evaluation.plot(self.run_dir, self.lines["metrics.jsonl"])
+                beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
     # (second read) metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes
     # it before Orbax commits the checkpoint, so a kill between the two leaves records past it, and
