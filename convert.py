@@ -62,7 +62,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
-    plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # OLMo 3's sliding RoPE
+    plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # what sliding must be
     sliding = plain | rope.get("sliding_attention", {})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
     # the sliding layers must have plain RoPE with the full layers' theta, as OLMo 3's do

@@ -2,8 +2,9 @@
 # Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
 # evaluation comes down to (the summed log-probability of each row's labelled positions, sharded
 # over the mesh as training is); then the perplexity sets, the downstream tasks (`load_task`,
-# `request_rows`, `metric_value`), and the commands (--eval-only, --generate, convert.py's
-# --verify, samples, the loss plot). `r` is the Recipe.
+# `request_rows`, `metric_value`; OLMES's own rules, slow going), the commands (--eval-only and
+# --generate, convert.py's --verify), `generate` with `samples`, and the loss plot. `r` is the
+# Recipe.
 #
 # Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
 # to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
@@ -134,13 +135,13 @@ def document_rows(files, eos, seq_len, limit):
 # it:
 #   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
 #   rule 2 (load_task): --eval-limit N keeps the first N documents.
-#   rule 3 (metric_value): accuracy, the argmax of each document's normalised scores.
-#   rule 4 (load_task, metric_value): bits per byte, over each document's right continuation.
+#   rule 3 (load_task, metric_value): bits per byte, over each document's right continuation.
+#   rule 4 (metric_value): accuracy, the argmax of each document's normalised scores.
 # End to end, for ARC-Easy's question 7 in arc_easy:rc_5shot (primary metric acc_raw):
 #   load_task reads its four requests and keeps them (rules 1 and 2);
 #   request_rows makes each a row: the context, then the continuation, only the latter labelled;
 #   score gives each row's summed log-probability of its continuation, e.g. -3.1, -2.4, -5.0, -4.2;
-#   metric_value divides each by 1 (acc_raw; rule 3) and counts question 7 right, as the argmax,
+#   metric_value divides each by 1 (acc_raw; rule 4) and counts question 7 right, as the argmax,
 #   idx 1, is its label.
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
@@ -194,7 +195,7 @@ def load_task(spec, limit, tokenizer, seq_len):
     # Doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys drops repeats, keeps order).
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    # rule 4: bits per byte scores only each document's right continuation. Tasks mark it in one
+    # rule 3: bits per byte scores only each document's right continuation. Tasks mark it in one
     # of three ways, and a request is kept if:
     #   its label is the text itself, a str or list (lambada:bpb_0shot: {"idx": 0, "label":
     #     ["signs"]});
@@ -236,17 +237,17 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    # rule 3 (accuracy): each continuation's score is divided by 1, its characters or its tokens
+    # rule 3 (bits per byte): -score / bytes * log2(e) of the right continuation, which load_task
+    # kept (if a document kept several, olmo_eval scores the first: next(iter(by_idx.values()))).
+    # by_idx holds log-probs per byte, in nats (<= 0); the value is bits per byte (>= 0).
+    # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
     # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
     # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
     # on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0 to
     # n - 1 in OLMES's files; olmo_eval skips a document where they do not.)
-    # rule 4 (bits per byte): -score / bytes * log2(e) of the right continuation, which load_task
-    # kept (if a document kept several, olmo_eval scores the first: next(iter(by_idx.values()))).
-    # by_idx holds log-probs per byte, in nats (<= 0); the value is bits per byte (>= 0).
-    if DIVIDE_BY[metric] == "bytes":  # rule 4
+    if DIVIDE_BY[metric] == "bytes":  # rule 3
         value = np.mean([-next(iter(by_idx.values())) * LOG2_E for by_idx in by_doc.values()])
-    else:  # rule 3: in the example above, the argmax is idx 1, gold is 1: document 7 is right
+    else:  # rule 4: in the example above, the argmax is idx 1, gold is 1: document 7 is right
         value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
                          for d, by_idx in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}

@@ -346,8 +346,9 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 # ----------------------------------------------------------------------------- sharding
 
 MESH_AXES = ("data", "fsdp", "tensor")
-# This is the one table from logical axes to mesh axes. Every weight's and activation's sharding
-# comes from it (the replicated scalars use P(), and train.stop_signalled its own). A batch's rows
+# This is the one table from logical axes to mesh axes. Every sharding the code sets (the weights',
+# the batch's, the constrained activations') comes from it (the replicated scalars use P(), and
+# train.stop_signalled its own); XLA chooses the rest. A batch's rows
 # (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
 # Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
 # splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
@@ -432,6 +433,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")
+    # The Mesh constructor's axes are Auto: XLA picks every sharding the code does not set
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)
 
 
@@ -523,12 +525,12 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # check_vma=False skips JAX's check of which mesh axes the outputs vary over, because the
     # kernel's outputs carry no record of it.
     # k and v are cut by "heads" too, because "kv_heads" maps to the same mesh axis (tensor).
-    spec = logical_to_spec(("batch", None, "heads", None))
-    # in_specs cut q, k and v by `spec`, and segments [B, T] by rows. With no packing, segments
+    pspec = logical_to_spec(("batch", None, "heads", None))
+    # in_specs cut q, k and v by `pspec`, and segments [B, T] by rows. With no packing, segments
     # is None, an empty pytree, which its spec cuts into nothing. The shapes, with B' and T'
     # padded and dp, tp the data-parallel and tensor sizes:
     #   q [B', T', H, E] -shard_map-> [B'/dp, T', H/tp, E] -heads_first-> [b, h, T', E]
     #   -vmap over b-> the kernel on [h, T', E] -> back, and reassembled by out_specs
-    sharded = jax.shard_map(local, in_specs=(spec,) * 3 + (logical_to_spec(("batch", None)),),
-                            out_specs=spec, check_vma=False)
+    sharded = jax.shard_map(local, in_specs=(pspec,) * 3 + (logical_to_spec(("batch", None)),),
+                            out_specs=pspec, check_vma=False)
     return sharded(q, k, v, segments)[:B, :T]

@@ -3,11 +3,11 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# file's order. Below the "second read" banner is what the 7B on a pod needs (AI2's stage-1
-# schedule, checkpoints, stopping, several hosts), then the command line. `r` is always the Recipe,
-# `cfg` the model's olmo3.Config. Steps (updates) count from 1, as OLMo-core's do: step s trains on
-# loader.batch(s - 1) and is logged and saved as step s, and after it the state's step is s (the
-# steps done). The README has a JAX glossary.
+# file's order. Below the "second read" banner are the progress line (Log) and what the 7B on a pod
+# needs (AI2's stage-1 schedule, checkpoints, stopping, several hosts), then the command line. `r`
+# is always the Recipe, `cfg` the model's olmo3.Config. Steps (updates) count from 1, as OLMo-core's
+# do: step s trains on loader.batch(s - 1) and is logged and saved as step s, and after it the
+# state's step is s (the steps done). The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -112,7 +112,7 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
-    # files are written with each checkpoint)
+    # files are written with each checkpoint); log.read is the loop's (Log: second read)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state)
@@ -132,13 +132,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   for step in range(state["step"] + 1, r.steps + 1):
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       read metrics[step - 1], unless a save read them         # waits for them, prints
-    #       if step % eval_every == 0: evaluate
-    #       if step % save_every == 0: read metrics[step], then save
+    #       if step % eval_every == 0 (or the last step): evaluate
+    #       if step % save_every == 0 (or the last step): read metrics[step], then save
     # With a signal or --stop-at, stop is why: that step saves too, and the run exits 75. On a
     # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
     # (On a first read, skip what says signal: it is the second read's stopping.)
     unread = None  # (step, metrics): dispatched, not read yet
-    latest = {}  # (second read) the newest metrics read; only stop_reason looks at it
+    latest = {}  # (second read; first read: ignore latest and stop) the newest metrics read
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
         step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -432,6 +432,15 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
     return enough & ~within, history.at[:, steps_done % HISTORY].set(kept)
 
 
+# =============================================================================
+# Second read: the progress line and metrics.jsonl (Log), and what the 7B on a pod needs: AI2's
+# two-part stage-1 schedule; checkpoints that survive a kill at any moment and resume on another
+# mesh; a SIGTERM that every process acts on at the same step; and what runs across hosts: JAX's
+# start-up, each host feeding its own devices, and checks that the hosts agree. Then the command
+# line.
+# =============================================================================
+
+
 # ----------------------------------------------------------------------------- reporting
 
 SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
@@ -511,14 +520,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
         return m
-
-
-# =============================================================================
-# Second read: what the 7B on a pod needs. AI2's two-part stage-1 schedule; checkpoints that
-# survive a kill at any moment and resume on another mesh; a SIGTERM that every process acts on
-# at the same step; and what runs across hosts: JAX's start-up, each host feeding its own
-# devices, and checks that the hosts agree. Then the command line.
-# =============================================================================
 
 
 # ----------------------------------------------------------------------------- the 7b's schedule
@@ -720,8 +721,8 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
 def stop_reason(step, args, latest):  # why the run stops after step (None: it goes on)
     # latest holds the step before's metrics (read in this iteration, or by that step's save),
     # which every process read alike, so all stop after the same step. A SIGTERM that comes after
-    # iteration 7's stop_signalled (while log.read waits, say) is in step 8's flag, read in
-    # iteration 9: every process saves 9 and exits 75.
+    # step 7's stop_signalled (while log.read waits, say) is in step 8's flag, read in step 9's
+    # iteration: every process saves 9 and exits 75.
     if step == args.stop_at:
         return "--stop-at"
     if latest.get("signalled"):  # a process got a signal: all stop, together
