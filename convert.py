@@ -2,9 +2,11 @@
 
     python convert.py hf-to-jax HF_DIR OUT_DIR [--verify]   # --verify: logits against transformers
     python convert.py jax-to-hf CKPT_DIR OUT_DIR [--verify] # a converted or a run's checkpoint"""
-# The HF name of each weight is in olmo3.param_specs. Torch Linear weights are [out, in] and
-# ours are [in, out], so every matrix but the embedding is transposed. The whole model is held in
-# host memory as fp32 numpy arrays, so a 7B (29 GB) converts on a machine with about 64 GB.
+# Read hf_tensors, array_of and as_hf, then from_hf and to_hf; config_from_hf and config_to_hf map
+# config.json (skim them). The HF name of each weight is in olmo3.param_specs. Torch Linear weights
+# are [out, in] and ours are [in, out], so every matrix but the embedding is transposed. The whole
+# model is held in host memory as fp32 numpy arrays, so a 7B (29 GB) converts on a machine with
+# about 64 GB.
 import argparse
 import json
 import math

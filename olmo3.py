@@ -148,7 +148,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    # constrain (stop 4) pins x's rows to the data-parallel devices; with no mesh set (a test,
+    # constrain (stop 4) pins x's rows to the data-parallel devices, and keeps D whole (None, not
+    # "embed": activations keep D whole, as sharding's part two says); with no mesh set (a test,
     # convert --verify) it does nothing
     return constrain(x, "batch", "seq", None)
 
@@ -257,7 +258,7 @@ def rope_tables(positions, cfg: Config, full: bool):
         inv_freq = inv_freq / cfg.yarn_factor * to_scale + inv_freq * (1 - to_scale)
         scale = 0.1 * math.log(cfg.yarn_factor) + 1
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
+    angles = jnp.concatenate([angles, angles], axis=-1)  # twice: rotate-half pairs i, i + E/2
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
@@ -273,13 +274,8 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
     # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
-    # (First read: skip to `# --- The reference` below.) The kernel, which computes the same:
-    #   "splash", or "auto" on a TPU: Pallas' splash kernel;
-    #   "cudnn", or "auto" on an NVIDIA GPU in bf16 or fp16 (the dtypes cuDNN takes): cuDNN's;
-    #   otherwise, as on a CPU (where it is the fastest) or for tiny's fp32: the reference.
-    # cuDNN is asked for by name, because JAX's default is the XLA path, whose [B, H, T, T] fp32
-    # scores are 8 GiB a sequence and layer at 8192: too much when the default policy
-    # (dots_saveable, --remat false) keeps the matmul outputs, these among them, for every layer.
+    # A TPU runs the splash kernel, an NVIDIA GPU in bf16 cuDNN's; both compute the reference
+    # below, which runs elsewhere (the kernels, and why, are at the end of the file).
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
@@ -467,6 +463,13 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
 # ----------------------------------------------------------------------------- attention kernels
 
 ATTENTION = ("auto", "reference", "cudnn", "splash")
+# attention's kernel, which computes the same as the reference:
+#   "splash", or "auto" on a TPU: Pallas' splash kernel;
+#   "cudnn", or "auto" on an NVIDIA GPU in bf16 or fp16 (the dtypes cuDNN takes): cuDNN's;
+#   otherwise, as on a CPU (where it is the fastest) or for tiny's fp32: the reference.
+# cuDNN is asked for by name, because JAX's default is the XLA path, whose [B, H, T, T] fp32
+# scores are 8 GiB a sequence and layer at 8192: too much when the default policy
+# (dots_saveable, --remat false) keeps the matmul outputs, these among them, for every layer.
 
 
 def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for NVIDIA GPUs

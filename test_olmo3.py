@@ -2152,6 +2152,9 @@ def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     (tmp_path / "mix.txt").write_text("x,a.npy\ny,a.npy\nx,a.npy\n")
     sets = evaluation.perplexity_sets(str(tmp_path / "mix.txt"), "bytes")
     assert list(sets) == ["x", "y"] and len(sets["x"]) == 2
+    (tmp_path / "gone.txt").write_text("x,a.npy\ny,b.npy\n")  # a missing file: its mix line
+    with pytest.raises(SystemExit, match=r"b\.npy does not exist \(.*gone\.txt line 2\)"):
+        evaluation.perplexity_sets(str(tmp_path / "gone.txt"), "bytes")
     got = evaluation.document_rows(sets["y"], eos, 32, 0)
     assert [len(d) for d, _ in got] == [6, 32, 4] and got[1][0][-1] == 31
     cfg, r, args = train.parse_args(SMALL_RUN + ["--global-batch", "4"])

@@ -138,7 +138,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
     # (On a first read, skip what says signal: it is the second read's stopping.)
     unread = None  # (step, metrics): dispatched, not read yet
-    latest = {}  # (second read; first read: ignore latest and stop) the newest metrics read
+    latest = {}  # the newest metrics read (only stop, a second-read matter, looks at them)
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
         step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -159,8 +159,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # a pod's SIGTERM) that any process got, as the step before's metrics (latest) show
         stop = stop_reason(step, args, latest)
         if step % r.save_every == 0 or step == r.steps or stop:
-            # a save waits for the step anyway: read its metrics now, so the saved log reaches it
-            # (a signal in them stops the run after the next step)
+            # unread is now this step's: a save waits for the step anyway, so read its metrics
+            # before saving, and the saved log reaches it (a signal in them stops the run after the
+            # next step)
             latest = log.read(*unread)
             unread = None  # (so the next iteration has nothing to read)
             save(manager, step, state, cfg, r, loader.fingerprint)
@@ -185,7 +186,7 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     source, heldout = args.data, None
     if source is None and cfg.tokenizer != "bytes":
         raise SystemExit("error: --data is required with the dolma2 tokenizer: a mix file, token "
-                         "files, or a `python data.py tokenize` folder (or shakespeare)")
+                         "files, or a `python data.py tokenize` folder (or stdlib, shakespeare)")
     if source in (None, "stdlib", "shakespeare"):
         source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
     elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
@@ -270,12 +271,12 @@ def init_state(cfg, r, target):
 
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
-    # On a first read: a new run is init_state(cfg, r, target), with the note "fresh start".
-    # The state is the run's newest checkpoint, read straight into target's shardings. Otherwise
-    # it is a fresh state, into which --init-from (if given) copies its weights and Adam state.
-    # In this "warm Adam", the moments and Adam's step count (opt_state.count) carry over, and
-    # the schedule starts again (state["step"] is 0). (resume, refuse_fresh_start and restore
-    # are in the second read.)
+    # On a first read: a new run is init_state(cfg, r, target), with the note "fresh start". If the
+    # run directory has a checkpoint, the state is its newest, read straight into target's
+    # shardings. Otherwise it is a fresh state, into which --init-from (if given) copies its weights
+    # and Adam state. In this "warm Adam", the moments and Adam's step count (opt_state.count) carry
+    # over, and the schedule starts again (state["step"] is 0). (resume, refuse_fresh_start and
+    # restore are in the second read.)
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
@@ -433,11 +434,14 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
 
 
 # =============================================================================
-# Second read: the progress line and metrics.jsonl (Log), and what the 7B on a pod needs: AI2's
-# two-part stage-1 schedule; checkpoints that survive a kill at any moment and resume on another
-# mesh; a SIGTERM that every process acts on at the same step; and what runs across hosts: JAX's
-# start-up, each host feeding its own devices, and checks that the hosts agree. Then the command
-# line.
+# Second read: the progress line, and what the 7B on a pod needs. By section:
+#   reporting: Log, the console lines and metrics.jsonl (any run);
+#   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
+#   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
+#   stopping: a SIGTERM that every process acts on at the same step (matters on a pod);
+#   across hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts
+#     agree (pods only; on one host, each is simple);
+#   then the command line.
 # =============================================================================
 
 
