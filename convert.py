@@ -19,12 +19,6 @@ import orbax.checkpoint as ocp
 import olmo3
 import train  # for its checkpoint helpers, and importing it also quiets Orbax's notes
 
-# Our Config field -> its config.json key.
-HF_CONFIG = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
-             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-             "head_dim": "head_dim", "mlp_hidden": "intermediate_size", "vocab_size": "vocab_size",
-             "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps"}
-
 
 def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tensor, kind by kind
     specs = olmo3.param_specs(cfg)
@@ -44,70 +38,6 @@ def as_hf(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed,
     # nn.Embedding is [V, D], as ours is.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
-
-
-def config_from_hf(hf: dict) -> olmo3.Config:
-    def need(ok, what):
-        if not ok:
-            raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
-    need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
-    hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
-    # (RoPE: HF's two config forms, which matter only for a YaRN model; skim on a first read.)
-    # A config gives RoPE in one of two forms (AI2's stage-3 values shown; ... is YaRN's others):
-    #   legacy (AI2's released config): rope_theta: 500000, rope_scaling: {rope_type: yarn,
-    #     factor: 8, ...}, which transformers applies to the full-attention layers only
-    #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
-    #     sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # `full`, the full-attention layers' RoPE, merges both forms' dicts (later keys win), so
-    # either gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A config with no YaRN,
-    # as stages 1 and 2 have, gives full = {rope_theta: 500000}: factor 0.)
-    rope = hf.get("rope_parameters", {})
-    full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
-            **hf.get("rope_scaling", {})}
-    plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # what sliding must be
-    sliding = plain | rope.get("sliding_attention", {})
-    factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
-    # the sliding layers must have plain RoPE with the full layers' theta, as OLMo 3's do
-    need(sliding == plain, f"sliding layers' RoPE {sliding}, not the full layers' theta unscaled")
-    # olmo3.rope_tables computes YaRN's attention factor itself, as OLMo 3 does, so a config
-    # that sets another would not match our RoPE
-    expected = 0.1 * math.log(max(factor, 1)) + 1
-    need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
-    defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
-                "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
-    cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
-                       rope_theta=float(full["rope_theta"]), yarn_factor=float(factor),
-                       yarn_beta_fast=float(full.get("beta_fast", 32)),
-                       yarn_beta_slow=float(full.get("beta_slow", 1)),
-                       yarn_original_context=full.get("original_max_position_embeddings", 8192),
-                       tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
-    # (258 is the bytes tokenizer's vocabulary: 256 bytes, EOS and pad)
-    need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
-         "layer_types differ from OLMo 3's 3 sliding : 1 full")
-    return cfg
-
-
-def layer_types(cfg):
-    return ["full_attention" if cfg.is_full(i) else "sliding_attention"
-            for i in range(cfg.n_layers)]
-
-
-def config_to_hf(cfg) -> dict:
-    # Both start as plain RoPE; `full` is rebound (never mutated) to YaRN's below when it is on
-    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.yarn_factor:  # on the full-attention layers only
-        full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
-                "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
-                cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor) + 1}
-    specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
-    eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # None in small test models
-    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
-            **{key: getattr(cfg, name) for name, key in HF_CONFIG.items()},
-            # yarn_original_context (8,192, OLMo 3's trained context), or YaRN's factor times it
-            "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
-            "layer_types": layer_types(cfg), "attention_bias": False,
-            "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
-            "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
 
 
 def from_hf(path):
@@ -173,6 +103,77 @@ def to_hf(params, cfg, out):
     for name, content in files.items():
         with open(f"{out}/{name}", "w") as f:
             json.dump(content, f, indent=1)
+
+
+# Our Config field -> its config.json key.
+HF_CONFIG = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+             "head_dim": "head_dim", "mlp_hidden": "intermediate_size", "vocab_size": "vocab_size",
+             "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps"}
+
+
+def config_from_hf(hf: dict) -> olmo3.Config:
+    def need(ok, what):
+        if not ok:
+            raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
+    need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
+    hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
+    # (RoPE: HF's two config forms, which matter only for a YaRN model; skim on a first read.)
+    # A config gives RoPE in one of two forms (AI2's stage-3 values shown; ... is YaRN's others):
+    #   legacy (AI2's released config): rope_theta: 500000, rope_scaling: {rope_type: yarn,
+    #     factor: 8, ...}, which transformers applies to the full-attention layers only
+    #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
+    #     sliding_attention: {rope_type: default, rope_theta: 500000}}
+    # `full`, the full-attention layers' RoPE, merges both forms' dicts (later keys win), so
+    # either gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A config with no YaRN,
+    # as stages 1 and 2 have, gives full = {rope_theta: 500000}: factor 0.)
+    rope = hf.get("rope_parameters", {})
+    full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
+            **hf.get("rope_scaling", {})}
+    plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # what sliding must be
+    sliding = plain | rope.get("sliding_attention", {})
+    factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
+    # the sliding layers must have plain RoPE with the full layers' theta, as OLMo 3's do
+    need(sliding == plain, f"sliding layers' RoPE {sliding}, not the full layers' theta unscaled")
+    # olmo3.rope_tables computes YaRN's attention factor itself, as OLMo 3 does, so a config
+    # that sets another would not match our RoPE
+    expected = 0.1 * math.log(max(factor, 1)) + 1
+    need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
+    defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
+                "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
+    cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
+                       rope_theta=float(full["rope_theta"]), yarn_factor=float(factor),
+                       yarn_beta_fast=float(full.get("beta_fast", 32)),
+                       yarn_beta_slow=float(full.get("beta_slow", 1)),
+                       yarn_original_context=full.get("original_max_position_embeddings", 8192),
+                       tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
+    # (258 is the bytes tokenizer's vocabulary: 256 bytes, EOS and pad)
+    need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
+         "layer_types differ from OLMo 3's 3 sliding : 1 full")
+    return cfg
+
+
+def layer_types(cfg):
+    return ["full_attention" if cfg.is_full(i) else "sliding_attention"
+            for i in range(cfg.n_layers)]
+
+
+def config_to_hf(cfg) -> dict:
+    # Both start as plain RoPE; `full` is rebound (never mutated) to YaRN's below when it is on
+    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.yarn_factor:  # on the full-attention layers only
+        full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
+                "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
+                cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor) + 1}
+    specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
+    eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # None in small test models
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
+            **{key: getattr(cfg, name) for name, key in HF_CONFIG.items()},
+            # yarn_original_context (8,192, OLMo 3's trained context), or YaRN's factor times it
+            "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
+            "layer_types": layer_types(cfg), "attention_bias": False,
+            "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
+            "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
 
 
 def main(argv=None):

@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import glob
 import hashlib
+import importlib.util
 import os
 import random
 import shutil
@@ -379,8 +380,7 @@ def read_text(path):  # bytes as they are (no newline translation), undecodable 
 
 # ----------------------------------------------------------------------------- default corpora
 
-def cache_dir():
-    return os.path.expanduser(os.environ.get("OLMO3_CACHE", "~/.cache/olmo3-jax"))
+cache_dir = lambda: os.path.expanduser(os.environ.get("OLMO3_CACHE", "~/.cache/olmo3-jax"))
 
 
 def corpus(name, tokenizer):
@@ -389,8 +389,7 @@ def corpus(name, tokenizer):
         files = stdlib_files()
         texts = filter(None, map(read_text, files))  # an empty file is no document
     else:  # for "shakespeare", prepare.py (beside the core) downloads it
-        import prepare
-        files, texts = prepare.shakespeare()
+        files, texts = beside("prepare").shakespeare()
     key = hashlib.sha256(str([(f, os.path.getsize(f)) for f in files]).encode()).hexdigest()[:12]
     out_dir = os.path.join(cache_dir(), "corpora", f"{name}-{key}-{tokenizer}")
     if not os.path.isdir(out_dir):  # made beside it, then renamed, so never half there
@@ -406,6 +405,12 @@ def stdlib_files():  # every .py file under the stdlib folder, outside site-pack
                   if not (skip & set(d.split(os.sep))) for f in files if f.endswith(".py"))
 
 
+# train.py imports the modules beside the core (evaluation, prepare) through this, too
+def beside(name):  # imports a module beside the core where a flag needs it, or says it is missing
+    if importlib.util.find_spec(name) is None:  # the core alone, as a copy of its three files
+        raise SystemExit(f"error: this needs {name}.py, beside the core; copy it next to train.py")
+    return importlib.import_module(name)
+
+
 if __name__ == "__main__":  # prepare.py, beside the core, handles `python data.py tokenize`
-    import prepare
-    prepare.main()
+    beside("prepare").main()

@@ -343,8 +343,8 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every sharding the code sets (the weights',
-# the batch's, the constrained activations') comes from it (the replicated scalars use P(), and
-# train.stop_signalled its own); XLA chooses the rest. A batch's rows
+# the batch's, the constrained activations') comes from it (the replicated scalars use P()); XLA
+# chooses the rest. A batch's rows
 # (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
 # Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
 # splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
@@ -424,8 +424,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
-    # valid sizes, no more than there are, and (with a -1) the given sizes divide all of them
-    # (without a -1, n is their product, which always divides; only a -1 can fail this test)
+    # The errors, in the test's order: a size neither positive nor -1, or two -1s; more devices
+    # than there are; with a -1, given sizes that do not divide the device count
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")

@@ -142,9 +142,10 @@ def test_the_core_alone_trains_the_tiny_preset(tmp_path):
     assert not (tmp_path / "run" / "loss.png").exists()  # the plot is beside the core
     assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(CORE)
     # a flag that needs a module beside the core says which one, in one line
-    for flag, needs in (["--dry-run"], "prepare.py"), (["--eval-data", "tok"], "evaluation.py"):
+    flags = ["--dry-run"], ["--eval-data", "tok"], ["--data", "shakespeare"]
+    for flag, needs in zip(flags, ["prepare.py", "evaluation.py", "prepare.py"]):
         run = subprocess.run(
-            [sys.executable, "train.py", *SMALL_RUN, *flag, "--data", "tok", "--out", "run2"],
+            [sys.executable, "train.py", *SMALL_RUN, "--data", "tok", *flag, "--out", "run2"],
             cwd=tmp_path,
             env=env,
             capture_output=True,

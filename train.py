@@ -98,9 +98,9 @@ def main(argv=None):
     cfg, r, args = parse_args(argv)
     start_jax(args)  # fake CPU devices if asked, and the multi-host start-up (second read)
     if args.dry_run:
-        return beside("prepare").dry_run(cfg, r, args)  # beside: a module beside the core
+        return data.beside("prepare").dry_run(cfg, r, args)  # (a module beside the core)
     if args.eval_only or args.generate is not None:
-        return beside("evaluation").main(cfg, r, args)
+        return data.beside("evaluation").main(cfg, r, args)
     catch_signals_check_run_dir(args.out)  # (second read) what a run on a pod needs first
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager for the run's checkpoints/ (second read). The first read
@@ -167,13 +167,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
-            manager.wait_until_finished()
-            log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
-            log.flush()
-            return EXIT_STOPPED
+            return stopped(manager, log, step, stop)
     manager.wait_until_finished()
     if args.samples and importlib.util.find_spec("evaluation"):  # with evaluation.py only
-        beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
+        data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
@@ -216,13 +213,8 @@ def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or N
     if not (args.eval_data or args.eval_tasks or (heldout and have_evaluation)):
         return None
     sets = args.eval_data if args.eval_data else heldout
-    return beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
-
-
-def beside(name):  # imports a module beside the core (evaluation, prepare) where a flag needs it
-    if importlib.util.find_spec(name) is None:  # the core alone, as a copy of its three files
-        raise SystemExit(f"error: this needs {name}.py, beside the core; copy it next to train.py")
-    return importlib.import_module(name)
+    evaluation = data.beside("evaluation")
+    return evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
 
 
 # ----------------------------------------------------------------------------- the state
@@ -487,7 +479,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
                 path.with_suffix(".tmp").replace(path)
             if importlib.util.find_spec("evaluation"):
-                beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
+                data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
     # (second read) metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes
     # it before Orbax commits the checkpoint, so a kill between the two leaves records past it, and
@@ -720,6 +712,13 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
                                          lambda _: np.array([bool(SIGNALS)]))  # one per device
     return jnp.any(flags)
+
+
+def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is committed
+    manager.wait_until_finished()
+    log(f"stopped after step {step} ({why}), checkpointed: rerun to resume")
+    log.flush()
+    return EXIT_STOPPED
 
 
 def stop_reason(step, args, latest):  # why the run stops after step (None: it goes on)
