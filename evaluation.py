@@ -122,6 +122,7 @@ def document_rows(files, eos, seq_len, limit):
 
 
 # ----------------------------------------------------------------------------- downstream tasks
+# (Skip on a first read: this is OLMES's bookkeeping, for --eval-tasks.)
 # A task is a file of requests (`req`), one per (question, answer choice): ARC-Easy's question 7
 # with four choices is four requests with doc_id 7 and idx 0 to 3, each with the right idx as its
 # label, as {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ... Answer:",

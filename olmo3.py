@@ -193,7 +193,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
             x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
         return x, None
     x, _ = jax.lax.scan(group, x, groups)  # group g gets each leaf of `groups` sliced at g
-    return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)  # as block's norms
+    # the weight cast to the compute dtype, as block casts its norms' weights
+    return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)
 
 
 # window is None (full) or W (decoder makes window and cfg static); rope is rope_tables'
@@ -343,8 +344,8 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every sharding the code sets (the weights',
-# the batch's, the constrained activations') comes from it (the replicated scalars use P()); XLA
-# chooses the rest. A batch's rows
+# the batch's, the constrained activations') comes from it (the replicated scalars use P(), and
+# train.stop_signalled's flag, one per device, P(MESH_AXES)); XLA chooses the rest. A batch's rows
 # (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
 # Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
 # splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.

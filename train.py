@@ -134,11 +134,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       read metrics[step - 1], unless a save read them         # waits for them, prints
     #       if step % eval_every == 0 (or the last step): evaluate
     #       if step % save_every == 0 (or the last step): read metrics[step], then save
+    #       (second read: stop, why to save now and exit 75, from metrics[step - 1])
     # With a signal or --stop-at, stop is why: that step saves too, and the run exits 75. On a
     # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
     # (On a first read, skip what says signal: it is the second read's stopping.)
     unread = None  # (step, metrics): dispatched, not read yet
-    latest = {}  # the newest metrics read (only stop, a second-read matter, looks at them)
+    previous = {}  # the step before's metrics, as read (only stop, second read, looks at them)
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
         step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -151,18 +152,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # returns them as Python values (it stops the run after 10 updates in a row that the
         # spike guard skipped)
         if unread:
-            latest = log.read(*unread)
+            previous = log.read(*unread)
         unread = (step, metrics)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C,
-        # a pod's SIGTERM) that any process got, as the step before's metrics (latest) show
-        stop = stop_reason(step, args, latest)
+        # a pod's SIGTERM) that any process got, as the step before's metrics show
+        stop = stop_reason(step, args, previous)
         if step % r.save_every == 0 or step == r.steps or stop:
             # unread is now this step's: a save waits for the step anyway, so read its metrics
             # before saving, and the saved log reaches it (a signal in them stops the run after the
             # next step)
-            latest = log.read(*unread)
+            previous = log.read(*unread)  # (the next step's "previous")
             unread = None  # (so the next iteration has nothing to read)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -721,14 +722,14 @@ def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is commi
     return EXIT_STOPPED
 
 
-def stop_reason(step, args, latest):  # why the run stops after step (None: it goes on)
-    # latest holds the step before's metrics (read in this iteration, or by that step's save),
+def stop_reason(step, args, previous):  # why the run stops after step (None: it goes on)
+    # previous holds the step before's metrics (read in this iteration, or by that step's save),
     # which every process read alike, so all stop after the same step. A SIGTERM that comes after
     # step 7's stop_signalled (while log.read waits, say) is in step 8's flag, read in step 9's
     # iteration: every process saves 9 and exits 75.
     if step == args.stop_at:
         return "--stop-at"
-    if latest.get("signalled"):  # a process got a signal: all stop, together
+    if previous.get("signalled"):  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
