@@ -23,6 +23,7 @@
 #    NumPy's .npy format), plus mix files that list them. A hash of each document's text picks
 #    train or held-out, so no text is in both (exact copies; a near-copy hashes otherwise).
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
+# (`beside`, at the end, imports a module beside the core where a flag needs it; train.py uses it.)
 import bisect
 import collections
 import concurrent.futures

