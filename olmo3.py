@@ -6,10 +6,11 @@
 # one, and the last layer is always full.
 #
 # The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers,
-# attention among them -> unembed), loss_terms and flops_per_token, then the sharding (part two of
-# its comment says what each device holds), and attention's kernels last (a later read). Read it in
-# that order. The model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and
-# `abstract_params` (shapes and shardings), and its Hugging Face name drives convert.py.
+# attention among them -> unembed), loss_terms and flops_per_token (skip it), then the sharding
+# (part two of its comment says what each device holds), and attention's kernels last (a later
+# read). Read it in that order. The model is a pytree (nested dict) of arrays. One Spec per weight
+# drives `init` and `abstract_params` (shapes and shardings), and its Hugging Face name drives
+# convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -215,9 +216,9 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     k_BTKE = apply_rope(k.reshape(B, T, K, E), *rope)
     v_BTKE = dense(x_BTD, p["v"]).reshape(B, T, K, E)
     # attention (below) picks a kernel; all compute the same thing
-    out = attention(q_BTHE, k_BTKE, v_BTKE, window, cfg, segments).reshape(B, T, H * E)
+    attn = attention(q_BTHE, k_BTKE, v_BTKE, window, cfg, segments).reshape(B, T, H * E)
     # The norms sit on each sub-block's output, not its input (OLMo-core's ReorderedNormBlock).
-    h = x_BTD + rms_norm(dense(out, p["o"]), p["attn_norm"], cfg.norm_eps)
+    h = x_BTD + rms_norm(dense(attn, p["o"]), p["attn_norm"], cfg.norm_eps)
     h = constrain(h, "batch", "seq", None)
     mlp = dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])  # SwiGLU
     return constrain(h + rms_norm(mlp, p["mlp_norm"], cfg.norm_eps), "batch", "seq", None)
@@ -276,8 +277,8 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
 
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
-    # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens).
-    # A TPU runs the splash kernel, an NVIDIA GPU in bf16 cuDNN's; both compute the reference
+    # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens). A TPU
+    # runs the splash kernel, an NVIDIA GPU in bf16 or fp16 cuDNN's; both compute the reference
     # below, which runs elsewhere (the kernels, and why, are at the end of the file).
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
@@ -346,12 +347,12 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every sharding the code sets (the weights',
-# the batch's, the constrained activations') comes from it (the replicated scalars and the spike
-# guard's history use P(), and train.stop_signalled's flag, one per device, P(MESH_AXES)); XLA
-# chooses the rest. A batch's rows
-# (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
-# Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
-# splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
+# the batch's, the constrained activations') comes from it, and XLA chooses the rest. (Besides: the
+# replicated scalars and the spike guard's history use P(), and train.stop_signalled's flag, one per
+# device, P(MESH_AXES).) A batch's rows (sequences) are split over both data-parallel axes. Weights
+# are split ZeRO-3 style over fsdp and Megatron style over tensor. Axes not named here ("layers",
+# "norm", "seq") are not split. A tuple splits one dimension over several mesh axes, so "batch" is
+# split over data x fsdp devices.
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
@@ -428,8 +429,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
-    # The errors, in the test's order: a size neither positive nor -1, or two -1s; more devices
-    # than there are; with a -1, given sizes that do not divide the device count
+    # The errors, in the order the `if` below tests them: a size neither positive nor -1, or two
+    # -1s; more devices than there are; with a -1, given sizes that do not divide the device count
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")

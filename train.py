@@ -138,6 +138,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # With a signal or --stop-at, stop is why: that step saves too, and the run exits 75. On a
     # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
     # (On a first read, skip what says signal: it is the second read's stopping.)
+    # After each iteration: unread is the step dispatched but not read yet (None right after a
+    # save), and previous the newest metrics read.
     unread = None  # (step, metrics): dispatched, not read yet
     previous = {}  # the step before's metrics, as read (only stop, second read, looks at them)
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
@@ -382,7 +384,7 @@ def split_micro(x, accum: int):
 
 def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # These are OLMo-core's formulas for its step k (ours too), with peak P, floor
-    # F = min_lr_ratio * P, warmup W and t_max T:
+    # F = min_lr_ratio * P, warmup W and t_max T (letters local to this comment, not olmo3's):
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
     # Both stay at F from T on. (The "olmo3" schedule, olmo3_stage1, is in the second read.)
@@ -658,8 +660,10 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
         try:
             return read()
         except jax.errors.JaxRuntimeError:  # a failing device, not the files
-            raise  # (a SystemExit is not an Exception, so a mismatch passes through too)
-        except Exception as e:  # orbax and tensorstore raise many kinds, some plain Exception
+            raise
+        # orbax and tensorstore raise many kinds, some plain Exception (a SystemExit is not an
+        # Exception, so restore's one-line mismatch error passes through)
+        except Exception as e:
             why = str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
             time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
