@@ -203,10 +203,11 @@ def load_task(spec, limit, tokenizer, seq_len):
     #     codex_humaneval:gold_bpb_0shot);
     #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
     #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
-    # The code: the first way, or else the right idx is 0 (the second way) or the label (third).
+    # The code: the first way, or else the right idx, which is 0 (second way) or the label (third).
     if DIVIDE_BY[metric] == "bytes":
-        requests = [req for req in requests if isinstance(req["label"], str | list) or
-                    req["idx"] == (0 if req["label"] is None else req["label"])]
+        right_idx = lambda req: 0 if req["label"] is None else req["label"]  # (ways 2 and 3)
+        requests = [req for req in requests
+                    if isinstance(req["label"], str | list) or req["idx"] == right_idx(req)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
 
 

@@ -112,7 +112,8 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
-    # files are written with each checkpoint); log.read is the loop's (Log: second read)
+    # files are written with each checkpoint). The loop keeps each step's metrics in log.held
+    # until log.read reads them. (Log is in the second read.)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state)
@@ -124,24 +125,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
     # nanoGPT's loop, plus what a pod needs. The main difference: each iteration reads the metrics
-    # of the step before (`unread`), not its own. step_fn returns at once and the devices compute
-    # (as a CUDA launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for
-    # them. Reading the step before's while this one runs means the devices need not wait for the
-    # host between steps (an evaluation or a save does wait).
-    # On one host with no signal and no --stop-at (stop stays None), it is
-    #   for step in range(state["step"] + 1, r.steps + 1):
-    #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
-    #       read metrics[step - 1], unless a save read them         # waits for them, prints
-    #       if step % eval_every == 0 (or the last step): evaluate
-    #       if step % save_every == 0 (or the last step): read metrics[step], then save
-    #       (second read: stop, why to save now and exit 75, from metrics[step - 1])
-    # With a signal or --stop-at, stop is why: that step saves too, and the run exits 75. On a
-    # pod, a signal that any process got shows in metrics[step - 1], so all stop at one step.
-    # (On a first read, skip what says signal: it is the second read's stopping.)
-    # After each iteration: unread is the step dispatched but not read yet (None right after a
-    # save), and previous the newest metrics read.
-    unread = None  # (step, metrics): dispatched, not read yet
-    previous = {}  # the step before's metrics, as read (only stop, second read, looks at them)
+    # of the step before, not its own. step_fn returns at once and the devices compute (as a CUDA
+    # launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for them. Reading
+    # the step before's while this one runs means the devices need not wait for the host between
+    # steps (an evaluation or a save does wait, so a save reads its own step's).
+    # (On a first read, skip the lines marked "second read": they stop the run early, on a signal
+    # or --stop-at, with a checkpoint, and stop stays None without them.)
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
         step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -150,23 +139,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (second read) whether any process has got a signal by now: a tiny all-reduce, read
         # with the metrics
         metrics["signalled"] = stop_signalled(mesh)
-        # log.read waits for the step before's metrics, prints a line every log_every steps, and
-        # returns them as Python values (it stops the run after 10 skipped updates in a row:
-        # spikes, or a loss or grad norm that is not finite)
-        if unread:
-            previous = log.read(*unread)
-        unread = (step, metrics)
+        log.held[step] = metrics  # still on the devices, until log.read(step)
+        # log.read waits for a step's metrics, prints a line every log_every steps, and returns
+        # them as Python values ({} for the step a resume starts from). It stops the run after 10
+        # skipped updates in a row (spikes, or a loss or grad norm that is not finite).
+        before = log.read(step - 1)  # the step before's (read already, if it saved)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C,
         # a pod's SIGTERM) that any process got, as the step before's metrics show
-        stop = stop_reason(step, args, previous)
+        stop = stop_reason(step, args, before)
         if step % r.save_every == 0 or step == r.steps or stop:
-            # unread is now this step's: a save waits for the step anyway, so read its metrics
-            # before saving, and the saved log reaches it (a signal in them stops the run after the
-            # next step)
-            previous = log.read(*unread)  # (the next step's "previous")
-            unread = None  # (so the next iteration has nothing to read)
+            log.read(step)  # a save waits for the step anyway: read it, so the saved log has it
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
@@ -402,8 +386,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     return lr
 
 
-def adam(r: Recipe):  # optax's Adam (train_step clips before it and decays after it)
-    return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
+# optax's Adam (train_step clips before it and decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
@@ -453,13 +437,17 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
-    # What train's loop calls: log(text) or log(**record); read(step, metrics), one step late,
-    # which returns the metrics as Python values; flush() after a save.
+    # What train's loop uses: log(text) or log(**record); held[step] = metrics as each step is
+    # dispatched, and read(step) a step later, which returns them as Python values; flush() after
+    # a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (step, time) of the last progress line; skipped: steps skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
+        # held: each dispatched step's metrics, on the devices until read; latest: {step: metrics}
+        # of the last step read
+        self.held, self.latest = {}, {}
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -492,10 +480,15 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, step, metrics):  # -> the metrics as Python values (numbers and lists)
+    def read(self, step):  # -> that step's metrics as Python values ({} for a step never held)
         # Waits for one step's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
-        # row stop the run), and logs a line every log_every steps. (self(...) is log(...).)
-        r, m = self.r, {k: v.tolist() for k, v in jax.device_get(metrics).items()}
+        # row stop the run), and logs a line every log_every steps. (self(...) is log(...).) Each
+        # step is read once: a save reads its own step, and the loop's read of it a step later
+        # returns the same values.
+        if step not in self.held:
+            return self.latest.get(step, {})
+        r, m = self.r, {k: v.tolist() for k, v in jax.device_get(self.held.pop(step)).items()}
+        self.latest = {step: m}
         self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
@@ -607,7 +600,11 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # the model fields that must be equal: the union of both versions' field names, in order,
     # except may_differ's
     fixed = [f for f in dict.fromkeys([*saved["model"], *vars(cfg)]) if not may_differ(f)]
-    # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal
+    # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal.
+    # Say a stage-2 checkpoint (yarn_factor 0.0) meets stage 3's command line (8.0): as a resume,
+    # it finds the pair ("yarn_factor", 0.0, 8.0) and stops with "checkpoint ... has
+    # yarn_factor=0.0 (command line: 8.0)"; as --init-from (r None), yarn_ fields may differ, so
+    # stage 3 starts from stage 2's weights with YaRN on.
     pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
     if r is not None:  # a resume
         pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
@@ -726,14 +723,14 @@ def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is commi
     return EXIT_STOPPED
 
 
-def stop_reason(step, args, previous):  # why the run stops after step (None: it goes on)
-    # previous holds the step before's metrics (read in this iteration, or by that step's save),
-    # which every process read alike, so all stop after the same step. A SIGTERM that comes after
-    # step 7's stop_signalled (while log.read waits, say) is in step 8's flag, read in step 9's
-    # iteration: every process saves 9 and exits 75.
+def stop_reason(step, args, before):  # why the run stops after step (None: it goes on)
+    # before holds the step before's metrics (log.read(step - 1)), which every process read
+    # alike, so all stop after the same step. A SIGTERM that comes after step 7's stop_signalled
+    # (while log.read waits, say) is in step 8's flag, read in step 9's iteration: every process
+    # saves 9 and exits 75.
     if step == args.stop_at:
         return "--stop-at"
-    if previous.get("signalled"):  # a process got a signal: all stop, together
+    if before.get("signalled"):  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
