@@ -204,6 +204,9 @@ def load_task(spec, limit, tokenizer, seq_len):
     #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
     #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
     # The code: the first way, or else the right idx, which is 0 (second way) or the label (third).
+    # The score (metric_value): a kept continuation's log-prob over its bytes, in bits. For
+    # lambada's " signs" (6 bytes) at a log-prob of -12.0 nats: 12.0 / 6 * log2(e) = 2.885 bits
+    # per byte. (If a document kept several, olmo_eval scores the first.)
     if DIVIDE_BY[metric] == "bytes":
         right_idx = lambda req: 0 if req["label"] is None else req["label"]  # (ways 2 and 3)
         requests = [req for req in requests
@@ -228,29 +231,29 @@ def request_rows(requests, tokenizer, seq_len):
 
 def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
     """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
-    # by_doc = {doc_id: {idx: score / size}}, each continuation's normalised score, and
-    # gold = {doc_id: the right idx}: for ARC's question 7 (the section's example), by_doc
-    # {7: {0: -3.1, 1: -2.4, 2: -5.0, 3: -4.2}} and gold {7: 1}. setdefault keeps a pair's first
-    # score if a file lists it twice, as ICLMetric does.
+    # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
+    # normalised score, and gold = {doc_id: the right idx}. For ARC's question 7 (the section's
+    # example): by_doc {7: {0: -3.1, 1: -2.4, 2: -5.0, 3: -4.2}} and gold {7: 1}. setdefault
+    # keeps a pair's first score if a file lists it twice, as ICLMetric does.
     by_doc, gold = {}, {}
-    for req, s, n in zip(requests, scores, n_labels):
+    for req, score, n in zip(requests, scores, n_labels):
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
-        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], s / size[DIVIDE_BY[metric]])
+        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], score / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    # rule 3 (bits per byte): -score / bytes * log2(e) of the right continuation, which load_task
-    # kept (if a document kept several, olmo_eval scores the first: next(iter(by_idx.values()))).
-    # by_idx holds log-probs per byte, in nats (<= 0); the value is bits per byte (>= 0).
+    # rule 3 (bits per byte; load_task's comment has an example): choices holds the continuations
+    # load_task kept, each a log-prob per byte in nats (<= 0); the first (next(iter(...))) is
+    # scored, as -score * log2(e) bits per byte (>= 0).
     # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
     # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
     # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
     # on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0 to
     # n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
     if DIVIDE_BY[metric] == "bytes":  # rule 3
-        value = np.mean([-next(iter(by_idx.values())) * LOG2_E for by_idx in by_doc.values()])
+        value = np.mean([-next(iter(choices.values())) * LOG2_E for choices in by_doc.values()])
     else:  # rule 4: in the example above, the argmax is idx 1, gold is 1: document 7 is right
-        value = np.mean([int(np.argmax([by_idx[i] for i in sorted(by_idx)])) == gold[d]
-                         for d, by_idx in by_doc.items()])
+        value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]
+                         for d, choices in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}
 
 

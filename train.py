@@ -130,27 +130,30 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # the step before's while this one runs means the devices need not wait for the host between
     # steps (an evaluation or a save does wait, so a save reads its own step's).
     # (On a first read, skip the lines marked "second read": they stop the run early, on a signal
-    # or --stop-at, with a checkpoint, and stop stays None without them.)
+    # or --stop-at, with a checkpoint, and stop stays None without them.) Without them it is
+    #   for step in range(state["step"] + 1, r.steps + 1):
+    #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
+    #       print metrics[step - 1]                                  # waits for them
+    #       every eval_every steps evaluate; every save_every steps save
     for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
         step = done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # (second read) whether any process has got a signal by now: a tiny all-reduce, read
-        # with the metrics
-        metrics["signalled"] = stop_signalled(mesh)
         log.held[step] = metrics  # still on the devices, until log.read(step)
-        # log.read waits for a step's metrics, prints a line every log_every steps, and returns
-        # them as Python values ({} for the step a resume starts from). It stops the run after 10
-        # skipped updates in a row (spikes, or a loss or grad norm that is not finite).
-        before = log.read(step - 1)  # the step before's (read already, if it saved)
+        # log.read waits for a step's metrics and prints a line every log_every steps. It stops
+        # the run after 10 skipped updates in a row (spikes, or a loss or grad norm that is not
+        # finite). A step read already (by its save) is not read again.
+        log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C,
-        # a pod's SIGTERM) that any process got, as the step before's metrics show
-        stop = stop_reason(step, args, before)
+        # a pod's SIGTERM) that any process got
+        stop = stop_reason(step, args, mesh, log)
         if step % r.save_every == 0 or step == r.steps or stop:
-            log.read(step)  # a save waits for the step anyway: read it, so the saved log has it
+            # a save waits for the step anyway: read it, so the saved log has it (the next
+            # iteration's log.read(step - 1) returns these same values)
+            log.read(step)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
@@ -371,7 +374,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # F = min_lr_ratio * P, warmup W and t_max T (letters local to this comment, not olmo3's):
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # Both stay at F from T on. (The "olmo3" schedule, olmo3_stage1, is in the second read.)
+    # Both stay at F from T on, and both give the peak P at k = W. (The "olmo3" schedule,
+    # olmo3_stage1, is in the second read.)
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # (the max()es keep a run no longer than its warmup valid)
@@ -723,14 +727,17 @@ def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is commi
     return EXIT_STOPPED
 
 
-def stop_reason(step, args, before):  # why the run stops after step (None: it goes on)
-    # before holds the step before's metrics (log.read(step - 1)), which every process read
-    # alike, so all stop after the same step. A SIGTERM that comes after step 7's stop_signalled
-    # (while log.read waits, say) is in step 8's flag, read in step 9's iteration: every process
-    # saves 9 and exits 75.
+def stop_reason(step, args, mesh, log):  # why the run stops after step (None: it goes on)
+    # Every process must stop after the same step, and each got its signal (if any) at its own
+    # moment. So each step's metrics carry a flag, "did any process get one by now?", an
+    # all-reduce dispatched here with the step, and the decision reads the step before's flag,
+    # which every process read alike (log.read(step - 1) returns the values read already). A
+    # SIGTERM that comes after step 7's flag (while iteration 8 waits in log.read(7), say) is in
+    # step 8's flag, read in iteration 9: every process saves 9 and exits 75.
+    log.held[step]["signalled"] = stop_signalled(mesh)
     if step == args.stop_at:
         return "--stop-at"
-    if before.get("signalled"):  # a process got a signal: all stop, together
+    if log.read(step - 1).get("signalled"):  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
@@ -754,7 +761,8 @@ def start_jax(args):
     except (ValueError, RuntimeError) as e:
         # "One process, go on": a ValueError (no cluster here) or a RuntimeError (JAX already
         # runs, as when the tests call main). Raised: a JaxRuntimeError (peers found but not
-        # reached) and any error with --coordinator, which asked for a cluster.
+        # reached; it is a RuntimeError, hence the isinstance) and any error with --coordinator,
+        # which asked for a cluster.
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
