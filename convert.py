@@ -49,18 +49,13 @@ def from_hf(path):
         raise SystemExit(f"error: {path}/config.json not found; pass a Hugging Face model folder")
     with open(f"{path}/config.json") as f:
         cfg = config_from_hf(json.load(f))
-    files = {}  # tensor name -> its file
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            handle = safe_open(f"{path}/{name}", framework="np")
-            # maps each tensor name in this file to the open file that holds it (handle.keys():
-            # a safetensors handle is not a dict, hence the noqa)
-            files |= dict.fromkeys(handle.keys(), handle)  # noqa: SIM118
-    names = [name for name, _, _ in hf_tensors(cfg)]
-    for what, which in (("is missing", set(names) - set(files)),
-                        ("is not OLMo 3's", set(files) - set(names))):
-        if which:
-            raise SystemExit(f"error: {path}: tensor {min(which)} {what} ({len(which)} in all)")
+    shards = [safe_open(f"{path}/{name}", framework="np") for name in sorted(os.listdir(path))
+              if name.endswith(".safetensors")]
+    files = {name: shard for shard in shards for name in list(shard.keys())}  # name -> its file
+    names = {name for name, _, _ in hf_tensors(cfg)}  # the tensors OLMo 3 has
+    for what, odd in (("is missing", names - set(files)), ("is not OLMo 3's", set(files) - names)):
+        if odd:
+            raise SystemExit(f"error: {path}: tensor {min(odd)} {what} ({len(odd)} in all)")
     # Start from zeros: the embedding's padding rows stay zero (no token id reads them).
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), olmo3.param_specs(cfg),
                           is_leaf=olmo3.is_spec)

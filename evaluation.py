@@ -203,15 +203,20 @@ def load_task(spec, limit, tokenizer, seq_len):
     #     codex_humaneval:gold_bpb_0shot);
     #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
     #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
-    # The code: the first way, or else the right idx, which is 0 (second way) or the label (third).
-    # The score (metric_value): a kept continuation's log-prob over its bytes, in bits. For
-    # lambada's " signs" (6 bytes) at a log-prob of -12.0 nats: 12.0 / 6 * log2(e) = 2.885 bits
-    # per byte. (If a document kept several, olmo_eval scores the first.)
+    # is_right (below) tests the three ways. The score (metric_value): a kept continuation's
+    # log-prob over its bytes, in bits. For lambada's " signs" (6 bytes) at a log-prob of -12.0
+    # nats: 12.0 / 6 * log2(e) = 2.885 bits per byte. (If a document kept several, olmo_eval
+    # scores the first.)
     if DIVIDE_BY[metric] == "bytes":
-        right_idx = lambda req: 0 if req["label"] is None else req["label"]  # (ways 2 and 3)
-        requests = [req for req in requests
-                    if isinstance(req["label"], str | list) or req["idx"] == right_idx(req)]
+        requests = [req for req in requests if is_right(req)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
+
+
+def is_right(req):  # rule 3: is req its document's right continuation (in one of three ways)?
+    if isinstance(req["label"], str | list):  # 1: the label is the text itself
+        return True
+    right_idx = 0 if req["label"] is None else req["label"]  # 2: gold-only, idx 0; 3: the label
+    return req["idx"] == right_idx
 
 
 def request_rows(requests, tokenizer, seq_len):
@@ -243,7 +248,8 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
         gold.setdefault(req["doc_id"], req["label"])
     # rule 3 (bits per byte; load_task's comment has an example): choices holds the continuations
     # load_task kept, each a log-prob per byte in nats (<= 0); the first (next(iter(...))) is
-    # scored, as -score * log2(e) bits per byte (>= 0).
+    # scored, as -score * log2(e) bits per byte (>= 0). Lambada's document 12 keeps one: by_doc
+    # {12: {0: -2.0}} (-12.0 nats over 6 bytes) gives 2.0 * 1.4427 = 2.885 bits per byte.
     # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
     # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
     # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first

@@ -141,14 +141,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         log.held[step] = metrics  # still on the devices, until log.read(step)
-        # log.read waits for a step's metrics and prints a line every log_every steps. It stops
-        # the run after 10 skipped updates in a row (spikes, or a loss or grad norm that is not
-        # finite). A step read already (by its save) is not read again.
+        # log.read(s) is, in effect, print(jax.device_get(log.held.pop(s))): it waits for step s's
+        # metrics and prints a line every log_every steps. It stops the run after 10 skipped
+        # updates in a row (spikes, or a loss or grad norm that is not finite). A step read
+        # already (by its save) is not read again: read returns the values it got.
         log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C,
-        # a pod's SIGTERM) that any process got
+        # a pod's SIGTERM) that any process got. stop_reason also puts this step's signal flag
+        # into log.held[step], to be read with its metrics.
         stop = stop_reason(step, args, mesh, log)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read it, so the saved log has it (the next
@@ -334,7 +336,8 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
     # divides by the norm + 1e-6 instead)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # Adam's direction m^ / (sqrt(v^) + eps), with m and v bias-corrected by Adam's own count
+    # Adam's direction m^ / (sqrt(v^) + eps), with m and v bias-corrected by Adam's own count.
+    # (optax's scale_by_adam returns it as is: no minus sign and no LR, so the code subtracts below)
     updates, opt_state = adam(r).update(jax.tree.map(clip, grads), state["opt_state"])
     # + wd * p on every weight but the embedding (the norms and lm_head too, as OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
@@ -425,6 +428,18 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
 #   across hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts
 #     agree (pods only; on one host, each is simple);
 #   then the command line.
+# A preempted pod run, end to end, through these sections (say 4 hosts, resuming from step 500):
+#   start: every host runs the same command. start_jax joins them into one JAX cluster, and
+#     catch_signals_check_run_dir checks that all see the run directory process 0 writes;
+#   data: each host's loader reads only the rows its devices hold (local_rows), and the hosts
+#     check that they read the same token files (check_processes_agree);
+#   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
+#     after restore checks the settings and the data; an all-gather confirms all could;
+#   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
+#   preemption: host 3 gets a SIGTERM while step 612 runs. Its flag is in step 612's or 613's
+#     metrics, every host reads it a step later (stop_reason), and all save the same step and
+#     exit 75 (stopped);
+#   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
 # =============================================================================
 
 
@@ -485,15 +500,16 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
     def read(self, step):  # -> that step's metrics as Python values ({} for a step never held)
-        # Waits for one step's metrics (as nanoGPT's loss.item() does), counts skips (10 in a
-        # row stop the run), and logs a line every log_every steps. (self(...) is log(...).) Each
-        # step is read once: a save reads its own step, and the loop's read of it a step later
-        # returns the same values.
+        # In order: 1. wait for the step's metrics (jax.device_get, as nanoGPT's loss.item()
+        # waits); 2. count skipped updates, and stop the run at 10 in a row; 3. every log_every
+        # steps, log a progress line (self(...) is log(...)). Each step is read once: a save reads
+        # its own step, and a later read of it (the loop's, stop_reason's) returns the same values.
         if step not in self.held:
             return self.latest.get(step, {})
-        r, m = self.r, {k: v.tolist() for k, v in jax.device_get(self.held.pop(step)).items()}
+        r = self.r
+        m = {k: v.tolist() for k, v in jax.device_get(self.held.pop(step)).items()}  # 1
         self.latest = {step: m}
-        self.skipped = self.skipped + 1 if m["skipped"] else 0
+        self.skipped = self.skipped + 1 if m["skipped"] else 0  # 2
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
@@ -501,7 +517,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             self.flush()
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{step} (loss {m['loss']}); lower --lr or check the data; rerun")
-        if step % r.log_every and step != r.steps:
+        if step % r.log_every and step != r.steps:  # 3 is only for log_every's steps and the last
             return m
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
