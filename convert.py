@@ -34,7 +34,8 @@ def array_of(params, kind, layer):  # our array for `kind` (one layer's, for a b
 
 
 def as_hf(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
-    # A numpy view, not a copy: writing into it writes into our array (from_hf does).
+    # A numpy view, not a copy (`.T` and `[:n]` are views): writing into it writes into our
+    # array (from_hf does), and to_hf reads through it.
     # HF's nn.Linear weights are [out, in] and ours [in, out], so they are transposed;
     # nn.Embedding is [V, D], as ours is.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
@@ -120,7 +121,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #     factor: 8, ...}, which transformers applies to the full-attention layers only
     #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
     #     sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # `full`, the full-attention layers' RoPE, merges both forms' dicts (later keys win), so
+    # `full`, the full-attention layers' RoPE, merges both forms' dicts (later keys win: the
+    # legacy rope_scaling overrides rope_parameters), so
     # either gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A config with no YaRN,
     # as stages 1 and 2 have, gives full = {rope_theta: 500000}: factor 0.)
     rope = hf.get("rope_parameters", {})

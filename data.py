@@ -96,10 +96,8 @@ class Loader:
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
         labels = np.full_like(inputs, -100)  # the last position has no target
         labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
-        # (Stage 3 only, and a no-op for Loader's rows: skip it on a first read. PackedLoader's
-        # rows end in padding, which is no target: position t has one iff t + 1 < length, as
-        # OLMo-core's label_mask gives. Loader's rows are all document, lengths = seq_len. With
-        # length 3 and T = 6, positions 2 to 4 lose theirs.)
+        # (A no-op for Loader's rows, which are all document: skip it on a first read. It is for
+        # PackedLoader's, whose padding is no target; PackedLoader.batch says more.)
         labels[:, :-1][np.arange(1, self.seq_len) >= lengths[:, None]] = -100  # (a view of labels)
         return {"inputs": inputs, "labels": labels}
 
@@ -169,10 +167,12 @@ class PackedLoader(Loader):
         return inputs, np.array(lengths)
 
     def batch(self, i):
-        # Labels: Loader.batch's plain shift, as OLMo-core's get_labels (which masks only
-        # padding). So a document's EOS is labelled with the next document's first token: each EOS
-        # but the row's last (padding follows it, so it has no target) learns to predict an
-        # unrelated document's first token, while seeing only its own document, as in OLMo-core.
+        # Labels: Loader.batch's plain shift, as OLMo-core's get_labels, with the padding masked
+        # there: position t keeps its label iff t + 1 < the row's length, as OLMo-core's
+        # label_mask gives (with length 3 and T = 6, positions 2 to 4 lose theirs). So a
+        # document's EOS is labelled with the next document's first token: each EOS but the row's
+        # last (padding follows it, so it has no target) learns to predict an unrelated
+        # document's first token, while seeing only its own document, as in OLMo-core.
         # Segments: a document's runs up to and including its EOS, and the padding is a segment
         # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
         #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.

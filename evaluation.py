@@ -11,7 +11,8 @@
 #
 # Downstream tasks (OLMES) follow olmo_eval: a task is a file of requests, one per (question,
 # answer choice), and a request's score is the summed log-probability of its continuation (the
-# choice) after its context (the question). The downstream tasks' section, last, says more.
+# choice) after its context (the question). Four rules of olmo_eval's decide which requests count
+# and how they are scored; the downstream tasks' section, last, lists them.
 import dataclasses
 import functools
 import gzip
@@ -248,7 +249,8 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
 # it:
 #   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
 #   rule 2 (load_task): --eval-limit N keeps the first N documents.
-#   rule 3 (load_task, metric_value): bits per byte, over each document's right continuation.
+#   rule 3 (load_task keeps each document's right continuation, as is_right tests; metric_value
+#     scores the first kept): bits per byte.
 #   rule 4 (metric_value): accuracy, the argmax of each document's normalised scores.
 # End to end, for ARC-Easy's question 7 in arc_easy:rc_5shot (primary metric acc_raw):
 #   load_task reads its four requests and keeps them (rules 1 and 2);

@@ -278,8 +278,9 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
     # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens). A TPU
-    # runs the splash kernel, an NVIDIA GPU in bf16 or fp16 cuDNN's; both compute the reference
-    # below, which runs elsewhere (the kernels, and why, are at the end of the file).
+    # runs the splash kernel, an NVIDIA GPU in bf16 or fp16 cuDNN's; both compute what the
+    # reference below computes, and the reference itself runs everywhere else (a CPU, a GPU in
+    # fp32). The kernels, and why, are at the end of the file.
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
@@ -291,7 +292,7 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # sliding layer, i - j < window (and, with segments, both are in the same one).
     B, T, H, E = q.shape
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    # each kv head repeated H // K times (k is [B, T, K, E], so K = k.shape[2])
+    # each kv head repeated H // K times, for the query heads that read it (k is [B, T, K, E])
     k_BHSE, v_BHSE = (jnp.repeat(x, H // k.shape[2], axis=1) for x in (k_BKSE, v_BKSE))
     scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
                              preferred_element_type=jnp.float32) * E ** -0.5
@@ -348,9 +349,9 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every sharding the code sets (the weights',
-# the batch's, the constrained activations') comes from it, and XLA chooses the rest. (Besides: the
-# replicated scalars and the spike guard's history use P(), and train.stop_signalled's flag, one per
-# device, P(MESH_AXES).) A batch's rows (sequences) are split over both data-parallel axes. Weights
+# the batch's, the constrained activations') comes from it, and XLA chooses the rest. (The few
+# arrays train.py replicates, or cuts one per device, are said there.) A batch's rows (sequences)
+# are split over both data-parallel axes. Weights
 # are split ZeRO-3 style over fsdp and Megatron style over tensor. Axes not named here ("layers",
 # "norm", "seq") are not split. A tuple splits one dimension over several mesh axes, so "batch" is
 # split over data x fsdp devices.
@@ -366,12 +367,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # (constrain, which reads the mesh that `jax.set_mesh` set: train.main does). train.compile_step
 # hands the first two to jit.
 #
-# Second, what a device holds, for
-#   the 7B on those 8 devices, as `--mesh fsdp=4,tensor=2` (data is 1), where device d sits at
-#     fsdp i = d // 2, tensor j = d % 2 (make_mesh reshapes jax.devices() in order);
-#   a batch of 512 x 8192, run with `--micro-batch 8` as 64 forward passes over 8 rows each
-#     (gradient accumulation, train.py's, stop 5 of the map; whether it fits in memory is the
-#     README's pod table's question):
+# Second, what a device holds. The example: the 7B with `--mesh fsdp=4,tensor=2` on those 8
+# devices (data is 1; device d sits at fsdp d // 2, tensor d % 2, as make_mesh reshapes
+# jax.devices() in order), and a batch of 512 x 8192 in 64 micro-batches of 8 rows
+# (`--micro-batch 8`: gradient accumulation, stop 5 of the map; a made-up run, not the preset's):
 #   array         shape                what cuts each dimension              one device holds
 #   embed         [100352, 4096]       tensor (vocab), fsdp (embed)          [50176, 1024]
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]

@@ -121,7 +121,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     # after a resume, drops metrics.jsonl's records newer than the state (a kill can leave some)
-    log.rewind(int(state["step"]))
+    log.rewind(int(state["step"]))  # (second read)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
@@ -141,18 +141,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # Held on the devices until log.read(step), with (second read) whether any process has
-        # got a signal by now: a tiny all-reduce, dispatched with the step
+        # Held on the devices until log.read(step). (Second read, and skip it on a first: the
+        # `| {...}` adds whether any process has got a signal by now, a tiny all-reduce.)
         log.held[step] = metrics | {"signalled": stop_signalled(mesh)}
-        # log.read(s) is, in effect, print(jax.device_get(log.held.pop(s))): it waits for step s's
-        # metrics and prints a line every log_every steps. It stops the run after 10 skipped
-        # updates in a row (spikes, or a loss or grad norm that is not finite). A step read
-        # already (by its save) is not read again: read returns the values it got.
+        # log.read(s) is, in effect, print(jax.device_get(log.held.pop(s))), every log_every
+        # steps; the rest is in Log.read (second read)
         log.read(step - 1)  # the step before's: done, or nearly, by now ({} at a run's first)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
-        # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C,
-        # a pod's SIGTERM) that any process got, as the step before's metrics show
+        # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
+        # SIGTERM) that any process got, as the step before's metrics show
         stop = stop_reason(step, args, log)  # (second read)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read it, so the saved log has it (the next
@@ -234,10 +232,10 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
     # whole on one device: init_state creates each device's shards from these, restore reads a
     # checkpoint onto them, and compile_step compiles for them.
-    # (Written out by hand: jax.eval_shape(fresh_state) gives shapes and dtypes but no shardings,
-    # as the compiler picks them only when it compiles (make_mesh's Auto axes; the README's
-    # glossary). A test checks the shapes and dtypes against eval_shape's, and the shardings
-    # against init_state's arrays.)
+    # (Skip on a first read. Written out by hand: jax.eval_shape(fresh_state) gives shapes and
+    # dtypes but no shardings, as the compiler picks them only when it compiles (make_mesh's
+    # Auto axes; the README's glossary). A test checks the shapes and dtypes against
+    # eval_shape's, and the shardings against init_state's arrays.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
