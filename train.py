@@ -144,9 +144,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # Held on the devices until log.read(step). (Second read, and skip it on a first: the
         # `| {...}` adds whether any process has got a signal by now, a tiny all-reduce.)
         log.held[step] = metrics | {"signalled": stop_signalled(mesh)}
-        # log.read(s) is, in effect, print(jax.device_get(log.held.pop(s))), every log_every
-        # steps. It also stops the run after 10 skipped updates in a row; the rest is in Log.read
-        # (second read).
+        # log.read(s) waits for step s's metrics (jax.device_get, every step) and prints them
+        # every log_every steps. It also stops the run after 10 skipped updates in a row, and a
+        # step read already (by its save) is not read again; the rest is in Log.read.
         log.read(step - 1)  # the step before's: done, or nearly, by now ({} at a run's first)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
