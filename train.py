@@ -136,26 +136,25 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       print metrics[step - 1]                                  # waits for them
     #       every eval_every steps evaluate; every save_every steps save
+    signal_flags = {}  # (second read) stop_reason's, one a step
     for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
         step = steps_done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # Held on the devices until log.read(step). (Second read, and skip it on a first: the
-        # `| {...}` adds whether any process has got a signal by now, a tiny all-reduce.)
-        log.held[step] = metrics | {"signalled": stop_signalled(mesh)}
+        log.held[step] = metrics  # on the devices until log.read(step)
         # log.read(s) waits for step s's metrics (jax.device_get, every step) and prints them
-        # every log_every steps. It also stops the run after 10 skipped updates in a row, and a
-        # step read already (by its save) is not read again; the rest is in Log.read.
-        log.read(step - 1)  # the step before's: done, or nearly, by now ({} at a run's first)
+        # every log_every steps. It also stops the run after 10 skipped updates in a row. A step
+        # read already (by its save), or from before the run's first, is skipped.
+        log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
-        # SIGTERM) that any process got, as the step before's metrics show
-        stop = stop_reason(step, args, log)  # (second read)
+        # SIGTERM) that any process got
+        stop = stop_reason(step, args, mesh, signal_flags)  # (second read)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read it, so the saved log has it (the next
-            # iteration's log.read(step - 1) returns these same values)
+            # iteration's log.read(step - 1) then skips it)
             log.read(step)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -458,16 +457,13 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
     # What train's loop uses: log(text) or log(**record); held[step] = metrics as each step is
-    # dispatched, and read(step) a step later, which returns them as Python values; flush() after
-    # a save.
+    # dispatched, and read(step) a step later; flush() after a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (step, time) of the last progress line; skipped: steps skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
-        # held: each dispatched step's metrics, on the devices until read; latest: {step: metrics}
-        # of the last step read
-        self.held, self.latest = {}, {}
+        self.held = {}  # each dispatched step's metrics, on the devices until read
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -500,16 +496,15 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, step):  # -> that step's metrics as Python values ({} for a step never held)
+    def read(self, step):  # reads one step's metrics, once
         # In order: 1. wait for the step's metrics (jax.device_get, as nanoGPT's loss.item()
         # waits); 2. count skipped updates, and stop the run at 10 in a row; 3. every log_every
-        # steps, log a progress line (self(...) is log(...)). Each step is read once: a save reads
-        # its own step, and a later read of it (the loop's, stop_reason's) returns the same values.
+        # steps, log a progress line (self(...) is log(...)). A step not held is skipped: a save
+        # read it already, or it is from before this run's first step.
         if step not in self.held:
-            return self.latest.get(step, {})
+            return
         r = self.r
         m = {k: v.tolist() for k, v in jax.device_get(self.held.pop(step)).items()}  # 1
-        self.latest = {step: m}
         self.skipped = self.skipped + 1 if m["skipped"] else 0  # 2
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
@@ -519,7 +514,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
                              f"{step} (loss {m['loss']}); lower --lr or check the data; rerun")
         if step % r.log_every and step != r.steps:  # 3 is only for log_every's steps and the last
-            return m
+            return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -532,7 +527,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m
 
 
 # ----------------------------------------------------------------------------- the 7b's schedule
@@ -748,19 +742,22 @@ def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is commi
     return EXIT_STOPPED
 
 
-def stop_reason(step, args, log):  # why the run stops after step (None: it goes on)
+def stop_reason(step, args, mesh, flags):  # why the run stops after step (None: it goes on)
     # Every process must stop after the same step, and each got its signal (if any) at its own
-    # moment. So each step's metrics carry a flag, "did any process get one by now?" (an
-    # all-reduce the loop dispatches with the step), and the decision reads the step before's
-    # flag, which every process read alike (log.read(step - 1) returns the values read already).
-    # A SIGTERM that comes after step 7's flag (while iteration 7 waits in log.read(6), say) is
-    # in step 8's flag, read in iteration 9: every process saves 9 and exits 75. As a timeline:
-    #   iteration 7: dispatch step 7 and flag 7 (False); log.read(6) waits <- the SIGTERM here
-    #   iteration 8: dispatch step 8 and flag 8 (True); stop_reason reads flag 7: go on
-    #   iteration 9: dispatch step 9 and flag 9; stop_reason reads flag 8: save 9, exit 75
+    # moment. So each step gets a flag, "did any process get one by now?" (stop_signalled's
+    # all-reduce, dispatched here), and the decision reads the step before's flag, which every
+    # process reads alike, a step late so that the devices need not wait. A SIGTERM that comes
+    # after step 7's flag (while iteration 8 waits in log.read(7), say) is in step 8's flag,
+    # read in iteration 9: every process saves 9 and exits 75. (flags holds each step's flag,
+    # on the devices, until it is read.) As a timeline:
+    #   iteration 7: step 7 runs; stop_reason dispatches flag 7 (False) and reads flag 6
+    #   iteration 8: log.read(7) waits <- the SIGTERM here; stop_reason dispatches flag 8 (True)
+    #     and reads flag 7 (False): go on
+    #   iteration 9: stop_reason dispatches flag 9 and reads flag 8 (True): save 9, exit 75
+    flags[step] = stop_signalled(mesh)
     if step == args.stop_at:
         return "--stop-at"
-    if log.read(step - 1).get("signalled"):  # a process got a signal: all stop, together
+    if flags.pop(step - 1, False):  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
