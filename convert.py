@@ -70,12 +70,12 @@ def from_hf(path):
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
         view[...] = tensor
-    # The lm_head's padding columns, absent from HF files, get the mean of its real columns. A
-    # padded logit is then the mean real logit, so the loss's softmax over the padded vocabulary
-    # adds at most ln(1 + 74 / 100,278) nats to HF's (Jensen: the mean of exp >= exp of the
-    # mean). Zero columns would add 74 logits of 0: ln(75) nats at a logsumexp of 0 (where
-    # z-loss pushes it), more below it. (OLMo-core's load_hf_model draws them around the mean
-    # instead, with transformers' mean_resizing.)
+    # The lm_head's padding columns, absent from HF files, get the mean of its real columns, so the
+    # padded softmax adds at most 0.00074 nats to HF's loss. Why: a padded logit is then the mean
+    # real logit, so the 74 padding columns add at most ln(1 + 74 / 100,278) (Jensen: the mean of
+    # exp >= exp of the mean). Zero columns would add 74 logits of 0: ln(75) nats at a logsumexp of
+    # 0 (where z-loss pushes it), more below it. (OLMo-core's load_hf_model draws them around the
+    # mean instead, with transformers' mean_resizing.)
     # lm_head is [D, V]; its .T is a [V, D] view, so this writes the padding columns in place
     params["lm_head"].T[cfg.vocab_size:] = params["lm_head"].T[:cfg.vocab_size].mean(0)
     return cfg, params

@@ -186,6 +186,7 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
 
 # ----------------------------------------------------------------------------- generation
 
+# (static_argnames makes these static whether they are passed by name or by position)
 @functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""

@@ -269,7 +269,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restored: {params} from a converted checkpoint; from a run's, opt_state, step and history too
-    restored = restore(latest_checkpoint(args.init_from), target, cfg)
+    restored = restore(latest_checkpoint(args.init_from), target, cfg)  # r None: only the model
     # params and opt_state carry over (only params from a converted checkpoint); step and
     # history stay fresh, so the schedule and the spike guard start again
     carried = [k for k in ("params", "opt_state") if k in restored]
@@ -380,6 +380,7 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # Both stay at F from T on, and both give the peak P at k = W. (The "olmo3" schedule,
     # olmo3_stage1, is in the second read.)
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
+    # optax's arguments, in order: init value, peak, warmup steps, decay steps (T), end value
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # (the max()es keep a run no longer than its warmup valid)
     if r.schedule == "cosine":  # optax's decay_steps includes the warmup, so it is T
@@ -403,7 +404,8 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
     # state's step: slots i < min(steps_done, 128) hold values, and this step's go to slot
     # steps_done % 128 (at step 4, slots 0-2 hold values, and this one goes to slot 3). A value
     # spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one per
-    # row), once there are 64 values with this one: from step 64 on (steps_done 63).
+    # row), once there are 64 values with this one: from step 64 on (steps_done 63). At step
+    # 200, all 128 slots hold values, and this step's overwrite slot 199 % 128 = 71, the oldest.
     n_held = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
@@ -436,9 +438,9 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
 #   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
 #     after restore checks the settings and the data; an all-gather confirms all could;
 #   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
-#   preemption: host 3 gets a SIGTERM while step 612 runs. Its flag is in step 612's or 613's
-#     metrics, every host reads it a step later (stop_reason), and all save the same step and
-#     exit 75 (stopped);
+#   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
+#     flag (stop_signalled), every host reads that flag a step later (stop_reason), and all save
+#     the same step and exit 75 (stopped);
 #   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
 # =============================================================================
 
@@ -779,10 +781,10 @@ def start_jax(args):
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:
-        # "One process, go on": a ValueError (no cluster here) or a RuntimeError (JAX already
-        # runs, as when the tests call main). Raised: a JaxRuntimeError (peers found but not
-        # reached; it is a RuntimeError, hence the isinstance) and any error with --coordinator,
-        # which asked for a cluster.
+        # Raise when peers were found but not reached (a JaxRuntimeError, which is a
+        # RuntimeError, hence the isinstance) or when --coordinator asked for a cluster.
+        # Otherwise, "one process, go on": a ValueError (no cluster here) or a RuntimeError (JAX
+        # already runs, as when the tests call main).
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
