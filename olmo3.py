@@ -136,9 +136,9 @@ def init(cfg: Config, key) -> dict:
 
 
 # ----------------------------------------------------------------------------- the model
-# A name's suffix gives its shape, so x_BTD is an array [B, T, D]. There are B sequences of T
-# tokens (S counts the keys' tokens), D = d_model, H query heads and K key/value heads of
-# E = head_dim each, and F = mlp_hidden. A name without a suffix (q, h, out) is [B, T, ...].
+# A name's suffix gives its shape, so x_BTD is an array [B, T, D]. There are B sequences of T tokens
+# (S counts the keys' tokens), D = d_model, H query heads and K key/value heads of E = head_dim
+# each, and F = mlp_hidden. A name without a suffix (q, k, h, attn, mlp) is [B, T, ...].
 
 def forward(params, tokens, cfg: Config, segments=None):
     """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""

@@ -95,7 +95,7 @@ STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedu
 # ----------------------------------------------------------------------------- the run
 
 def main(argv=None):
-    cfg, r, args = parse_args(argv)
+    cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, then STAGE2, then the flags
     start_jax(args)  # fake CPU devices if asked, and the multi-host start-up (second read)
     if args.dry_run:
         return data.beside("prepare").dry_run(cfg, r, args)  # (a lazy import of prepare.py)
@@ -256,7 +256,7 @@ def init_state(cfg, r, target):
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
     # On a first read: a new run is init_state(cfg, r, target), with the note "fresh start". If the
-    # run directory has a checkpoint, the state is its newest, read straight into target's
+    # run directory has a checkpoint, the state is its newest readable one, read into target's
     # shardings. Otherwise it is a fresh state, into which --init-from (if given) copies its weights
     # and Adam state. In this "warm Adam", the moments and Adam's step count (opt_state.count) carry
     # over, and the schedule starts again (state["step"] is 0). (resume, refuse_fresh_start and
@@ -269,7 +269,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restored: {params} from a converted checkpoint; from a run's, opt_state, step and history too
-    restored = restore(latest_checkpoint(args.init_from), target, cfg)  # r None: only the model
+    # (no recipe given: an --init-from, so only the model's settings must match, not the data)
+    restored = restore(latest_checkpoint(args.init_from), target, cfg)
     # params and opt_state carry over (only params from a converted checkpoint); step and
     # history stay fresh, so the schedule and the spike guard start again
     carried = [k for k in ("params", "opt_state") if k in restored]
@@ -400,12 +401,14 @@ adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. history [2, 128] is a ring of each one's last 128 values, and steps_done is the
-    # state's step: slots i < min(steps_done, 128) hold values, and this step's go to slot
-    # steps_done % 128 (at step 4, slots 0-2 hold values, and this one goes to slot 3). A value
-    # spikes when it is more than 6 std above the mean of the held ones (mean and std [2], one per
-    # row), once there are 64 values with this one: from step 64 on (steps_done 63). At step
-    # 200, all 128 slots hold values, and this step's overwrite slot 199 % 128 = 71, the oldest.
+    # update.
+    # - history [2, 128] is a ring of each one's last 128 values. steps_done is the state's step:
+    #   slots i < min(steps_done, 128) hold values, and this step's go to slot steps_done % 128
+    #   (at step 4, steps_done 3: slots 0-2 hold values, this one goes to slot 3; at step 200,
+    #   all 128 hold values, and this one overwrites slot 199 % 128 = 71, the oldest).
+    # - Checking starts at the 64th value, counting this one: from step 64 on (steps_done 63).
+    # - A value spikes when it is more than 6 std above the mean of the held ones (mean and std
+    #   [2], one per row).
     n_held = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
     held = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
@@ -449,9 +452,9 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
 
 SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
 
-# Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per chip. The first name
-# found in the device's kind counts, so "v5 lite" must come before "v5". (An fp32 run's MFU is
-# still against these bf16 peaks.)
+# Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per chip. The first entry
+# whose name is in the device's kind counts, so "v5 lite" must come before "v5". (An fp32 run's
+# MFU is still against these bf16 peaks.)
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
