@@ -136,7 +136,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       print metrics[step - 1]                                  # waits for them
     #       every eval_every steps evaluate; every save_every steps save
-    signal_flags = {}  # (second read) stop_reason's, one a step
+    stop_flags = {}  # (second read) stop_reason's: one a step, until it reads it
     for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
         step = steps_done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -151,7 +151,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             evals(state["params"], step)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
         # SIGTERM) that any process got
-        stop = stop_reason(step, args, mesh, signal_flags)  # (second read)
+        stop = stop_reason(step, args, mesh, stop_flags)  # (second read)
         if step % r.save_every == 0 or step == r.steps or stop:
             # a save waits for the step anyway: read it, so the saved log has it (the next
             # iteration's log.read(step - 1) then skips it)
@@ -735,9 +735,9 @@ def stop_signalled(mesh):  # was any process asked to stop? All get the same ans
     # the one dimension over all three mesh axes. jnp.any over it is an all-reduce, so every
     # process gets the same answer. (JAX's preemption sync point, which Orbax offers, misses a
     # SIGTERM that comes before the first step.)
-    flags = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
-                                         lambda _: np.array([bool(SIGNALS)]))  # one per device
-    return jnp.any(flags)
+    per_device = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
+                                              lambda _: np.array([bool(SIGNALS)]))  # one per device
+    return jnp.any(per_device)
 
 
 def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is committed
@@ -747,22 +747,22 @@ def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is commi
     return EXIT_STOPPED
 
 
-def stop_reason(step, args, mesh, flags):  # why the run stops after step (None: it goes on)
+def stop_reason(step, args, mesh, stop_flags):  # why the run stops after step (None: goes on)
     # Every process must stop after the same step, and each got its signal (if any) at its own
     # moment. So each step gets a flag, "did any process get one by now?" (stop_signalled's
     # all-reduce, dispatched here), and the decision reads the step before's flag, which every
     # process reads alike, a step late so that the devices need not wait. A SIGTERM that comes
     # after step 7's flag (while iteration 8 waits in log.read(7), say) is in step 8's flag,
-    # read in iteration 9: every process saves 9 and exits 75. (flags holds each step's flag,
+    # read in iteration 9: every process saves 9 and exits 75. (stop_flags holds each step's flag,
     # on the devices, until it is read.) As a timeline:
     #   iteration 7: step 7 runs; stop_reason dispatches flag 7 (False) and reads flag 6
     #   iteration 8: log.read(7) waits <- the SIGTERM here; stop_reason dispatches flag 8 (True)
     #     and reads flag 7 (False): go on
     #   iteration 9: stop_reason dispatches flag 9 and reads flag 8 (True): save 9, exit 75
-    flags[step] = stop_signalled(mesh)
+    stop_flags[step] = stop_signalled(mesh)
     if step == args.stop_at:
         return "--stop-at"
-    if flags.pop(step - 1, False):  # a process got a signal: all stop, together
+    if stop_flags.pop(step - 1, False):  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
