@@ -251,8 +251,8 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
 # spelled out where the code applies it:
 #   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
 #   rule 2 (load_task): --eval-limit N keeps the first N documents.
-#   rule 3 (load_task, is_right, metric_value): bits per byte scores only each document's
-#     right continuation (the first kept, if several).
+#   rule 3 (load_task with is_right; metric_value): bits per byte scores only each document's
+#     right continuation.
 #   rule 4 (metric_value): accuracy, the argmax of each document's normalised scores.
 # End to end, for that question 1 (arc_easy:rc_5shot's primary metric is acc_raw):
 #   load_task reads its four requests and keeps them (rules 1 and 2);
@@ -316,24 +316,23 @@ def load_task(spec, limit, tokenizer, seq_len):
     # Doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys drops repeats, keeps order).
     kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
     requests = [req for req in requests if req["doc_id"] in kept]
-    # rule 3: bits per byte scores only each document's right continuation. Tasks mark it in one
-    # of three ways, and a request is kept if:
-    #   its label is the text itself, a str or list (lambada:bpb_0shot: {"idx": 0, "label":
-    #     ["signs"]});
-    #   its label is None and its idx 0 (a gold-only task has one continuation, idx 0:
-    #     codex_humaneval:gold_bpb_0shot);
-    #   its idx equals its label, the right idx (a multiple-choice task's bpb variant: {"idx": 2,
-    #     "label": 2} is kept, {"idx": 1, "label": 2} dropped).
-    # is_right (below) tests the three ways; metric_value scores what is kept (with an example).
+    # rule 3: a bits-per-byte task scores only each document's right continuation (is_right)
     if DIVIDE_BY[metric] == "bytes":
         requests = [req for req in requests if is_right(req)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
 
 
-def is_right(req):  # rule 3: is req its document's right continuation (in one of three ways)?
-    if isinstance(req["label"], str | list):  # 1: the label is the text itself
+def is_right(req):  # rule 3: is req its document's right continuation?
+    # Tasks mark it in one of three ways:
+    #   1. the label is the text itself, a str or list (lambada:bpb_0shot: {"idx": 0, "label":
+    #      ["signs"]});
+    #   2. the label is None: a gold-only task, whose one continuation is idx 0
+    #      (codex_humaneval:gold_bpb_0shot);
+    #   3. the label is the right idx (a multiple-choice task's bpb variant: {"idx": 2, "label":
+    #      2} is right, {"idx": 1, "label": 2} is not).
+    if isinstance(req["label"], str | list):  # 1
         return True
-    right_idx = 0 if req["label"] is None else req["label"]  # 2: gold-only, idx 0; 3: the label
+    right_idx = 0 if req["label"] is None else req["label"]  # 2 or 3
     return req["idx"] == right_idx
 
 
@@ -355,7 +354,8 @@ def request_rows(requests, tokenizer, seq_len):
 def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
     """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
     # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
-    # normalised score, and gold = {doc_id: the right idx}. For ARC's question 1 (the section's
+    # normalised score (size: 1, its characters, tokens or bytes, as DIVIDE_BY says for the
+    # metric), and gold = {doc_id: the right idx}. For ARC's question 1 (the section's
     # example): by_doc {1: {0: -9.1, 1: -8.4, 2: -6.0, 3: -7.2}} and gold {1: 2}. setdefault
     # keeps a pair's first score if a file lists it twice, as ICLMetric does.
     by_doc, gold = {}, {}
@@ -364,16 +364,12 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], score / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
-    # rule 3 (bits per byte): choices holds the continuations load_task kept, each a log-prob
-    # per byte in nats (<= 0); the first (next(iter(...)); olmo_eval's choice, if a document kept
-    # several) is scored, as -score * log2(e) bits per byte (>= 0). In the section's lambada
-    # example, by_doc holds {0: {0: -2.0}} (-12.0 nats over 6 bytes): 2.0 * 1.4427 = 2.885.
-    # rule 4 (accuracy): each continuation's score is divided by 1, its characters or its tokens
-    # (the task's primary metric says which: with acc_per_char, a continuation " blue" (5
-    # characters) scored -6.0 counts -6.0 / 5 = -1.2), and a document is right if the argmax
-    # over its continuations (the first on a tie) is its label. (The argmax's position is the
-    # idx, as a document's idx run 0 to n - 1 in OLMES's files. That is not checked here;
-    # olmo_eval skips a document where not.)
+    # rule 3 (bits per byte): load_task kept only each document's right continuation (if a file
+    # marks several, the first is scored). Its score is a log-prob per byte in nats (<= 0), so
+    # its bits per byte are -score * log2(e).
+    # rule 4 (accuracy): a document is right if the argmax of its continuations' scores (the
+    # first on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0
+    # to n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
     if DIVIDE_BY[metric] == "bytes":  # rule 3
         value = np.mean([-next(iter(choices.values())) * LOG2_E for choices in by_doc.values()])
     else:  # rule 4: in the example above, the argmax is idx 2, gold is 2: document 1 is right

@@ -144,8 +144,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         log.held[step] = metrics  # on the devices until log.read(step)
         # log.read(s) waits for step s's metrics (jax.device_get, every step) and prints them
-        # every log_every steps. It also stops the run after 10 skipped updates in a row. A step
-        # read already (by its save), or from before the run's first, is skipped.
+        # every log_every steps, as "step 50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 |
+        # 6,481 tok/s | MFU n/a | ETA 0:00:32" (tiny, --steps 100, on a CPU). It also stops the run
+        # after 10 skipped updates in a row. A step read already (by its save), or from before the
+        # run's first, is skipped.
         log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -616,17 +618,16 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     # Config, so another version's checkpoint is a one-line mismatch here, not an error that
     # read_retrying would take for an unreadable file.
     saved = saved_config(step_dir)
+    given = dataclasses.asdict(cfg)  # the command line's model settings
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
-    # model_fields: both versions' Config field names, each once, in order (a field only one
-    # version has is a mismatch); fixed: those that must be equal
-    model_fields = dict.fromkeys([*saved["model"], *vars(cfg)])
-    fixed = [f for f in model_fields if not may_differ(f)]
-    # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal.
-    # Say a stage-2 checkpoint (yarn_factor 0.0) meets stage 3's command line (8.0): as a resume,
-    # it finds the pair ("yarn_factor", 0.0, 8.0) and stops with "checkpoint ... has
+    # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal,
+    # for every model setting either side has (saved | given: a field only one version has is a
+    # mismatch). Say a stage-2 checkpoint (yarn_factor 0.0) meets stage 3's command line (8.0):
+    # as a resume, it finds the pair ("yarn_factor", 0.0, 8.0) and stops with "checkpoint ... has
     # yarn_factor=0.0 (command line: 8.0)"; as --init-from (r None), yarn_ fields may differ, so
     # stage 3 starts from stage 2's weights with YaRN on.
-    pairs = [(f, saved["model"].get(f), getattr(cfg, f, None)) for f in fixed]
+    pairs = [(f, saved["model"].get(f), given.get(f)) for f in saved["model"] | given
+             if not may_differ(f)]
     if r is not None:  # a resume
         pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
         pairs += [("data", saved.get("data"), loader.fingerprint)]
@@ -688,6 +689,7 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
             why = str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
             time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
+    # every try failed: returns None
 
 
 def refuse_fresh_start(out):
@@ -784,10 +786,12 @@ def start_jax(args):
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:
-        # Raise when peers were found but not reached (a JaxRuntimeError, which is a
-        # RuntimeError, hence the isinstance) or when --coordinator asked for a cluster.
-        # Otherwise, "one process, go on": a ValueError (no cluster here) or a RuntimeError (JAX
-        # already runs, as when the tests call main).
+        # What initialize raised, and what happens:
+        #   ValueError: no cluster found here                    -> one process: go on
+        #   RuntimeError: JAX already runs (the tests call main) -> one process: go on
+        #   JaxRuntimeError (a RuntimeError): peers found, but
+        #     not reached                                        -> raise
+        #   either, with --coordinator (a cluster was asked for) -> raise
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
