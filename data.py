@@ -97,8 +97,9 @@ class Loader:
         labels = np.full_like(inputs, -100)  # the last position has no target
         labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
         # (A no-op for Loader's rows, which are all document: skip it on a first read. It is for
-        # PackedLoader's, whose padding is no target; PackedLoader.batch says more.)
-        labels[:, :-1][np.arange(1, self.seq_len) >= lengths[:, None]] = -100  # (a view of labels)
+        # PackedLoader's, whose padding is no target; PackedLoader.batch says more.) Position t's
+        # target, token t + 1, is padding where t + 1 >= the row's length.
+        labels[np.arange(self.seq_len) + 1 >= lengths[:, None]] = -100
         return {"inputs": inputs, "labels": labels}
 
     # -> tokens [len(ids), seq_len] int32, and each row's real length (always seq_len here; the

@@ -227,10 +227,10 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
     records = list(map(json.loads, lines))
     keys = sorted({k for rec in records for k in rec if k.startswith("eval/") and "PPL" not in k})
     ax = Figure(figsize=(8, 4)).subplots()
-    for key in ["loss", *keys]:  # a step logged twice (an older run's resume) keeps its last
-        points = sorted({rec["step"]: rec[key] for rec in records if key in rec}.items())
-        steps, values = [step for step, _ in points], [value for _, value in points]
-        ax.plot(steps, values, "-" if key == "loss" else "o-", lw=1, label=key)
+    for key in ["loss", *keys]:
+        # line: {step: value}, in step order (a step logged twice keeps its last value)
+        line = {rec["step"]: rec[key] for rec in records if key in rec}
+        ax.plot(list(line), list(line.values()), "-" if key == "loss" else "o-", lw=1, label=key)
     ax.set(xlabel="step", ylabel="loss (nats/token), eval metrics", title=run_dir)
     ax.legend(fontsize=7)
     with (epath.Path(run_dir) / "loss.png").open("wb") as f:  # works on gs:// too
@@ -314,8 +314,10 @@ def load_task(spec, limit, tokenizer, seq_len):
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
                          f"{', '.join(DIVIDE_BY)}); choose another variant")
     # rule 2: --eval-limit N keeps the first N documents (doc ids), in file order; 0 keeps all.
-    # Doc ids 7, 7, 9, 9, 4 and limit 2 keep {7, 9} (dict.fromkeys drops repeats, keeps order).
-    kept = set(list(dict.fromkeys(req["doc_id"] for req in requests))[:limit if limit else None])
+    # Doc ids 7, 7, 9, 9, 4 give doc_ids [7, 9, 4] (dict.fromkeys drops repeats, keeps order),
+    # and limit 2 keeps {7, 9}.
+    doc_ids = list(dict.fromkeys(req["doc_id"] for req in requests))
+    kept = set(doc_ids[:limit] if limit else doc_ids)
     requests = [req for req in requests if req["doc_id"] in kept]
     # rule 3: a bits-per-byte task scores only each document's right continuation (is_right)
     if DIVIDE_BY[metric] == "bytes":

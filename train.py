@@ -146,9 +146,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         log.held[step] = metrics  # on the devices until log.read(step)
         # log.read(s) waits for step s's metrics (jax.device_get, every step) and prints them
         # every log_every steps, as "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706
-        # | 6,481 tok/s | MFU n/a | ETA 0:00:32" (tiny, --steps 100, on a CPU). It also stops the
-        # run after 10 skipped updates in a row. read pops the step from log.held, so a step read
-        # already (by its save, below) is skipped, as is one from before the run's first.
+        # | 5,461 tok/s | MFU n/a | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores; the speed
+        # varies with the CPU). It also stops the run after 10 skipped updates in a row.
+        # Each step's metrics are read exactly once: a step later, here, or by its own save.
         log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -156,8 +156,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # SIGTERM) that any process got
         stop = stop_reason(step, args, mesh, stop_flags)  # (second read)
         if step % r.save_every == 0 or step == r.steps or stop:
-            # a save waits for the step anyway: read it, so the saved log has it (the next
-            # iteration's log.read(step - 1) then skips it)
+            # a save waits for the step anyway: read it, so the saved log has it (read pops it
+            # from log.held, so the next iteration's log.read(step - 1) skips it)
             log.read(step)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -400,8 +400,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     return lr
 
 
-# optax's Adam (train_step clips before it and decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
+def adam(r):  # optax's Adam (train_step clips before it and decays after it)
+    return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
@@ -614,6 +614,7 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
 
 
 def restore(step_dir, target, cfg, r=None, loader=None):
+    # In short: compare the saved settings with this run's, then read the arrays onto target.
     # Reads a checkpoint step (params, and the rest if target has it) onto target's shardings,
     # whatever mesh wrote it. A resume (r given) must match the model (every Config field but
     # NUMERICS), the data order (DATA_ORDER) and the data; --init-from (r None) must match only
@@ -656,6 +657,7 @@ def read_item(path, tree):  # reads one item of a checkpoint step onto tree's sh
 
 
 def resume(manager, target, cfg, r, loader, log):
+    # In short, on one host with a good checkpoint: restore(the newest step).
     # The newest checkpoint that every process can read. Each process reads it itself (Orbax's
     # restore would wait at a barrier for one that failed), retrying errors that can pass, and an
     # all-gather decides for all. A step some process cannot read is renamed <step>.unreadable,
