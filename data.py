@@ -51,6 +51,8 @@ class Loader:
 
     def __init__(self, source, seq_len, global_batch, seed, rows=None, tokenizer="dolma2",
                  root=None, vocab_size=None, permutation_seed=-1):
+        # First read: files, sizes, first_id and the instances; skip the parts marked (stage 3)
+        # and (second read).
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.vocab_size = vocab_size  # (a token id >= vocab_size is an error)
         self.files = resolve_source(source, tokenizer, root)
@@ -170,9 +172,9 @@ class PackedLoader(Loader):
     def batch(self, i):
         # Labels: Loader.batch's plain shift, as OLMo-core's get_labels, with the padding masked
         # there: position t keeps its label iff t + 1 < the row's length, as OLMo-core's
-        # label_mask gives (with length 3 and T = 6, positions 2 to 4 lose theirs). So a
-        # document's EOS is labelled with the next document's first token: each EOS but the row's
-        # last (padding follows it, so it has no target) learns to predict an unrelated
+        # label_mask gives (with length 3 and T = 6, positions 2 to 4 lose theirs; 5 has none).
+        # So a document's EOS is labelled with the next document's first token: each EOS but the
+        # row's last (padding follows it, so it has no target) learns to predict an unrelated
         # document's first token, while seeing only its own document, as in OLMo-core.
         # Segments: a document's runs up to and including its EOS, and the padding is a segment
         # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:

@@ -273,6 +273,7 @@ LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (
 # bits_per_byte gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
 DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
              "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
+# (metric_value's `size` turns each word into a number for a continuation)
 
 
 def load_task(spec, limit, tokenizer, seq_len):
@@ -373,7 +374,7 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # rule 4 (accuracy): a document is right if the argmax of its continuations' scores (the
     # first on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0
     # to n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
-    if DIVIDE_BY[metric] == "bytes":  # rule 3
+    if DIVIDE_BY[metric] == "bytes":  # rule 3: list(choices.values())[0] is the kept request's
         value = np.mean([-list(choices.values())[0] * LOG2_E for choices in by_doc.values()])
     else:  # rule 4: in the example above, the argmax is idx 2, gold is 2: document 1 is right
         value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]

@@ -98,7 +98,9 @@ def main(argv=None):
     cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, then STAGE2, then the flags
     start_jax(args)  # fake CPU devices if asked, and the multi-host start-up (second read)
     if args.dry_run:
-        return data.beside("prepare").dry_run(cfg, r, args)  # (a lazy import of prepare.py)
+        # data.beside("prepare"): a lazy import of prepare.py (in data.py, for data's own command
+        # line too), which says what is missing if the file is not there
+        return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
     catch_signals_check_run_dir(args.out)  # (second read) what a run on a pod needs first
@@ -112,8 +114,9 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
-    # files are written with each checkpoint). The loop keeps each step's metrics in log.held
-    # until log.read reads them. (Log is in the second read.)
+    # files are written with each checkpoint). The loop puts each step's metrics in log.held
+    # {step: metrics}; log.read(s) pops step s from it and prints, and skips a step it does not
+    # hold. (Log is in the second read.)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state; Orbax
@@ -155,7 +158,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
         # SIGTERM) that any process got
         stop = stop_reason(step, args, mesh, stop_flags)  # (second read)
-        if step % r.save_every == 0 or step == r.steps or stop:
+        if step % r.save_every == 0 or step == r.steps or stop:  # (stop: second read)
             # a save waits for the step anyway: read it, so the saved log has it (read pops it
             # from log.held, so the next iteration's log.read(step - 1) skips it)
             log.read(step)
@@ -230,6 +233,7 @@ def fresh_state(r, params):  # the training state before step 1
 
 
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
+    # In short: what jax.eval_shape(fresh_state) would give, plus each leaf's sharding.
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): params cut as AXIS_RULES
     # says, Adam's mu and nu cut like their params, and the rest replicated. jit and Orbax need
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
@@ -575,6 +579,10 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
 # Orbax saves asynchronously under a temporary name and commits a step atomically (a rename, or
 # a commit file on gs://). Only committed steps are listed, so a kill -9 at any moment loses only
 # the steps since the last commit. A step holds params, train_state and config.
+# The section's map: save writes a step. A resume (resume) tries the steps newest first, each
+# through read_retrying(restore): restore compares the settings, then read_item compares the
+# layout and reads the arrays. A run directory with no checkpoint to resume passes
+# refuse_fresh_start before a fresh start. --init-from reads latest_checkpoint with restore.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
 
