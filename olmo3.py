@@ -5,12 +5,15 @@
 # no biases and an untied lm_head. It has three sliding-window layers for every full-attention
 # one, and the last layer is always full.
 #
-# The file has Config, param_specs and init, forward (embed -> decoder -> block and its helpers,
-# attention among them -> unembed), loss_terms and flops_per_token (skip it), then the sharding
-# (part two of its comment says what each device holds), and attention's kernels last (a later
-# read). Read it in that order. The model is a pytree (nested dict) of arrays. One Spec per weight
-# drives `init` and `abstract_params` (shapes and shardings), and its Hugging Face name drives
-# convert.py.
+# Read it in the file's order:
+#   1. Config, param_specs and init;
+#   2. forward: embed -> decoder -> block and its helpers (attention among them) -> unembed;
+#      then loss_terms;
+#   3. flops_per_token (skip it);
+#   4. the sharding (part two of its comment says what each device holds);
+#   5. attention's kernels (a later read).
+# The model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and
+# `abstract_params` (shapes and shardings), and its Hugging Face name drives convert.py.
 import dataclasses
 import math
 from typing import NamedTuple
@@ -167,6 +170,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # Why a group, not a layer, is the scanned unit: a layer's window is a Python value baked into
     # its program, and every scan step runs the same program. (tiny is one group of 4. When
     # global_every does not divide n_layers, all layers are one group.)
+    # The lines below build, in order: groups (the weights cut into groups), ropes, windows,
+    # layer (block under jax.checkpoint), then the scan over the groups.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -219,7 +224,7 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     attn = attention(q_BTHE, k_BTKE, v_BTKE, window, cfg, segments).reshape(B, T, H * E)
     # The norms sit on each sub-block's output, not its input (OLMo-core's ReorderedNormBlock).
     h = x_BTD + rms_norm(dense(attn, p["o"]), p["attn_norm"], cfg.norm_eps)
-    h = constrain(h, "batch", "seq", None)
+    h = constrain(h, "batch", "seq", None)  # as in embed (stop 4); no-op without a mesh
     mlp = dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])  # SwiGLU
     return constrain(h + rms_norm(mlp, p["mlp_norm"], cfg.norm_eps), "batch", "seq", None)
 
@@ -280,7 +285,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens). A TPU
     # runs the splash kernel, an NVIDIA GPU in bf16 or fp16 cuDNN's; both compute what the
     # reference below computes, and the reference itself runs everywhere else (a CPU, a GPU in
-    # fp32). The kernels, and why, are at the end of the file.
+    # fp32). The kernels, and why, are at the end of the file. (An AMD GPU's ROCm has no cuDNN:
+    # there, pass --attention reference. Not tried here.)
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
@@ -432,6 +438,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
     # The errors, in the order the `if` below tests them: a size neither positive nor -1, or two
     # -1s; more devices than there are; with a -1, given sizes that do not divide the device count
+    # (without a -1, n is their product, so the last test is always 0)
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")

@@ -114,9 +114,8 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
-    # files are written with each checkpoint). The loop puts each step's metrics in log.held
-    # {step: metrics}; log.read(s) pops step s from it and prints, and skips a step it does not
-    # hold. (Log is in the second read.)
+    # files are written with each checkpoint). log.held and log.read: the loop's comment. (Log
+    # is in the second read.)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state; Orbax
@@ -147,11 +146,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         log.held[step] = metrics  # on the devices until log.read(step)
-        # log.read(s) waits for step s's metrics (jax.device_get, every step) and prints them
-        # every log_every steps, as "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706
-        # | 5,461 tok/s | MFU n/a | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores; the speed
-        # varies with the CPU). It also stops the run after 10 skipped updates in a row.
-        # Each step's metrics are read exactly once: a step later, here, or by its own save.
+        # The contract: log.held[s] is filled as step s is dispatched; log.read(s) pops it, waits
+        # for it (jax.device_get), and prints it every log_every steps, as "step     50/100 |
+        # loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU n/a | ETA 0:00:38"
+        # (tiny, --steps 100, on 2 CPU cores; the speed varies with the CPU). A step not held
+        # (read already by its save, or from before the run's first) is skipped, so each step is
+        # read exactly once: a step later, here, or by its own save. log.read also stops the run
+        # after 10 skipped updates in a row.
         log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -159,8 +160,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # SIGTERM) that any process got
         stop = stop_reason(step, args, mesh, stop_flags)  # (second read)
         if step % r.save_every == 0 or step == r.steps or stop:  # (stop: second read)
-            # a save waits for the step anyway: read it, so the saved log has it (read pops it
-            # from log.held, so the next iteration's log.read(step - 1) skips it)
+            # a save waits for the step anyway: read it, so the saved log has it (the contract
+            # above)
             log.read(step)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -238,11 +239,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # says, Adam's mu and nu cut like their params, and the rest replicated. jit and Orbax need
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
     # whole on one device: init_state creates each device's shards from these, restore reads a
-    # checkpoint onto them, and compile_step compiles for them.
-    # (On a first read, skip this paragraph. Written out by hand: jax.eval_shape(fresh_state)
-    # gives shapes and dtypes but no shardings, as the compiler picks them only when it compiles
-    # (make_mesh's Auto axes; the README's glossary). A test checks the shapes and dtypes against
-    # eval_shape's, and the shardings against init_state's arrays.)
+    # checkpoint onto them, and compile_step compiles for them. (Why by hand, not
+    # jax.eval_shape(fresh_state): its outputs carry no shardings under Auto axes, the README's
+    # glossary says. A test compares this with eval_shape's shapes and init_state's shardings.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
