@@ -127,8 +127,9 @@ def document_rows(files, eos, seq_len, limit):
 # ----------------------------------------------------------------------------- the commands
 
 def load_weights(cfg, args, mesh):
-    # (Config, params) of --init-from: the model from the checkpoint, how it runs (dtype,
-    # attention) from the command line. It reads only the params, 4 bytes a parameter.
+    # (Config, params) of --init-from: the model from the checkpoint, how it runs
+    # (olmo3.NUMERICS: dtype, remat, attention) from the command line. It reads only the params,
+    # 4 bytes a parameter.
     step_dir = train.latest_checkpoint(args.init_from)
     saved = olmo3.Config(**train.saved_config(step_dir)["model"])
     cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})

@@ -170,8 +170,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # Why a group, not a layer, is the scanned unit: a layer's window is a Python value baked into
     # its program, and every scan step runs the same program. (tiny is one group of 4. When
     # global_every does not divide n_layers, all layers are one group.)
-    # The lines below build, in order: groups (the weights cut into groups), ropes, windows,
-    # layer (block under jax.checkpoint), then the scan over the groups.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -183,8 +181,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # the RoPE tables, (cos_TE, sin_TE) each, of sliding and of full-attention layers (YaRN
     # applies to full ones only; without it the two are the same)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # windows[j]: layer j's window, in every group (the same in each, because group_size is
-    # global_every or all the layers)
+    # windows[j]: the window of layer j of every group. is_full takes a layer's index in the
+    # model, but j (the index in the group) gives the same answer: group_size is global_every
+    # (or all the layers), so layer 4 g + j is full exactly when layer j is.
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, so the backward pass keeps only what a policy says and
     # recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
@@ -231,8 +230,8 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
 
 def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
     # Use one 2-D matmul, because XLA:CPU runs the 3-D form ([B, T, D] @ [D, F]) slower: for tiny's
-    # [16, 256, 256] @ [256, 768], the same time forward but 2.3x with the backward (JAX 0.10.2,
-    # 2 EPYC cores).
+    # [16, 256, 256] @ [256, 768], the 3-D form takes the same time forward, and 2.3x as long
+    # with the backward (JAX 0.10.2, 2 EPYC cores).
     y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 

@@ -146,13 +146,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         log.held[step] = metrics  # on the devices until log.read(step)
-        # The contract: log.held[s] is filled as step s is dispatched; log.read(s) pops it, waits
-        # for it (jax.device_get), and prints it every log_every steps, as "step     50/100 |
-        # loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU n/a | ETA 0:00:38"
-        # (tiny, --steps 100, on 2 CPU cores; the speed varies with the CPU). A step not held
-        # (read already by its save, or from before the run's first) is skipped, so each step is
-        # read exactly once: a step later, here, or by its own save. log.read also stops the run
-        # after 10 skipped updates in a row.
+        # log.read(s) waits for step s's metrics and prints them every log_every steps, as
+        # "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU n/a
+        # | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores). Each step is read once: a step
+        # later, here, or by its own save (Log.read says how). It also stops the run after 10
+        # skipped updates in a row.
         log.read(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -160,8 +158,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # SIGTERM) that any process got
         stop = stop_reason(step, args, mesh, stop_flags)  # (second read)
         if step % r.save_every == 0 or step == r.steps or stop:  # (stop: second read)
-            # a save waits for the step anyway: read it, so the saved log has it (the contract
-            # above)
+            # a save waits for the step anyway: read it, so the saved log has it (the next
+            # iteration's log.read(step - 1) then skips it)
             log.read(step)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
@@ -240,8 +238,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # every leaf's shape and sharding before any array exists, so that the 7B's state is never
     # whole on one device: init_state creates each device's shards from these, restore reads a
     # checkpoint onto them, and compile_step compiles for them. (Why by hand, not
-    # jax.eval_shape(fresh_state): its outputs carry no shardings under Auto axes, the README's
-    # glossary says. A test compares this with eval_shape's shapes and init_state's shardings.)
+    # jax.eval_shape(fresh_state): its outputs carry no shardings under Auto axes, as the
+    # README's glossary row for it says. A test compares this with eval_shape's shapes and
+    # init_state's shardings.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -512,8 +511,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def read(self, step):  # reads one step's metrics, once
         # In order: 1. wait for the step's metrics (jax.device_get, as nanoGPT's loss.item()
         # waits); 2. count skipped updates, and stop the run at 10 in a row; 3. every log_every
-        # steps, log a progress line (self(...) is log(...)). A step not held is skipped: a save
-        # read it already, or it is from before this run's first step.
+        # steps, log a progress line (self(...) is log(...)). Each read pops its step from held,
+        # and a step not held is skipped: a save read it already, or it is from before this run's
+        # first step.
         if step not in self.held:
             return
         r = self.r
