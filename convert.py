@@ -125,7 +125,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     # `full`, the full-attention layers' RoPE, merges the dicts in this order, later keys
     # winning: the top-level rope_theta, then rope_parameters' full_attention, then the legacy
     # rope_scaling. Either form gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A
-    # config with no YaRN, as stages 1 and 2 have, gives full = {rope_theta: 500000}: factor 0.)
+    # config with no YaRN, as stages 1 and 2 have, gives a full with no yarn rope_type: factor 0.)
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

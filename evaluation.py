@@ -1,10 +1,10 @@
 """What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
 # Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
-# evaluation comes down to (the summed log-probability of each row's labelled positions, sharded
-# over the mesh as training is); then the perplexity sets, the commands (--eval-only and
-# --generate, convert.py's --verify), `generate` with `samples`, and the loss plot. The downstream
-# tasks come last (`load_task`, `request_rows`, `metric_value`): OLMES's own rules, slow going,
-# and only for --eval-tasks. `r` is the Recipe.
+# score (perplexity, tasks) comes down to (the summed log-probability of each row's labelled
+# positions, sharded over the mesh as training is); then the perplexity sets, the commands
+# (--eval-only and --generate, convert.py's --verify), `generate` with `samples`, and the loss plot.
+# The downstream tasks come last (`load_task`, `request_rows`, `metric_value`): OLMES's own rules,
+# slow going, and only for --eval-tasks. `r` is the Recipe.
 #
 # Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
 # to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
@@ -43,7 +43,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     step_rows = r.micro_batch if r.micro_batch else r.global_batch  # what a step's memory holds
 
     def evaluate(params, step=None):
-        # results for eval.json; names for the log: AI2's eval/lm/SET/PPL, eval/downstream/...
+        # results for eval.json; names: the same numbers under AI2's log keys, for the log
+        # (eval/lm/SET/PPL, eval/downstream/...)
         results, names = {}, {}
         # Perplexity uses the training loss function, over the padded vocabulary, as OLMo-core
         # computes it; tasks use HF's real vocabulary, as olmo_eval does. (convert.from_hf bounds

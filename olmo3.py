@@ -181,9 +181,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # the RoPE tables, (cos_TE, sin_TE) each, of sliding and of full-attention layers (YaRN
     # applies to full ones only; without it the two are the same)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
-    # windows[j]: the window of layer j of every group. is_full takes a layer's index in the
-    # model, but j (the index in the group) gives the same answer: group_size is global_every
-    # (or all the layers), so layer 4 g + j is full exactly when layer j is.
+    # windows[j]: the window of layer j of every group (layer j has the same kind in every
+    # group, as group_size is global_every or all the layers)
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # Every layer is a jax.checkpoint, so the backward pass keeps only what a policy says and
     # recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
