@@ -198,7 +198,7 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     # KV cache, and one compiled program. (With splash, a prompt batch that does not divide the
     # data-parallel devices is padded inside olmo3.attention_splash, not here.)
     key = jax.random.key(0) if key is None else key
-    P = prompts.shape[1]
+    P = prompts.shape[1]  # the prompt's length (not a PartitionSpec here)
     tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # [B, P + n_new]
 
     def next_token(tokens, i_key):

@@ -132,13 +132,14 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for them. Reading
     # the step before's while this one runs means the devices need not wait for the host between
     # steps (an evaluation or a save does wait, so a save reads its own step's).
-    # (On a first read, skip the lines marked "second read". In the loop they stop the run early,
-    # on a signal or --stop-at, with a checkpoint, and stop stays None without them.) Without
-    # them it is
+    # (On a first read, skip the lines marked "second read": they stop the run early, on a signal
+    # or --stop-at, with a checkpoint; with neither, stop stays None.) Without those lines the
+    # loop is
     #   for step in range(state["step"] + 1, r.steps + 1):
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       print metrics[step - 1]                                  # waits for them
-    #       every eval_every steps evaluate; every save_every steps save
+    #       every eval_every steps: evaluate
+    #       every save_every steps: print metrics[step] (a save waits anyway), save
     stop_flags = {}  # (second read) stop_reason's: one a step, until it reads it
     for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
         step = steps_done + 1  # this step's number, as logged and saved
@@ -725,7 +726,7 @@ def refuse_fresh_start(out):
 def catch_signals_check_run_dir(out):  # main calls it after start_jax, before training
     # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes after
     # start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this one
-    # replaces it. (JAX's preemption sync point misses a SIGTERM that comes before the first step.)
+    # replaces it (stop_signalled says why not JAX's own preemption sync point).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
     # Every host must see the run directory that process 0 writes (on one host, this only makes
