@@ -9,10 +9,8 @@
 # Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
 # to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
 #
-# Downstream tasks (OLMES) follow olmo_eval: a task is a file of requests, one per (question,
-# answer choice), and a request's score is the summed log-probability of its continuation (the
-# choice) after its context (the question). Four rules (three of them olmo_eval's) decide which
-# requests count and how they are scored; the downstream tasks' section, last, lists them.
+# Downstream tasks (OLMES) follow olmo_eval: a request's score is the summed log-probability of
+# its continuation (an answer) after its context (the question); the section at the end explains.
 import dataclasses
 import functools
 import gzip
@@ -80,16 +78,13 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 # row's tokens (seq_len)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # On one host this is logprobs(params, x, y) on padded batches, with put(a) =
-    # jax.device_put(a, sharding) and process_allgather = np.asarray. The batches are [step_rows,
-    # width], so one shape compiles (for each vocab), and they run on every device of every host.
+    # logprobs over padded batches [step_rows, width]: one shape, so one compile for each vocab.
+    # On one host, put(a) is jax.device_put(a, sharding) and process_allgather is np.asarray.
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    # (pods) As train.device_batch, but every process holds the whole batch here, so its shape is
-    # the global shape too, and JAX hands each device its rows of it (with 8 rows over 4 devices,
-    # device 1 holds x[2:4]). `sums` [8] is one global array, which process_allgather copies
-    # whole to every host.
+    # (pods) every process holds the whole batch, so the local shape is the global one, and JAX
+    # hands each device its rows of it (as train.device_batch does with a process's own rows)
     put = lambda a: jax.make_array_from_process_local_data(sharding, a, a.shape)
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)

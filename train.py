@@ -3,11 +3,11 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# file's order. Below the "second read" banner are the progress line (Log) and what the 7B on a pod
-# needs (AI2's stage-1 schedule, checkpoints, stopping, several hosts), then the command line. `r`
-# is always the Recipe, `cfg` the model's olmo3.Config. Steps (updates) count from 1, as OLMo-core's
-# do: step s trains on loader.batch(s - 1) and is logged and saved as step s, and after it the
-# state's step is s (the steps done). The README has a JAX glossary.
+# file's order, down to the progress line (Log). Below the "second read" banner is what the 7B on a
+# pod needs (AI2's stage-1 schedule, checkpoints, stopping, several hosts), then the command line.
+# `r` is always the Recipe, `cfg` the model's olmo3.Config. Steps (updates) count from 1, as
+# OLMo-core's do: step s trains on loader.batch(s - 1) and is logged and saved as step s, and after
+# it the state's step is s (the steps done). The README has a JAX glossary.
 import argparse
 import dataclasses
 import datetime
@@ -115,7 +115,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
     # files are written with each checkpoint). log.held and log.read: the loop's comment. (Log
-    # is in the second read.)
+    # ends the first read.)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state; Orbax
@@ -123,7 +123,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     # after a resume, drops metrics.jsonl's records newer than the state (a kill can leave some)
-    log.rewind(int(state["step"]))  # (second read)
+    log.rewind(int(state["step"]))
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
@@ -233,21 +233,16 @@ def fresh_state(r, params):  # the training state before step 1
 
 
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
-    # In short: what jax.eval_shape(fresh_state) would give, plus each leaf's sharding.
-    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): params cut as AXIS_RULES
-    # says, Adam's mu and nu cut like their params, and the rest replicated. jit and Orbax need
-    # every leaf's shape and sharding before any array exists, so that the 7B's state is never
-    # whole on one device: init_state creates each device's shards from these, restore reads a
-    # checkpoint onto them, and compile_step compiles for them. (Why by hand, not
-    # jax.eval_shape(fresh_state): its outputs carry no shardings under Auto axes, as the
-    # README's glossary row for it says. A test compares this with eval_shape's shapes and
-    # init_state's shardings.)
+    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding). jit and Orbax need every
+    # leaf's shape and sharding before any array exists, so that the 7B's state is never whole on
+    # one device: init_state creates each device's shards from these, restore reads a checkpoint
+    # onto them, and compile_step compiles for them. (Not jax.eval_shape(fresh_state): under Auto
+    # axes its outputs carry no shardings, as the README's glossary row says.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-    # Adam's mu and nu are described exactly as params are, so each is cut like its param:
-    # ZeRO-3, with no device holding more than its share of the optimizer state. (adam(r).init
-    # returns this type; a test compares the two.)
+    # Adam's mu and nu are described exactly as params, so each is cut like its param (ZeRO-3).
+    # (adam(r).init returns this type; a test compares the two.)
     opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
     return {"params": params, "opt_state": opt, "step": whole((), jnp.int32),
             "history": whole((2, HISTORY), jnp.float32)}
@@ -297,23 +292,21 @@ def compile_step(cfg, r, mesh, target):
                                   sharding=olmo3.batch_sharding(mesh))
     # The batch is described as the loader gives it: inputs, labels and, when packed, segments
     batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
-    # - the lambda: cfg and r are baked into the program, as static arguments would be;
-    # - donate_argnums=0: the new state reuses the old state's buffers, so between steps memory
-    #   holds one copy of it (the caller must not touch the old one again);
+    # - the lambda bakes cfg and r into the program, as static arguments would;
+    # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy of
+    #   it (the caller must not touch the old state again);
     # - out_shardings: the new state keeps the state's shardings (None: XLA places the metrics);
-    # - lower(target, batch) traces the step for these shapes and shardings, and compile() builds
-    #   it. This is where stop 4's shardings enter jit: the inputs' are those in target's
-    #   ShapeDtypeStructs (the weights' from olmo3.abstract_params, through abstract_state) and
-    #   batch's (olmo3.batch_sharding); the activations' are olmo3.constrain's, met as lower()
-    #   traces forward and split_micro. The compiled step takes only arrays cut exactly so
-    #   (init_state and restore make the state, device_batch the batch).
+    # - lower(target, batch).compile() compiles for target's and batch's shardings: this is where
+    #   stop 4's shardings enter jit (the activations' come from olmo3.constrain, met as it
+    #   traces). The compiled step takes only arrays cut exactly so.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
 
 
-def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches -> (state, metrics)
-    # batch holds inputs, labels and, when packed, segments, each [global_batch, seq_len]
+def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
+    # -> (the new state, metrics). batch holds inputs, labels and, when packed, segments, each
+    # [global_batch, seq_len]
     params = state["params"]
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -329,14 +322,14 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     # (what to differentiate, an extra), and value_and_grad passes the extra (ce) through
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    if accum == 1:  # one micro-batch: the plain step, with no scan around it
+    if n_micro == 1:  # one micro-batch: the plain step, with no scan around it
         (_, ce), grads = grad_fn(params, batch)
     else:  # a scan over the micro-batches sums their gradients and losses
         def add_micro(carry, micro):  # carry = (summed gradients, summed loss)
             (_, ce), grads = grad_fn(params, micro)
             return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
-        micros = jax.tree.map(lambda x: split_micro(x, accum), batch)
+        micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     # AdamW, as torch's and OLMo-core's: clip, Adam's direction, decoupled weight decay, the LR.
     # Written out, not optax.adamw: the LR follows the update, not Adam's count (which carries
@@ -368,14 +361,14 @@ def train_step(state, batch, cfg, r, accum):  # one update, accum micro-batches 
     return new | {"step": state["step"] + 1, "history": history}, metrics
 
 
-def split_micro(x, accum: int):
-    # [global, ...] -> [accum, global/accum, ...], row i to micro-batch i % accum: with 8 rows
-    # and accum 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::accum] for a in ...])).
+def split_micro(x, n_micro: int):
+    # [global, ...] -> [n_micro, global/n_micro, ...], row i to micro-batch i % n_micro: with 8
+    # rows and n_micro 2, rows 0..7 -> [[0 2 4 6], [1 3 5 7]] (np.stack([x[a::n_micro] ...])).
     # Why strided: with 2 devices, device 0 holds global rows 0-3; rows 0 and 2 go to micro-batch
     # 0 and rows 1 and 3 to micro-batch 1, so no row moves (constrain pins that). A plain
-    # reshape(accum, global/accum) would put all of micro-batch 0 on device 0.
+    # reshape(n_micro, global/n_micro) would put all of micro-batch 0 on device 0.
     # [8] -> [4, 2] ([[0 1] [2 3] [4 5] [6 7]]) -> swapaxes -> [2, 4]: [[0 2 4 6] [1 3 5 7]]
-    x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+    x = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
 
@@ -432,31 +425,7 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
     return enough & ~within, history.at[:, steps_done % HISTORY].set(kept)
 
 
-# =============================================================================
-# Second read: the progress line, and what the 7B on a pod needs. By section:
-#   reporting: Log, the console lines and metrics.jsonl (any run);
-#   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
-#   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
-#   stopping: a SIGTERM that every process acts on at the same step (matters on a pod);
-#   across hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts
-#     agree (pods only; on one host, each is simple);
-#   then the command line.
-# A preempted pod run, end to end, through these sections (say 4 hosts, resuming from step 500):
-#   start: every host runs the same command. start_jax joins them into one JAX cluster, and
-#     catch_signals_check_run_dir checks that all see the run directory process 0 writes;
-#   data: each host's loader reads only the rows its devices hold (local_rows), and the hosts
-#     check that they read the same token files (check_processes_agree);
-#   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
-#     after restore checks the settings and the data; an all-gather confirms all could;
-#   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
-#   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
-#     flag (stop_signalled), every host reads that flag a step later (stop_reason), and all save
-#     the same step and exit 75 (stopped);
-#   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
-# =============================================================================
-
-
-# ----------------------------------------------------------------------------- reporting
+# ----------------------------------------------------------------------------- the progress line
 
 SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
 
@@ -543,6 +512,29 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
              tokens_per_s=rate, time=now - self.started)
 
 
+# =============================================================================
+# Second read: what the 7B on a pod needs. By section:
+#   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
+#   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
+#   stopping: a SIGTERM that every process acts on at the same step (matters on a pod);
+#   across hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts
+#     agree (pods only; on one host, each is simple);
+#   then the command line.
+# A preempted pod run, end to end, through these sections (say 4 hosts, resuming from step 500):
+#   start: every host runs the same command. start_jax joins them into one JAX cluster, and
+#     catch_signals_check_run_dir checks that all see the run directory process 0 writes;
+#   data: each host's loader reads only the rows its devices hold (local_rows), and the hosts
+#     check that they read the same token files (check_processes_agree);
+#   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
+#     after restore checks the settings and the data; an all-gather confirms all could;
+#   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
+#   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
+#     flag (stop_signalled), every host reads that flag a step later (stop_reason), and all save
+#     the same step and exit 75 (stopped);
+#   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
+# =============================================================================
+
+
 # ----------------------------------------------------------------------------- the 7b's schedule
 
 # the first step of stage 1's second part (AI2 restarted after step 596,047)
@@ -622,22 +614,16 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
 
 
 def restore(step_dir, target, cfg, r=None, loader=None):
-    # In short: compare the saved settings with this run's, then read the arrays onto target.
-    # Reads a checkpoint step (params, and the rest if target has it) onto target's shardings,
-    # whatever mesh wrote it. A resume (r given) must match the model (every Config field but
-    # NUMERICS), the data order (DATA_ORDER) and the data; --init-from (r None) must match only
-    # the model, and may turn YaRN on (stage 3). Fields are compared as saved, not built into a
-    # Config, so another version's checkpoint is a one-line mismatch here, not an error that
-    # read_retrying would take for an unreadable file.
+    # Compares the saved settings with this run's, then reads the arrays (params, and the rest if
+    # target has it) onto target's shardings, whatever mesh wrote them. A resume (r given) must
+    # match the model (every Config field but NUMERICS), the data order (DATA_ORDER) and the data;
+    # --init-from (r None) only the model, and may turn YaRN on (stage 3 from stage 2's weights).
+    # (Fields are compared as saved, so another version's checkpoint is a one-line mismatch.)
     saved = saved_config(step_dir)
     given = dataclasses.asdict(cfg)  # the command line's model settings
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
-    # pairs holds (a setting, its checkpoint value, its command-line value), which must be equal,
-    # for every model setting either side has (saved | given: a field only one version has is a
-    # mismatch). Say a stage-2 checkpoint (yarn_factor 0.0) meets stage 3's command line (8.0):
-    # as a resume, it finds the pair ("yarn_factor", 0.0, 8.0) and stops with "checkpoint ... has
-    # yarn_factor=0.0 (command line: 8.0)"; as --init-from (r None), yarn_ fields may differ, so
-    # stage 3 starts from stage 2's weights with YaRN on.
+    # pairs: (a setting, its checkpoint value, its command-line value), which must be equal, for
+    # every model setting either side has, as ("yarn_factor", 0.0, 8.0)
     pairs = [(f, saved["model"].get(f), given.get(f)) for f in saved["model"] | given
              if not may_differ(f)]
     if r is not None:  # a resume
@@ -665,14 +651,11 @@ def read_item(path, tree):  # reads one item of a checkpoint step onto tree's sh
 
 
 def resume(manager, target, cfg, r, loader, log):
-    # In short, on one host with a good checkpoint: restore(the newest step).
-    # The newest checkpoint that every process can read. Each process reads it itself (Orbax's
-    # restore would wait at a barrier for one that failed), retrying errors that can pass, and an
-    # all-gather decides for all. A step some process cannot read is renamed <step>.unreadable,
-    # and the one before is tried. Another model, data or layout is an error, never renamed.
-    # The three kinds of error: a mismatch is a SystemExit (never retried, never renamed); a
-    # failing device (JaxRuntimeError) is raised at once; anything else is retried, and if it
-    # persists, the step is renamed.
+    # The newest checkpoint every process can read (on one host with a good one: restore(newest)).
+    # Each process reads it itself, retrying errors that can pass, and an all-gather decides for
+    # all (Orbax's restore would wait at a barrier for one that failed). A step some process cannot
+    # read is renamed <step>.unreadable, and the one before is tried. A mismatch (SystemExit) is
+    # never retried or renamed; a failing device (JaxRuntimeError) is raised at once.
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
@@ -763,17 +746,13 @@ def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is commi
 
 
 def stop_reason(step, args, mesh, stop_flags):  # why the run stops after step (None: goes on)
-    # Every process must stop after the same step, and each got its signal (if any) at its own
-    # moment. So each step gets a flag, "did any process get one by now?" (stop_signalled's
-    # all-reduce, dispatched here), and the decision reads the step before's flag, which every
-    # process reads alike, a step late so that the devices need not wait. A SIGTERM that comes
-    # after step 7's flag (while iteration 8 waits in log.read(7), say) is in step 8's flag,
-    # read in iteration 9: every process saves 9 and exits 75. (stop_flags holds each step's flag,
-    # on the devices, until it is read.) As a timeline:
-    #   iteration 7: step 7 runs; stop_reason dispatches flag 7 (False) and reads flag 6
-    #   iteration 8: log.read(7) waits <- the SIGTERM here; stop_reason dispatches flag 8 (True)
-    #     and reads flag 7 (False): go on
-    #   iteration 9: stop_reason dispatches flag 9 and reads flag 8 (True): save 9, exit 75
+    # Every process must stop after the same step, but each gets its signal at its own moment. So
+    # each step gets a flag, "did any process get one by now?" (stop_signalled's all-reduce,
+    # dispatched here, held in stop_flags), and the decision reads the step before's flag, a step
+    # late so that the devices need not wait. With a SIGTERM while iteration 8 waits in
+    # log.read(7):
+    #   iteration 8: dispatches flag 8 (True), reads flag 7 (False): go on
+    #   iteration 9: dispatches flag 9, reads flag 8 (True): every process saves 9 and exits 75
     stop_flags[step] = stop_signalled(mesh)
     if step == args.stop_at:
         return "--stop-at"
