@@ -96,7 +96,7 @@ STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedu
 
 def main(argv=None):
     cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, then STAGE2, then the flags
-    start_jax(args)  # fake CPU devices if asked, and the multi-host start-up (second read)
+    start_jax(args)  # (second read) fake CPU devices if asked, and the multi-host start-up
     if args.dry_run:
         # data.beside("prepare"): a lazy import of prepare.py (in data.py, for data's own command
         # line too), which says what is missing if the file is not there
@@ -105,7 +105,7 @@ def main(argv=None):
         return data.beside("evaluation").main(cfg, r, args)
     catch_signals_check_run_dir(args.out)  # (second read) what a run on a pod needs first
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
-    # manager: Orbax's CheckpointManager for the run's checkpoints/ (second read). The first read
+    # (second read) manager: Orbax's CheckpointManager for the run's checkpoints/. The first read
     # needs only that it lists the saved steps and saves new ones in the background.
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
         return train(cfg, r, args, mesh, manager)
@@ -114,8 +114,8 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
-    # files are written with each checkpoint). log.held and log.read: the loop's comment. (Log
-    # ends the first read.)
+    # files are written with each checkpoint). log.held and log.read_and_check: the loop's
+    # comment. (Log ends the first read.)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state; Orbax
@@ -146,22 +146,22 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        log.held[step] = metrics  # on the devices until log.read(step)
-        # log.read(s) waits for step s's metrics and prints them every log_every steps, as
-        # "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU n/a
-        # | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores). Each step is read once: a step
-        # later, here, or by its own save (Log.read says how). It also stops the run after 10
-        # skipped updates in a row.
-        log.read(step - 1)  # the step before's: done, or nearly, by now
+        log.held[step] = metrics  # on the devices until log.read_and_check(step)
+        # log.read_and_check(s) waits for step s's metrics and prints them every log_every steps,
+        # as "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU
+        # n/a | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores). Each step is read once: a step
+        # later, here, or by its own save (Log.read_and_check says how). The check: it stops the
+        # run after 10 skipped updates in a row.
+        log.read_and_check(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
         # SIGTERM) that any process got
         stop = stop_reason(step, args, mesh, stop_flags)  # (second read)
-        if step % r.save_every == 0 or step == r.steps or stop:  # (stop: second read)
+        if step % r.save_every == 0 or step == r.steps or stop:  # (second read: `or stop`)
             # a save waits for the step anyway: read it, so the saved log has it (the next
-            # iteration's log.read(step - 1) then skips it)
-            log.read(step)
+            # iteration's log.read_and_check(step - 1) then skips it)
+            log.read_and_check(step)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
         if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
@@ -408,14 +408,14 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
     #   (at step 4, steps_done 3: slots 0-2 hold values, this one goes to slot 3; at step 200,
     #   all 128 hold values, and this one overwrites slot 199 % 128 = 71, the oldest).
     # - Checking starts at the 64th value, counting this one: from step 64 on (steps_done 63).
-    # - A value spikes when it is more than 6 std above the mean of the held ones (mean and std
+    # - A value spikes when it is more than 6 std above the mean of the filled slots (mean and std
     #   [2], one per row).
-    n_held = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
-    held = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
-    mean = jnp.sum(jnp.where(held, history, 0.0), -1) / jnp.maximum(n_held, 1)
-    square = jnp.where(held, (history - mean[:, None]) ** 2, 0.0)
-    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_held - 1, 1))  # torch.std's n - 1
-    enough = n_held + 1 >= HISTORY // 2  # 64 values, counting this one (from step 64 on)
+    n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
+    filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
+    mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
+    square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
+    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
+    enough = n_filled + 1 >= HISTORY // 2  # 64 values, counting this one (from step 64 on)
     # one-sided, as OLMo-core's test is written: only a rise counts; within is False for NaN, +inf
     within = values - mean <= 6 * std
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
@@ -439,7 +439,7 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
     # What train's loop uses: log(text) or log(**record); held[step] = metrics as each step is
-    # dispatched, and read(step) a step later; flush() after a save.
+    # dispatched, and read_and_check(step) a step later; flush() after a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -478,10 +478,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, step):  # reads one step's metrics, once
+    def read_and_check(self, step):  # reads a step's metrics (once), checks the skips, logs
         # In order: 1. wait for the step's metrics (jax.device_get, as nanoGPT's loss.item()
         # waits); 2. count skipped updates, and stop the run at 10 in a row; 3. every log_every
-        # steps, log a progress line (self(...) is log(...)). Each read pops its step from held,
+        # steps, log a progress line (self(...) is log(...)). Each call pops its step from held,
         # and a step not held is skipped: a save read it already, or it is from before this run's
         # first step.
         if step not in self.held:
@@ -750,7 +750,7 @@ def stop_reason(step, args, mesh, stop_flags):  # why the run stops after step (
     # each step gets a flag, "did any process get one by now?" (stop_signalled's all-reduce,
     # dispatched here, held in stop_flags), and the decision reads the step before's flag, a step
     # late so that the devices need not wait. With a SIGTERM while iteration 8 waits in
-    # log.read(7):
+    # log.read_and_check(7):
     #   iteration 8: dispatches flag 8 (True), reads flag 7 (False): go on
     #   iteration 9: dispatches flag 9, reads flag 8 (True): every process saves 9 and exits 75
     stop_flags[step] = stop_signalled(mesh)
