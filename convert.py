@@ -2,7 +2,7 @@
 
     python convert.py hf-to-jax HF_DIR OUT_DIR [--verify]   # --verify: logits against transformers
     python convert.py jax-to-hf CKPT_DIR OUT_DIR [--verify] # a converted or a run's checkpoint"""
-# Read hf_tensors, array_of and as_hf, then from_hf and to_hf; config_from_hf and config_to_hf map
+# Read hf_tensors and hf_view, then from_hf and to_hf; config_from_hf and config_to_hf map
 # config.json (skim them). The HF name of each weight is in olmo3.param_specs. Torch Linear weights
 # are [out, in] and ours are [in, out], so every matrix but the embedding is transposed. The whole
 # model is held in host memory as fp32 numpy arrays, so a 7B (29 GB) converts on a machine with
@@ -29,16 +29,13 @@ def hf_tensors(cfg):  # (HF name, our weight kind, layer or None) of every tenso
             yield f"model.layers.{i}.{spec.hf}.weight", kind, i
 
 
-def array_of(params, kind, layer):  # our array for `kind` (one layer's, for a block weight)
-    return params[kind] if layer is None else params["blocks"][kind][layer]
-
-
-def as_hf(array, kind, cfg):  # our (layer's) array as HF's, a view (transposed, vocab cut)
+def hf_view(params, kind, layer, cfg):  # our array for `kind` (and layer) as HF's, a view
     # A numpy view, not a copy (`.T` and `[:n]` are views): writing into it writes into our
     # array (from_hf does), and to_hf reads through it. For layer 3's q, the view is
     # params["blocks"]["q"][3].T, so `view[...] = t` sets params["blocks"]["q"][3] to t.T.
     # HF's nn.Linear weights are [out, in] and ours [in, out], so they are transposed;
     # nn.Embedding is [V, D], as ours is.
+    array = params[kind] if layer is None else params["blocks"][kind][layer]  # None: not a block's
     hf = array if array.ndim == 1 or kind == "embed" else array.T
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
@@ -62,11 +59,10 @@ def from_hf(path):
     # Start from zeros: the embedding's padding rows stay zero (no token id reads them).
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), olmo3.param_specs(cfg),
                           is_leaf=olmo3.is_spec)
-    # Each HF tensor is written into a view of our array: array_of() indexes, and as_hf
-    # transposes and cuts the vocabulary, all numpy views, not copies, so `view[...] = tensor`
-    # lands in params itself.
+    # Each HF tensor is written into a view of our array: hf_view indexes, transposes and cuts
+    # the vocabulary, all numpy views, not copies, so `view[...] = tensor` lands in params itself.
     for name, kind, layer in hf_tensors(cfg):
-        tensor, view = files[name].get_tensor(name), as_hf(array_of(params, kind, layer), kind, cfg)
+        tensor, view = files[name].get_tensor(name), hf_view(params, kind, layer, cfg)
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
         view[...] = tensor
@@ -88,7 +84,7 @@ def to_hf(params, cfg, out):
     from safetensors.numpy import save_file
     weight_map, size = {}, 0
     for kind in [*params["blocks"], "embed", "final_norm", "lm_head"]:
-        shard = {name: np.ascontiguousarray(as_hf(array_of(params, kind, layer), kind, cfg))
+        shard = {name: np.ascontiguousarray(hf_view(params, kind, layer, cfg))
                  for name, k, layer in hf_tensors(cfg) if k == kind}
         save_file(shard, f"{out}/model-{kind}.safetensors", metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, f"model-{kind}.safetensors")

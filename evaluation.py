@@ -356,13 +356,14 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
     # normalised score (size: 1, its characters, tokens or bytes, as DIVIDE_BY says for the
     # metric), and gold = {doc_id: the right idx}. For ARC's question 1 (the section's
-    # example): by_doc {1: {0: -9.1, 1: -8.4, 2: -6.0, 3: -7.2}} and gold {1: 2}. setdefault
-    # keeps a pair's first score if a file lists it twice, as ICLMetric does.
+    # example): by_doc {1: {0: -9.1, 1: -8.4, 2: -6.0, 3: -7.2}} and gold {1: 2}.
     by_doc, gold = {}, {}
     for req, score, n in zip(requests, scores, n_labels):
         text = req["request"]["continuation"]
         size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
-        by_doc.setdefault(req["doc_id"], {}).setdefault(req["idx"], score / size[DIVIDE_BY[metric]])
+        choices = by_doc.setdefault(req["doc_id"], {})  # its document's, {} at first
+        # setdefault keeps a pair's first score if a file lists it twice, as ICLMetric does
+        choices.setdefault(req["idx"], score / size[DIVIDE_BY[metric]])
         gold.setdefault(req["doc_id"], req["label"])
     # rule 3 (bits per byte): load_task kept only each document's right continuation (if a file
     # marks several, the first is scored). Its score is a log-prob per byte in nats (<= 0), so

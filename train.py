@@ -114,8 +114,7 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line (process 0's); log(**record) adds a record for metrics.jsonl (the
-    # files are written with each checkpoint). log.held and log.read_and_check: the loop's
-    # comment. (Log ends the first read.)
+    # files are written with each checkpoint)
     log = Log(cfg, r, args.out, mesh)
     evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated (abstract_state; Orbax
@@ -146,7 +145,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        log.held[step] = metrics  # on the devices until log.read_and_check(step)
+        log.pending[step] = metrics  # on the devices until log.read_and_check(step)
         # log.read_and_check(s) waits for step s's metrics and prints them every log_every steps,
         # as "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU
         # n/a | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores). Each step is read once: a step
@@ -155,17 +154,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         log.read_and_check(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
-        # stop: None, or why to save now and exit 75: --stop-at, or a signal (Ctrl-C, a pod's
-        # SIGTERM) that any process got
-        stop = stop_reason(step, args, mesh, stop_flags)  # (second read)
+        # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal
+        # (Ctrl-C, a pod's SIGTERM) that any process got
+        stop = stop_reason(step, args, mesh, stop_flags)
         if step % r.save_every == 0 or step == r.steps or stop:  # (second read: `or stop`)
             # a save waits for the step anyway: read it, so the saved log has it (the next
             # iteration's log.read_and_check(step - 1) then skips it)
             log.read_and_check(step)
             save(manager, step, state, cfg, r, loader.fingerprint)
             log.flush()
-        if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
-            return stopped(manager, log, step, stop)
+            if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
+                return stopped(manager, log, step, stop)
     manager.wait_until_finished()
     if args.samples and importlib.util.find_spec("evaluation"):  # with evaluation.py only
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
@@ -438,14 +437,14 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
-    # What train's loop uses: log(text) or log(**record); held[step] = metrics as each step is
+    # What train's loop uses: log(text) or log(**record); pending[step] = metrics as each step is
     # dispatched, and read_and_check(step) a step later; flush() after a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (step, time) of the last progress line; skipped: steps skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
-        self.held = {}  # each dispatched step's metrics, on the devices until read
+        self.pending = {}  # each dispatched step's metrics, on the devices until read
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -481,13 +480,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def read_and_check(self, step):  # reads a step's metrics (once), checks the skips, logs
         # In order: 1. wait for the step's metrics (jax.device_get, as nanoGPT's loss.item()
         # waits); 2. count skipped updates, and stop the run at 10 in a row; 3. every log_every
-        # steps, log a progress line (self(...) is log(...)). Each call pops its step from held,
-        # and a step not held is skipped: a save read it already, or it is from before this run's
-        # first step.
-        if step not in self.held:
+        # steps, log a progress line (self(...) is log(...)). Each call pops its step from
+        # pending, and a step not pending is skipped: a save read it already, or it is from before
+        # this run's first step.
+        if step not in self.pending:
             return
         r = self.r
-        m = {k: v.tolist() for k, v in jax.device_get(self.held.pop(step)).items()}  # 1
+        m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}  # 1
         self.skipped = self.skipped + 1 if m["skipped"] else 0  # 2
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
@@ -501,7 +500,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
-        if self.last:  # rates start at the second line: the first has no line before it
+        # (skim) the rate, MFU and ETA, from the second line on: the first has no line before it
+        if self.last:
             rate = (step - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
             mfu = f"{100 * tflops / self.peak:.1f}%" if self.peak else "n/a"
@@ -756,7 +756,9 @@ def stop_reason(step, args, mesh, stop_flags):  # why the run stops after step (
     stop_flags[step] = stop_signalled(mesh)
     if step == args.stop_at:
         return "--stop-at"
-    if stop_flags.pop(step - 1, False):  # a process got a signal: all stop, together
+    # a process got a signal: all stop, together (`if` on a device array waits for it, as
+    # device_get does; this one was computed a step ago)
+    if stop_flags.pop(step - 1, False):
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
