@@ -41,9 +41,9 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
     step_rows = r.micro_batch if r.micro_batch else r.global_batch  # what a step's memory holds
 
     def evaluate(params, step=None):
-        # results for eval.json; names: the same numbers under AI2's log keys, for the log
+        # results for eval.json; logged: the same numbers under AI2's log keys, for the log
         # (eval/lm/SET/PPL, eval/downstream/...)
-        results, names = {}, {}
+        results, logged = {}, {}
         # Perplexity uses the training loss function, over the padded vocabulary, as OLMo-core
         # computes it; tasks use HF's real vocabulary, as olmo_eval does. (convert.from_hf bounds
         # what the padding adds for weights converted from HF.)
@@ -55,15 +55,15 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
-            names |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
+            logged |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
         for name, (metric, requests, rows) in tasks.items():
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, step_rows, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
-            names[f"eval/downstream/{name}/{metric}"] = results[name][metric]
+            logged[f"eval/downstream/{name}/{metric}"] = results[name][metric]
         # eval/lm/c4_en/PPL -> c4_en/PPL
-        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in names.items())
+        shown = " | ".join(f"{k.split('/', 2)[2]} {v:.4f}" for k, v in logged.items())
         if step is not None:
-            log(f"step {step:>6}/{r.steps} | eval | {shown}", step=step, **names)
+            log(f"step {step:>6}/{r.steps} | eval | {shown}", step=step, **logged)
         return results
     return evaluate
 

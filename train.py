@@ -235,8 +235,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding). jit and Orbax need every
     # leaf's shape and sharding before any array exists, so that the 7B's state is never whole on
     # one device: init_state creates each device's shards from these, restore reads a checkpoint
-    # onto them, and compile_step compiles for them. (Not jax.eval_shape(fresh_state): under Auto
-    # axes its outputs carry no shardings, as the README's glossary row says.)
+    # onto them, and compile_step compiles for them. (Not jax.eval_shape(fresh_state), which
+    # describes a function's outputs without running it: it traces without compiling, so under
+    # Auto axes its outputs carry no shardings.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -330,9 +331,10 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    # AdamW, as torch's and OLMo-core's: clip, Adam's direction, decoupled weight decay, the LR.
-    # Written out, not optax.adamw: the LR follows the update, not Adam's count (which carries
-    # over with --init-from), and the spike guard may skip the whole update.
+    # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
+    # embedding; a skipped update keeps p and Adam's state. Written out, not optax.adamw: the LR
+    # follows the update, not Adam's count (which carries over with --init-from), and the spike
+    # guard may skip the whole update.
     grad_norm = optax.tree.norm(grads)  # before clipping
     # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
     # divides by the norm + 1e-6 instead)
@@ -401,7 +403,8 @@ def adam(r):  # optax's Adam (train_step clips before it and decays after it)
 
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update.
+    # update. In short: a value spikes if it is more than 6 std above the mean of the last (up to)
+    # 128, once there are 64 values, counting it.
     # - history [2, 128] is a ring of each one's last 128 values. steps_done is the state's step:
     #   slots i < min(steps_done, 128) hold values, and this step's go to slot steps_done % 128
     #   (at step 4, steps_done 3: slots 0-2 hold values, this one goes to slot 3; at step 200,
