@@ -113,6 +113,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
     # (RoPE: HF's two config forms, which matter only for a YaRN model; skim on a first read.)
+    # The result: `full`, the full-attention layers' RoPE (theta, and YaRN's factor and betas if
+    # any); the sliding layers must have plain RoPE with that theta; any other RoPE is refused.
     # A config gives RoPE in one of two forms (AI2's stage-3 values shown; ... is YaRN's others):
     #   legacy (AI2's released config): rope_theta: 500000, rope_scaling: {rope_type: yarn,
     #     factor: 8, ...}, which transformers applies to the full-attention layers only

@@ -153,8 +153,8 @@ def forward(params, tokens, cfg: Config, segments=None):
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
     # constrain (stop 4) pins x's rows to the data-parallel devices, and keeps D whole (None, not
-    # "embed": activations keep D whole, as sharding's part two says); with no mesh set (a test,
-    # convert --verify) it does nothing
+    # "embed": activations keep D whole, as sharding's part two says; "seq" is a name only, never
+    # split); with no mesh set (a test, convert --verify) it does nothing
     return constrain(x, "batch", "seq", None)
 
 
@@ -169,7 +169,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
     # Why a group, not a layer, is the scanned unit: a layer's window is a Python value baked into
     # its program, and every scan step runs the same program. (tiny is one group of 4. When
-    # global_every does not divide n_layers, all layers are one group.)
+    # global_every does not divide n_layers, all layers are one group.) Below: the groups (a
+    # reshape), the RoPE tables, each layer's window, `layer` (a checkpointed block), the scan.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and

@@ -18,7 +18,7 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["tokenize"])
     ap.add_argument("inputs", nargs="+", help=".txt (one document), .jsonl, .jsonl.gz, .json.gz")
-    ap.add_argument("--out", required=True, help="folder: train.txt, heldout.txt and the tokens")
+    ap.add_argument("--out", required=True, help="folder: train.txt (and heldout.txt), the tokens")
     ap.add_argument("--heldout", type=float, default=0.0, help="fraction held out, by content")
     ap.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
     args = ap.parse_args(argv)

@@ -235,9 +235,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding). jit and Orbax need every
     # leaf's shape and sharding before any array exists, so that the 7B's state is never whole on
     # one device: init_state creates each device's shards from these, restore reads a checkpoint
-    # onto them, and compile_step compiles for them. (Not jax.eval_shape(fresh_state), which
-    # describes a function's outputs without running it: it traces without compiling, so under
-    # Auto axes its outputs carry no shardings.)
+    # onto them, and compile_step compiles for them. (jax.eval_shape(fresh_state) would give the
+    # shapes, but not these shardings.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -403,8 +402,8 @@ def adam(r):  # optax's Adam (train_step clips before it and decays after it)
 
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. In short: a value spikes if it is more than 6 std above the mean of the last (up to)
-    # 128, once there are 64 values, counting it.
+    # update. In short: a value spikes if it is more than 6 std above the mean of the (up to) 128
+    # values before it; checking starts at the 64th value.
     # - history [2, 128] is a ring of each one's last 128 values. steps_done is the state's step:
     #   slots i < min(steps_done, 128) hold values, and this step's go to slot steps_done % 128
     #   (at step 4, steps_done 3: slots 0-2 hold values, this one goes to slot 3; at step 200,
@@ -431,9 +430,9 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
 
 SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
 
-# Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per chip. The first entry
-# whose name is in the device's kind counts, so "v5 lite" must come before "v5". (An fp32 run's
-# MFU is still against these bf16 peaks.)
+# (skim: for the MFU) Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per
+# chip. The first entry whose name is in the device's kind counts, so "v5 lite" must come before
+# "v5". (An fp32 run's MFU is still against these bf16 peaks.)
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
