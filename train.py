@@ -4,7 +4,8 @@ Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a 
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order, down to the progress line (Log). Below the "second read" banner is what the 7B on a
-# pod needs (AI2's stage-1 schedule, checkpoints, stopping, several hosts), then the command line.
+# pod needs (AI2's stage-1 schedule, the spike guard, checkpoints, stopping, several hosts), then
+# the command line.
 # `r` is always the Recipe, `cfg` the model's olmo3.Config. Steps (updates) count from 1, as
 # OLMo-core's do: step s trains on loader.batch(s - 1) and is logged and saved as step s, and after
 # it the state's step is s (the steps done). The README has a JAX glossary.
@@ -139,6 +140,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       print metrics[step - 1]                                  # waits for them
     #       every eval_every steps: evaluate
     #       every save_every steps: print metrics[step] (a save waits anyway), save
+    #       (second read) on a signal or --stop-at: save now and exit 75
     stop_flags = {}  # (second read) stop_reason's: one a step, until it reads it
     for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
         step = steps_done + 1  # this step's number, as logged and saved
@@ -148,9 +150,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         log.pending[step] = metrics  # on the devices until log.read_and_check(step)
         # log.read_and_check(s) waits for step s's metrics and prints them every log_every steps,
         # as "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU
-        # n/a | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores). Each step is read once: a step
-        # later, here, or by its own save (Log.read_and_check says how). The check: it stops the
-        # run after 10 skipped updates in a row.
+        # n/a | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores). The check: it stops the run
+        # after 10 skipped updates in a row.
+        # Each step is read once: a step late, here, or by its own save, below (Log.read_and_check
+        # skips a step already read).
         log.read_and_check(step - 1)  # the step before's: done, or nearly, by now
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -267,8 +270,9 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
-    # restored: {params} from a converted checkpoint; from a run's, opt_state, step and history too
-    # (no recipe given: an --init-from, so only the model's settings must match, not the data)
+    # (stages 2 and 3: skip on a first read) restored: {params} from a converted checkpoint; from
+    # a run's, opt_state, step and history too (no recipe given: an --init-from, so only the
+    # model's settings must match, not the data)
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
     # "Warm Adam": params and opt_state carry over (only params from a converted checkpoint), so
     # Adam's moments and its step count (opt_state.count) go on; step and history stay fresh
@@ -331,9 +335,9 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
-    # embedding; a skipped update keeps p and Adam's state. Written out, not optax.adamw: the LR
-    # follows the update, not Adam's count (which carries over with --init-from), and the spike
-    # guard may skip the whole update.
+    # embedding; a skipped update keeps p and Adam's state. Written out, not optax.adamw, which
+    # indexes the LR by Adam's count (--init-from carries that over; here the LR follows this
+    # run's step), and could not skip the whole update.
     grad_norm = optax.tree.norm(grads)  # before clipping
     # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
     # divides by the norm + 1e-6 instead)
@@ -348,8 +352,8 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # restarts its schedule while Adam's count carries over (--init-from)
     lr = schedule(r)(state["step"] + 1)
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
-    # The spike guard (OLMo-core's; nanoGPT has none) may skip the update: then params and
-    # opt_state stay as they were, while step and history advance.
+    # (second read: spike_guard) The spike guard (OLMo-core's; nanoGPT has none) may skip the
+    # update: then params and opt_state stay as they were, while step and history advance.
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     # (r.spike_guard is a Python bool, a constant in the traced expression)
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
@@ -398,32 +402,6 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 def adam(r):  # optax's Adam (train_step clips before it and decays after it)
     return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
-
-
-def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
-    # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
-    # update. In short: a value spikes if it is more than 6 std above the mean of the (up to) 128
-    # values before it; checking starts at the 64th value.
-    # - history [2, 128] is a ring of each one's last 128 values. steps_done is the state's step:
-    #   slots i < min(steps_done, 128) hold values, and this step's go to slot steps_done % 128
-    #   (at step 4, steps_done 3: slots 0-2 hold values, this one goes to slot 3; at step 200,
-    #   all 128 hold values, and this one overwrites slot 199 % 128 = 71, the oldest).
-    # - Checking starts at the 64th value, counting this one: from step 64 on (steps_done 63).
-    # - A value spikes when it is more than 6 std above the mean of the filled slots (mean and std
-    #   [2], one per row).
-    n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
-    filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
-    mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
-    square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
-    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    enough = n_filled + 1 >= HISTORY // 2  # 64 values, counting this one (from step 64 on)
-    # one-sided, as OLMo-core's test is written: only a rise counts; within is False for NaN, +inf
-    within = values - mean <= 6 * std
-    # A value that is not finite is kept out of the history (the mean takes its slot), or every
-    # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
-    # stops at the non-finite loss.)
-    kept = jnp.where(jnp.isfinite(values), values, mean)
-    return enough & ~within, history.at[:, steps_done % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -515,8 +493,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # =============================================================================
-# Second read: what the 7B on a pod needs. By section:
+# Second read: the spike guard and what the 7B on a pod needs. By section (after stop 6, data):
 #   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
+#   the spike guard: OLMo-core's check that skips an update whose loss or grad norm spikes;
 #   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
 #   stopping: a SIGTERM that every process acts on at the same step (matters on a pod);
 #   across hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts
@@ -567,6 +546,34 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
     # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
     return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
+
+
+# ----------------------------------------------------------------------------- the spike guard
+
+def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
+    # OLMo-core's SkipStepOptimizer on values [loss, grad norm]; a spike in either one skips the
+    # update. In short: a value spikes if it is more than 6 std above the mean of the (up to) 128
+    # values before it; checking starts at the 64th value.
+    # - history [2, 128] is a ring of each one's last 128 values. steps_done is the state's step:
+    #   slots i < min(steps_done, 128) hold values, and this step's go to slot steps_done % 128
+    #   (at step 4, steps_done 3: slots 0-2 hold values, this one goes to slot 3; at step 200,
+    #   all 128 hold values, and this one overwrites slot 199 % 128 = 71, the oldest).
+    # - Checking starts at the 64th value, counting this one: from step 64 on (steps_done 63).
+    # - A value spikes when it is more than 6 std above the mean of the filled slots (mean and std
+    #   [2], one per row).
+    n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
+    filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
+    mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
+    square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
+    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
+    checking = n_filled + 1 >= HISTORY // 2  # 64 values, counting this one (from step 64 on)
+    # one-sided, as OLMo-core's test is written: only a rise counts; within is False for NaN, +inf
+    within = values - mean <= 6 * std
+    # A value that is not finite is kept out of the history (the mean takes its slot), or every
+    # later step would spike until it left the window. (OLMo-core keeps it, but then its trainer
+    # stops at the non-finite loss.)
+    kept = jnp.where(jnp.isfinite(values), values, mean)
+    return checking & ~within, history.at[:, steps_done % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- checkpoints
