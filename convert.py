@@ -156,7 +156,9 @@ def layer_types(cfg):
 
 
 def config_to_hf(cfg) -> dict:
-    # Both start as plain RoPE; `full` is rebound (never mutated) to YaRN's below when it is on
+    # Both start as plain RoPE; `full` is rebound (never mutated) to YaRN's keys below when it is
+    # on, and the full-attention layers get `sliding | full`: the same theta, YaRN's keys over it
+    # (a YaRN dict without rope_theta would take HF's default theta, 500,000, not ours)
     sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.yarn_factor:  # on the full-attention layers only
         full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
@@ -170,7 +172,7 @@ def config_to_hf(cfg) -> dict:
             "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
-            "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
+            "rope_parameters": {"full_attention": sliding | full, "sliding_attention": sliding}}
 
 
 def main(argv=None):

@@ -302,7 +302,7 @@ def yarn_config(**overrides):
 def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
     from safetensors.numpy import load_file
 
-    cfg = yarn_config()
+    cfg = yarn_config(rope_theta=10_000.0)  # not OLMo 3's 500,000, or HF's default hides a slip
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
     loaded, params = convert.from_hf(hf_dir)
     assert all(getattr(loaded, f) == getattr(cfg, f) for f in MODEL_FIELDS)
@@ -326,7 +326,7 @@ def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
     assert again.rope_parameters == transformers.AutoConfig.from_pretrained(hf_dir).rope_parameters
     with pytest.raises(SystemExit, match="error: config.json: YaRN .*only OLMo 3's form"):
         convert.config_from_hf(legacy | {"rope_scaling": yarn | {"attention_factor": 2.0}})
-    other_theta = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    other_theta = {"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0}}
     with pytest.raises(SystemExit, match="error: config.json: sliding layers' RoPE .*theta"):
         convert.config_from_hf(
             config | {"rope_parameters": config["rope_parameters"] | other_theta}
