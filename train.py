@@ -493,7 +493,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # =============================================================================
-# Second read: the spike guard and what the 7B on a pod needs. By section (after stop 6, data):
+# Second read (the map's stop 7): the spike guard and what the 7B on a pod needs. By section:
 #   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
 #   the spike guard: OLMo-core's check that skips an update whose loss or grad norm spikes;
 #   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
