@@ -158,7 +158,8 @@ def layer_types(cfg):
 def config_to_hf(cfg) -> dict:
     # Both start as plain RoPE; `full` is rebound (never mutated) to YaRN's keys below when it is
     # on, and the full-attention layers get `sliding | full`: the same theta, YaRN's keys over it
-    # (a YaRN dict without rope_theta would take HF's default theta, 500,000, not ours)
+    # (a YaRN dict without rope_theta takes Olmo3Config.default_theta, 500,000 in
+    # transformers 5.24, not cfg.rope_theta where that differs)
     sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.yarn_factor:  # on the full-attention layers only
         full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,

@@ -99,9 +99,9 @@ class Loader:
         inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
         labels = np.full_like(inputs, -100)  # the last position has no target
         labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
-        # (A no-op for Loader's rows, which are all document: skip it on a first read. It is for
-        # PackedLoader's, whose padding is no target; PackedLoader.batch says more.) Position t's
-        # target, token t + 1, is padding where t + 1 >= the row's length.
+        # No-op here (PackedLoader's padding; skip it on a first read): Loader's rows are all
+        # document. A PackedLoader row ends in padding, which is no target (PackedLoader.batch says
+        # more): position t's target, token t + 1, is padding where t + 1 >= the row's length.
         labels[np.arange(self.seq_len) + 1 >= lengths[:, None]] = -100
         return {"inputs": inputs, "labels": labels}
 

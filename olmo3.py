@@ -464,9 +464,10 @@ def abstract_params(cfg: Config, mesh: Mesh) -> dict:  # describes the params, a
 def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under a mesh
     # Pins x's rows to the data-parallel devices, where XLA, left alone, may gather a whole batch
     # onto every device. The mesh is the one `with jax.set_mesh(mesh)` set (train.main does, and
-    # so do evaluation.main, prepare.dry_run and tests): get_abstract_mesh() returns it while
-    # tracing, and with_sharding_constraint uses it. With none set (a test, convert --verify), it
-    # does nothing. A name not in AXIS_RULES ("seq") is not split: it only names the dimension.
+    # so do evaluation.main, prepare.dry_run and some tests): get_abstract_mesh() returns it while
+    # tracing, and with_sharding_constraint uses it. With none set (other tests, convert
+    # --verify), it does nothing. A name not in AXIS_RULES ("seq") is not split: it only names
+    # the dimension.
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

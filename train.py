@@ -354,6 +354,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
     # (second read: spike_guard) The spike guard (OLMo-core's; nanoGPT has none) may skip the
     # update: then params and opt_state stay as they were, while step and history advance.
+    # spikes [2]: did the loss, did the grad norm spike; history: the window with them added
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     # (r.spike_guard is a Python bool, a constant in the traced expression)
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
@@ -805,7 +806,7 @@ def local_rows(mesh, r):  # the rows of every global batch that this process's d
     # Every process runs this same program but feeds only its own devices. The batch sharding says
     # which rows each device holds (asked for a width of 1: only the row slices are read, so any
     # width does). On 2 processes of 2 devices with fsdp=4, process 1 holds rows 8-15 of 16.
-    # (OLMo-core's rank r takes rows r::W instead; the batch, and so the loss, is the same.)
+    # (OLMo-core's rank i of W takes rows i::W instead; the batch, and so the loss, is the same.)
     # held: each of this process's devices -> the (rows, columns) slices of the batch it holds,
     # as (slice(8, 12), slice(None)) for rows 8-11, every column
     held = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
