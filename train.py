@@ -139,9 +139,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
     #       print metrics[step - 1]                                  # waits for them
     #       every eval_every steps: evaluate
-    #       every save_every steps: print metrics[step] (a save waits anyway), save
+    #       every save_every steps: read metrics[step] (a save waits anyway), save
     #       (second read) on a signal or --stop-at: save now and exit 75
     stop_flags = {}  # (second read) stop_reason's: one a step, until it reads it
+    # loader.iterate yields (i, loader.batch(i)), i = the steps done; a thread reads one ahead
     for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
         step = steps_done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
@@ -759,8 +760,8 @@ def stop_reason(step, args, mesh, stop_flags):  # why the run stops after step (
     # Every process must stop after the same step, but each gets its signal at its own moment. So
     # each step gets a flag, "did any process get one by now?" (stop_signalled's all-reduce,
     # dispatched here, held in stop_flags), and the decision reads the step before's flag, a step
-    # late so that the devices need not wait. With a SIGTERM while iteration 8 waits in
-    # log.read_and_check(7):
+    # late so that the devices need not wait (on one host: bool(SIGNALS), a step late). With a
+    # SIGTERM while iteration 8 waits in log.read_and_check(7):
     #   iteration 8: dispatches flag 8 (True), reads flag 7 (False): go on
     #   iteration 9: dispatches flag 9, reads flag 8 (True): every process saves 9 and exits 75
     stop_flags[step] = stop_signalled(mesh)
