@@ -495,7 +495,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # =============================================================================
-# Second read (the map's stop 7): the spike guard and what the 7B on a pod needs. By section:
+# Second read (the map's stop 8): the spike guard and what the 7B on a pod needs. By section:
 #   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
 #   the spike guard: OLMo-core's check that skips an update whose loss or grad norm spikes;
 #   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
@@ -581,7 +581,8 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
 # ----------------------------------------------------------------------------- checkpoints
 # Orbax saves asynchronously under a temporary name and commits a step atomically (a rename, or
 # a commit file on gs://). Only committed steps are listed, so a kill -9 at any moment loses only
-# the steps since the last commit. A step holds params, train_state and config.
+# the steps since the last commit. A step holds params, train_state and config. (Orbax's names
+# used here, CheckpointManager, StandardSave and the rest: the README's pod glossary, note 2.)
 # The section's map: save writes a step. A resume (resume) tries the steps newest first, each
 # through read_retrying(restore): restore compares the settings, then read_item compares the
 # layout and reads the arrays. A run directory with no checkpoint to resume passes
