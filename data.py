@@ -94,9 +94,9 @@ class Loader:
     def batch(self, i):
         """This process's rows of batch i (from 0): inputs, labels (-100: none), int32 [rows, T]."""
         epoch, index = divmod(i, self.steps_per_epoch)
-        # the epoch's order (epochs count from 1, as OLMo-core's do): its row `index` is this
-        # batch's ids, and self.rows picks this process's of them
-        inputs, lengths = self.read(self.epoch_order(epoch + 1)[index, self.rows])
+        order = self.epoch_order(epoch + 1)  # [steps_per_epoch, global_batch] ids; epochs from 1
+        # row `index` of the order is this batch's ids, and self.rows picks this process's of them
+        inputs, lengths = self.read(order[index, self.rows])
         labels = np.full_like(inputs, -100)  # the last position has no target
         labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
         # No-op here (PackedLoader's padding; skip it on a first read): Loader's rows are all

@@ -435,9 +435,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
     valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
     n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
-    # The errors, in the order the `if` below tests them: a size neither positive nor -1, or two
-    # -1s; more devices than there are; with a -1, given sizes that do not divide the device count
-    # (without a -1, n is their product, so the last test is always 0)
+    # The `if` below refuses, in order:
+    #   a size neither positive nor -1, or two -1s          -> not valid
+    #   more devices than there are                         -> n > len(devices)
+    #   with a -1, sizes that do not divide the device count -> n % (their product) (always 0
+    #                                                           without a -1: n is the product)
     if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
         raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
                          f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")

@@ -392,14 +392,13 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # (the max()es keep a run no longer than its warmup valid)
     if r.schedule == "cosine":  # optax's decay_steps includes the warmup, so it is T
-        lr = cosine(max(r.steps, warmup + 1))
-    elif r.schedule == "linear":  # join_schedules counts its second part's steps from W
-        lr = optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
-                                   optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
-                                  [warmup])
-    else:  # "olmo3": AI2's stage 1 in two parts (the 7b presets; second read)
-        lr = olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
-    return lr
+        return cosine(max(r.steps, warmup + 1))
+    if r.schedule == "linear":  # join_schedules counts its second part's steps from W
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                     optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
+                                    [warmup])
+    # "olmo3": AI2's stage 1 in two parts (the 7b presets; second read)
+    return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
 
 
 def adam(r):  # optax's Adam (train_step clips before it and decays after it)
