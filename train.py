@@ -336,9 +336,10 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
-    # embedding; a skipped update keeps p and Adam's state. Written out, not optax.adamw, which
-    # indexes the LR by Adam's count (--init-from carries that over; here the LR follows this
-    # run's step), and could not skip the whole update.
+    # embedding; a skipped update keeps p and Adam's state. Written out, not optax.adamw: its
+    # schedule keeps its own count in opt_state, from 0 (so step 1 would get OLMo-core's LR of
+    # step 0), and --init-from would carry that count over with Adam's. Here the LR is indexed by
+    # this run's step, from 1, and opt_state is Adam's alone (optax 0.2.8's adamw, read).
     grad_norm = optax.tree.norm(grads)  # before clipping
     # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
     # divides by the norm + 1e-6 instead)
