@@ -6,9 +6,11 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # file's order, down to the progress line (Log). Below the "second read" banner is what the 7B on a
 # pod needs (AI2's stage-1 schedule, the spike guard, checkpoints, stopping, several hosts), then
 # the command line.
-# `r` is always the Recipe, `cfg` the model's olmo3.Config. Steps (updates) count from 1, as
-# OLMo-core's do: step s trains on loader.batch(s - 1) and is logged and saved as step s, and after
-# it the state's step is s (the steps done). The README has a JAX glossary.
+# `r` is always the Recipe, `cfg` the model's olmo3.Config. The README has a JAX glossary.
+# Steps (updates) count from 1, as OLMo-core's do. The loop's three counters, at step 5:
+#   step           5  the step's number: logged, saved, and the LR's index (schedule(r)(5))
+#   steps_done     4  the steps before it; step 5 trains on loader.batch(4) (batches count from 0)
+#   state["step"]  4  in the state: the steps done, so 4 before step 5 and 5 after it
 import argparse
 import dataclasses
 import datetime
@@ -32,7 +34,6 @@ import data
 import olmo3
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
-EXIT_STOPPED = 75  # checkpointed before the last step, so rerun to resume (EX_TEMPFAIL)
 
 
 # Training settings: AI2's stage 1, but a plain cosine. RECIPES below changes a few fields for each
@@ -127,48 +128,29 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop, plus what a pod needs. The main difference: each iteration reads the metrics
-    # of the step before, not its own. step_fn returns at once and the devices compute (as a CUDA
-    # launch returns in PyTorch); reading a result (nanoGPT's loss.item()) waits for them. Reading
-    # the step before's while this one runs means the devices need not wait for the host between
-    # steps (an evaluation or a save does wait, so a save reads its own step's).
-    # (On a first read, skip the lines marked "second read": they stop the run early, on a signal
-    # or --stop-at, with a checkpoint; with neither, stop stays None.) Without those lines the
-    # loop is
-    #   for step in range(state["step"] + 1, r.steps + 1):
-    #       state, metrics[step] = step_fn(state, batch(step - 1))  # returns at once
-    #       print metrics[step - 1]                                  # waits for them
-    #       every eval_every steps: evaluate
-    #       every save_every steps: read metrics[step] (a save waits anyway), save
-    #       (second read) on a signal or --stop-at: save now and exit 75
-    stop_flags = {}  # (second read) stop_reason's: one a step, until it reads it
-    # loader.iterate yields (i, loader.batch(i)), i = the steps done; a thread reads one ahead
+    # nanoGPT's loop, with two changes.
+    # 1. The metrics are read a step late. step_fn returns at once while the devices compute (as
+    #    a CUDA launch returns in PyTorch), and reading a result (nanoGPT's loss.item()) waits for
+    #    them. So log.step(step, metrics) keeps this step's metrics and reads the step before's,
+    #    done by now: the devices never wait for the host.
+    # 2. A pod can be stopped at any moment (a SIGTERM, or --stop-at). stop is then why, and the
+    #    run saves a checkpoint and exits 75 (second read: stop_reason, stopped). Otherwise stop
+    #    is None, and the run saves every save_every steps and at the last.
+    # loader.iterate yields (i, loader.batch(i)), i = the steps done; a thread reads one ahead.
     for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
         step = steps_done + 1  # this step's number, as logged and saved
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        log.pending[step] = metrics  # on the devices until log.read_and_check(step)
-        # log.read_and_check(s) waits for step s's metrics and prints them every log_every steps,
-        # as "step     50/100 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 5,461 tok/s | MFU
-        # n/a | ETA 0:00:38" (tiny, --steps 100, on 2 CPU cores). The check: it stops the run
-        # after 10 skipped updates in a row.
-        # Each step is read once: a step late, here, or by its own save, below (Log.read_and_check
-        # skips a step already read).
-        log.read_and_check(step - 1)  # the step before's: done, or nearly, by now
+        log.step(step, metrics)  # prints step - 1's metrics every log_every steps
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
-        # (second read) stop: None, or why to save now and exit 75: --stop-at, or a signal
-        # (Ctrl-C, a pod's SIGTERM) that any process got
-        stop = stop_reason(step, args, mesh, stop_flags)
-        if step % r.save_every == 0 or step == r.steps or stop:  # (second read: `or stop`)
-            # a save waits for the step anyway: read it, so the saved log has it (the next
-            # iteration's log.read_and_check(step - 1) then skips it)
-            log.read_and_check(step)
-            save(manager, step, state, cfg, r, loader.fingerprint)
-            log.flush()
-            if stop and step < r.steps:  # (second read; after the last step the run ends with 0)
-                return stopped(manager, log, step, stop)
+        stop = stop_reason(step, args, mesh)
+        if step % r.save_every == 0 or step == r.steps or stop:
+            log.flush()  # waits for this step's metrics, then writes metrics.jsonl and log.txt
+            save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
+        if stop and step < r.steps:  # (after the last step, the run ends anyway)
+            return stopped(manager, log, step, stop)
     manager.wait_until_finished()
     if args.samples and importlib.util.find_spec("evaluation"):  # with evaluation.py only
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
@@ -271,13 +253,13 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
-    # (stages 2 and 3: skip on a first read) restored: {params} from a converted checkpoint; from
-    # a run's, opt_state, step and history too (no recipe given: an --init-from, so only the
-    # model's settings must match, not the data)
+    # (--init-from, stages 2 and 3: skip on a first read) restore reads what the checkpoint holds:
+    # params alone from a converted one; params, opt_state, step and history from a run's. With
+    # no recipe given, only the model's settings must match, not the data.
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
-    # "Warm Adam": params and opt_state carry over (only params from a converted checkpoint), so
-    # Adam's moments and its step count (opt_state.count) go on; step and history stay fresh
-    # (state["step"] is 0), so the schedule and the spike guard start again
+    # "Warm Adam": of these, only params and opt_state are kept, so Adam's moments and its count
+    # (opt_state.count) go on. step and history stay fresh (state["step"] is 0), so the schedule
+    # and the spike guard start again.
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
 
@@ -336,10 +318,10 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
-    # embedding; a skipped update keeps p and Adam's state. Written out, not optax.adamw: its
-    # schedule keeps its own count in opt_state, from 0 (so step 1 would get OLMo-core's LR of
-    # step 0), and --init-from would carry that count over with Adam's. Here the LR is indexed by
-    # this run's step, from 1, and opt_state is Adam's alone (optax 0.2.8's adamw, read).
+    # embedding; a skipped update keeps p and Adam's state. Why not optax.adamw: its LR schedule
+    # counts steps in opt_state from 0, so step 1 would get OLMo-core's LR for step 0, and
+    # --init-from would carry that count into the next stage. Here the LR is indexed by this run's
+    # step, and opt_state holds Adam's state alone.
     grad_norm = optax.tree.norm(grads)  # before clipping
     # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
     # divides by the norm + 1e-6 instead)
@@ -408,8 +390,6 @@ def adam(r):  # optax's Adam (train_step clips before it and decays after it)
 
 # ----------------------------------------------------------------------------- the progress line
 
-SKIPS_IN_A_ROW = 10  # this many skipped updates in a row stop the run (the guard cannot save it)
-
 # (skim: for the MFU) Dense bf16 TFLOP/s per JAX device. TPU7x (Ironwood) has two devices per
 # chip. The first entry whose name is in the device's kind counts, so "v5 lite" must come before
 # "v5". (An fp32 run's MFU is still against these bf16 peaks.)
@@ -419,14 +399,14 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
-    # What train's loop uses: log(text) or log(**record); pending[step] = metrics as each step is
-    # dispatched, and read_and_check(step) a step later; flush() after a save.
+    # What train's loop uses: log(text) or log(**record); log.step(step, metrics) for each step;
+    # flush() before a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (step, time) of the last progress line; skipped: steps skipped in a row
         self.started, self.last, self.skipped = time.time(), None, 0
-        self.pending = {}  # each dispatched step's metrics, on the devices until read
+        self.pending = {}  # step -> its metrics, on the devices until read
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -441,9 +421,15 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    # With each checkpoint, flush writes each file whole and atomically (an object store cannot
-    # append), and draws loss.png if evaluation.py is here.
+    def step(self, step, metrics):  # keeps this step's metrics, reads the step before's
+        self.pending[step] = metrics
+        self.read(step - 1)  # nothing to read before this run's first step
+
+    # flush reads the steps still pending, then rewrites each file whole and atomically (an object
+    # store cannot append), and draws loss.png if evaluation.py is here.
     def flush(self):
+        for step in sorted(self.pending):
+            self.read(step)
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (run_mark made the run directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
@@ -459,25 +445,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read_and_check(self, step):  # reads a step's metrics (once), checks the skips, logs
-        # In order: 1. wait for the step's metrics (jax.device_get, as nanoGPT's loss.item()
-        # waits); 2. count skipped updates, and stop the run at 10 in a row; 3. every log_every
-        # steps, log a progress line (self(...) is log(...)). Each call pops its step from
-        # pending, and a step not pending is skipped: a save read it already, or it is from before
-        # this run's first step.
+    def read(self, step):  # waits for a pending step's metrics; logs them every log_every steps
         if step not in self.pending:
             return
         r = self.r
-        m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}  # 1
-        self.skipped = self.skipped + 1 if m["skipped"] else 0  # 2
-        if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
-            self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
-                 f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        if self.skipped == SKIPS_IN_A_ROW:  # the last checkpoint is the last good state
-            self.flush()
-            raise SystemExit(f"error: {SKIPS_IN_A_ROW} updates in a row skipped, up to step "
-                             f"{step} (loss {m['loss']}); lower --lr or check the data; rerun")
-        if step % r.log_every and step != r.steps:  # 3 is only for log_every's steps and the last
+        # jax.device_get waits for the devices, as nanoGPT's loss.item() does
+        m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
+        count_skips(self, step, m)  # (second read) stops the run after 10 skips in a row
+        if step % r.log_every and step != r.steps:  # a line every log_every steps, and the last
             return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
@@ -512,8 +487,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #     after restore checks the settings and the data; an all-gather confirms all could;
 #   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
 #   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
-#     flag (stop_signalled), every host reads that flag a step later (stop_reason), and all save
-#     the same step and exit 75 (stopped);
+#     flag, every host reads that flag a step later (both in stop_reason), and all save the same
+#     step and exit 75 (stopped);
 #   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
 # =============================================================================
 
@@ -576,6 +551,18 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
     # stops at the non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
     return checking & ~within, history.at[:, steps_done % HISTORY].set(kept)
+
+
+# A run that skips 10 updates in a row stops: the spike guard cannot save it
+def count_skips(log, step, m):  # logs a skipped update; stops the run at 10 in a row
+    log.skipped = log.skipped + 1 if m["skipped"] else 0
+    if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
+        log(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
+            f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
+    if log.skipped == 10:  # the last checkpoint is the last good state
+        log.flush()
+        raise SystemExit(f"error: 10 updates in a row skipped, up to step "
+                         f"{step} (loss {m['loss']}); lower --lr or check the data; rerun")
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -721,7 +708,7 @@ def refuse_fresh_start(out):
 def catch_signals_check_run_dir(out):  # main calls it after start_jax, before training
     # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes after
     # start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this one
-    # replaces it (stop_signalled says why not JAX's own preemption sync point).
+    # replaces it (stop_reason says why not JAX's own preemption sync point).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
     # Every host must see the run directory that process 0 writes (on one host, this only makes
@@ -740,37 +727,35 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
 
 
-def stop_signalled(mesh):  # was any process asked to stop? All get the same answer
-    # One entry per device, its process's flag. P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts
-    # the one dimension over all three mesh axes. jnp.any over it is an all-reduce, so every
-    # process gets the same answer. (JAX's preemption sync point, which Orbax offers, misses a
-    # SIGTERM that comes before the first step.)
-    per_device = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
-                                              lambda _: np.array([bool(SIGNALS)]))  # one per device
-    return jnp.any(per_device)
-
-
-def stopped(manager, log, step, why):  # -> EXIT_STOPPED, once the save is committed
+def stopped(manager, log, step, why):  # -> 75, once the save is committed
     manager.wait_until_finished()
     log(f"stopped after step {step} ({why}), checkpointed: rerun to resume")
     log.flush()
-    return EXIT_STOPPED
+    return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
 
 
-def stop_reason(step, args, mesh, stop_flags):  # why the run stops after step (None: goes on)
-    # Every process must stop after the same step, but each gets its signal at its own moment. So
-    # each step gets a flag, "did any process get one by now?" (stop_signalled's all-reduce,
-    # dispatched here, held in stop_flags), and the decision reads the step before's flag, a step
-    # late so that the devices need not wait (on one host: bool(SIGNALS), a step late). With a
-    # SIGTERM while iteration 8 waits in log.read_and_check(7):
+STOP_FLAGS = {}  # step -> did any process get a signal by then? On the devices until read
+
+
+def stop_reason(step, args, mesh):  # why the run stops after step (None: it goes on)
+    # Every process must stop after the same step, but each gets its signal at its own moment.
+    # So each step gets a flag, "had any process got a signal by now?", and every process decides
+    # on the step before's flag, which is ready by then, so the devices need not wait. With a
+    # SIGTERM while iteration 8 waits in log.step(8, ...) for step 7's metrics:
     #   iteration 8: dispatches flag 8 (True), reads flag 7 (False): go on
     #   iteration 9: dispatches flag 9, reads flag 8 (True): every process saves 9 and exits 75
-    stop_flags[step] = stop_signalled(mesh)
+    # The flag is an all-reduce: per_device has one entry per device, its process's SIGNALS, cut
+    # over every device (P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts its one dimension over
+    # all three mesh axes), and jnp.any over it gives every process the same answer. (On one host
+    # this is bool(SIGNALS), a step late. JAX's preemption sync point, which Orbax offers, misses
+    # a SIGTERM that comes before the first step.)
+    per_device = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
+                                              lambda _: np.array([bool(SIGNALS)]))  # one per device
+    STOP_FLAGS[step] = jnp.any(per_device)
     if step == args.stop_at:
         return "--stop-at"
-    # a process got a signal: all stop, together (`if` on a device array waits for it, as
-    # device_get does; this one was computed a step ago)
-    if stop_flags.pop(step - 1, False):
+    # `if` on a device array waits for it: this one was computed a step ago
+    if STOP_FLAGS.pop(step - 1, False):  # a process got a signal: all stop, together
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
