@@ -91,29 +91,25 @@ class Loader:
             self.shuffled = (epoch, batches.reshape(self.steps_per_epoch, -1))
         return self.shuffled[1]
 
+    def ids(self, i):  # the instance ids of this process's rows of batch i (from 0)
+        epoch, index = divmod(i, self.steps_per_epoch)
+        # row `index` of the epoch's order is the batch's ids; self.rows picks this process's
+        return self.epoch_order(epoch + 1)[index, self.rows]  # epochs count from 1
+
     def batch(self, i):
         """This process's rows of batch i (from 0): inputs, labels (-100: none), int32 [rows, T]."""
-        epoch, index = divmod(i, self.steps_per_epoch)
-        order = self.epoch_order(epoch + 1)  # [steps_per_epoch, global_batch] ids; epochs from 1
-        # row `index` of the order is this batch's ids, and self.rows picks this process's of them
-        inputs, lengths = self.read(order[index, self.rows])
+        inputs = self.read(self.ids(i))
         labels = np.full_like(inputs, -100)  # the last position has no target
         labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
-        # No-op here (PackedLoader's padding; skip it on a first read): Loader's rows are all
-        # document. A PackedLoader row ends in padding, which is no target (PackedLoader.batch says
-        # more): position t's target, token t + 1, is padding where t + 1 >= the row's length.
-        labels[np.arange(self.seq_len) + 1 >= lengths[:, None]] = -100
         return {"inputs": inputs, "labels": labels}
 
-    # -> tokens [len(ids), seq_len] int32, and each row's real length (always seq_len here; the
-    # lengths matter for PackedLoader's rows, which end in padding)
-    def read(self, ids):
+    def read(self, ids):  # -> tokens [len(ids), seq_len] int32
         # An id is in the last file whose first id is <= it. With first_id [0, 3, 7], ids 0-2
         # are file 0's and 3-6 are file 1's. Id 4 is file 1's instance 1, from token 1 * seq_len on.
         files = np.searchsorted(self.first_id, ids, side="right") - 1
         offsets = (ids - self.first_id[files]) * self.seq_len
         inputs = [self.tokens(f, o, self.seq_len) for f, o in zip(files, offsets)]
-        return np.stack(inputs).astype(np.int32), np.full(len(ids), self.seq_len)
+        return np.stack(inputs).astype(np.int32)
 
     def tokens(self, f, offset, count):  # reads `count` tokens of file f, from token `offset` on
         x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # in bytes
@@ -138,7 +134,8 @@ class PackedLoader(Loader):
     """OLMo-core's NumpyPackedFSLDataset (stage 3): whole documents packed into instances."""
     # The instances are then ordered as the fixed-length ones are. Process 0 packs the mix once
     # into `cache` (the run directory). A restart, and every other process, reads what it wrote.
-    # batch() adds segments, which give each token's document, for attention.
+    # batch() masks the padding's labels, and adds segments, which give each token's document,
+    # for attention.
 
     def __init__(self, *args, tokenizer="dolma2", group_size=1, cache=".", rank=0, **kwargs):
         # Loader's __init__ finds the files and counts fixed-length instances. The packed ones
@@ -159,16 +156,16 @@ class PackedLoader(Loader):
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, in order
         self.bounds = np.searchsorted(instance, np.arange(instance[-1] + 2))
+        self.lengths = np.add.reduceat(self.docs[2], self.bounds[:-1])  # each instance's tokens
         self.set_instances(int(instance[-1]) + 1)
 
-    def read(self, ids):
-        inputs, lengths = np.full((len(ids), self.seq_len), self.pad, np.int32), []
+    def read(self, ids):  # -> each instance's documents, then padding: [len(ids), seq_len] int32
+        inputs = np.full((len(ids), self.seq_len), self.pad, np.int32)
         for row, i in enumerate(ids):
             files, offsets, counts, _ = self.docs[:, self.bounds[i]:self.bounds[i + 1]]
             tokens = np.concatenate([self.tokens(*doc) for doc in zip(files, offsets, counts)])
             inputs[row, :len(tokens)] = tokens
-            lengths.append(len(tokens))
-        return inputs, np.array(lengths)
+        return inputs
 
     def batch(self, i):
         # Labels: Loader.batch's plain shift, as OLMo-core's get_labels, with the padding masked
@@ -181,6 +178,8 @@ class PackedLoader(Loader):
         # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
         #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(i)
+        # self.lengths[ids, None]: [rows, 1], each row's tokens before its padding
+        batch["labels"][np.arange(self.seq_len) + 1 >= self.lengths[self.ids(i), None]] = -100
         eos = batch["inputs"] == self.eos
         return batch | {"segments": (np.cumsum(eos, axis=1) - eos).astype(np.int32)}
 

@@ -44,9 +44,10 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         # results for eval.json; logged: the same numbers under AI2's log keys, for the log
         # (eval/lm/SET/PPL, eval/downstream/...)
         results, logged = {}, {}
-        # Perplexity uses the training loss function, over the padded vocabulary, as OLMo-core
-        # computes it; tasks use HF's real vocabulary, as olmo_eval does. (convert.from_hf bounds
-        # what the padding adds for weights converted from HF.)
+        # The two kinds of score use different vocabularies because each follows its reference:
+        # perplexity is the training loss, over the padded vocabulary, as OLMo-core computes it;
+        # tasks use HF's real vocabulary, as olmo_eval runs them on HF models. (The padding
+        # columns take a little probability mass; convert.from_hf bounds how much.)
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
             # CE = the summed loss of a document's n - 1 targets / its n tokens, as OLMo-core's LM

@@ -70,8 +70,9 @@ MODELS = {
     "tiny": Config(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=768,
                    vocab_size=258, tokenizer="bytes", sliding_window=64, compute_dtype="float32"),
     "7b": Config(),
-    # MaxText's head reshape, 16 heads x 256, keeps the parameter count, FLOPs and QK-norm's
-    # 4096; the 7b's weights do not carry over (16 heads of 256 attend differently).
+    # MaxText's head reshape, 16 heads x 256, keeps the parameter count, the FLOPs and H x E =
+    # 4096 (QK-norm still normalises over 4096); the 7b's weights do not carry over (16 heads of
+    # 256 attend differently).
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
     # AI2's released model after stage 3. It uses YaRN x8 on the full-attention layers. That
     # stage trains 65,536-token rows, which fit v5p-128 only with remat (64 of 95 GiB, see README).
@@ -89,8 +90,9 @@ class Spec(NamedTuple):
 
 # The logical axes name what a dimension is, whatever the weight: "embed" is d_model in every
 # weight (not only the embedding), "heads" the query heads x head_dim, "mlp" the hidden width. A
-# norm's weight follows the activation it scales: d_model is "norm" (never split, as activations'
-# D is not), and q_norm and k_norm follow their heads. AXIS_RULES (stop 4) maps these names to
+# norm's weight follows the activation it scales: d_model is "norm", never split (a norm weight
+# is tiny, and the activations' D is whole on every device), and q_norm and k_norm follow their
+# heads. AXIS_RULES (stop 4) maps these names to
 # how each weight is cut over the devices.
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
@@ -152,25 +154,25 @@ def forward(params, tokens, cfg: Config, segments=None):
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
     x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
-    # constrain (stop 4) pins x's rows to the data-parallel devices, and keeps D whole (None, not
-    # "embed": activations keep D whole, as sharding's part two says; "seq" is a name only, never
-    # split); with no mesh set (a test, convert --verify) it does nothing
+    # a sharding hint (constrain, stop 4): x's rows go to the data-parallel devices, and its D
+    # stays whole; with no mesh set (one device, a test) it does nothing
     return constrain(x, "batch", "seq", None)
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
-    # The layers: in effect `for l in range(32): x = block(...)` for the 7B, cut into groups of
-    # layers to save compile time (as MaxText does), with the same math. On a first read, take
-    # `layer` below as `block`: its checkpoint only decides what the backward pass keeps.
-    # In plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096,
-    # 4096, None] (three sliding layers, then a full one):
+    # The layers, in plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is
+    # [4096, 4096, 4096, None] (three sliding-window layers, then a full one):
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
-    # Why a group, not a layer, is the scanned unit: a layer's window is a Python value baked into
+    # That is `for l in range(32): x = block(...)`, the same math. On a first read, take `layer`
+    # as `block`: its jax.checkpoint only decides what the backward pass keeps.
+    # Why groups: scanning compiles one group instead of 32 layers (as MaxText does), and the
+    # scanned unit is a group, not a layer, because a layer's window is a Python value baked into
     # its program, and every scan step runs the same program. (tiny is one group of 4. When
-    # global_every does not divide n_layers, all layers are one group.) Below: the groups (a
-    # reshape), the RoPE tables, each layer's window, `layer` (a checkpointed block), the scan.
+    # global_every does not divide n_layers, all layers are one group.)
+    # Below, in order: the groups (a reshape), the RoPE tables, each layer's window, `layer` (a
+    # checkpointed block), and the scan.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -295,8 +297,7 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # --- The reference. Heads go first so that both products are plain batched matmuls.
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
     # sliding layer, i - j < window (and, with segments, both are in the same one).
-    B, T, H, E = q.shape
-    K = k.shape[2]  # k is [B, T, K, E]
+    (_, T, H, E), K = q.shape, k.shape[2]  # q is [B, T, H, E], k [B, T, K, E]
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     # each kv head repeated H // K times, for the query heads that read it
     k_BHSE, v_BHSE = (jnp.repeat(x, H // K, axis=1) for x in (k_BKSE, v_BKSE))
