@@ -156,12 +156,11 @@ def layer_types(cfg):
 
 
 def config_to_hf(cfg) -> dict:
-    # Both start as plain RoPE; `full` is rebound (never mutated) to YaRN's keys below when it is
-    # on, and the full-attention layers get `sliding | full`: the same theta, YaRN's keys over it
-    # (a YaRN dict without rope_theta takes Olmo3Config.default_theta, 500,000 in
-    # transformers 5.24, not cfg.rope_theta where that differs)
+    # The sliding layers get plain RoPE. The full-attention layers get `sliding | full`: plain
+    # RoPE, with YaRN's keys over it when YaRN is on, so that they keep the same theta (a YaRN
+    # dict without rope_theta would take Olmo3Config.default_theta, 500,000 in transformers 5.24).
     sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.yarn_factor:  # on the full-attention layers only
+    if cfg.yarn_factor:  # YaRN's keys, for the full-attention layers only
         full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
                 "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
                 cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor) + 1}

@@ -118,16 +118,15 @@ class Loader:
                              f"{self.files[f]}: another tokenizer's; re-tokenize it")
         return x
 
-    def iterate(self, start, stop):  # -> (i, batch(i)) for i from start to stop - 1
-        # i is 0-based, as batch's argument is: train's step s trains on batch s - 1, so i is the
-        # steps done before it. A thread reads the next batch while a step trains, which hides a
-        # mounted bucket's latency. The thread's errors are raised here.
+    def iterate(self, start, stop):  # -> batch(i) for i from start to stop - 1
+        # (train's step s trains on batch s - 1.) A thread reads the next batch while a step
+        # trains, which hides a mounted bucket's latency. The thread's errors are raised here.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ahead = pool.submit(self.batch, start)
             for i in range(start, stop):
                 batch = ahead.result()
                 ahead = pool.submit(self.batch, i + 1) if i + 1 < stop else None
-                yield i, batch
+                yield batch
 
 
 class PackedLoader(Loader):

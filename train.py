@@ -7,10 +7,12 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # pod needs (AI2's stage-1 schedule, the spike guard, checkpoints, stopping, several hosts), then
 # the command line.
 # `r` is always the Recipe, `cfg` the model's olmo3.Config. The README has a JAX glossary.
-# Steps (updates) count from 1, as OLMo-core's do. The loop's three counters, at step 5:
-#   step           5  the step's number: logged, saved, and the LR's index (schedule(r)(5))
-#   steps_done     4  the steps before it; step 5 trains on loader.batch(4) (batches count from 0)
-#   state["step"]  4  in the state: the steps done, so 4 before step 5 and 5 after it
+# Steps (updates) count from 1, as OLMo-core's do. What counts them, at step 5 of a fresh run:
+#   step                 5  the loop's: the step's number, logged, saved, and the LR's index
+#   loader.batch(4)         what step 5 trains on (batches count from 0, so step s gets s - 1)
+#   state["step"]        4  the steps done: 4 before step 5, 5 after it (saved in checkpoints)
+#   opt_state.count      4  Adam's own count, for its bias correction: the same in a fresh run,
+#                           but --init-from (stages 2, 3) carries it over, while step restarts
 import argparse
 import dataclasses
 import datetime
@@ -134,23 +136,32 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #    them. So log.step(step, metrics) keeps this step's metrics and reads the step before's,
     #    done by now: the devices never wait for the host.
     # 2. A pod can be stopped at any moment (a SIGTERM, or --stop-at). stop is then why, and the
-    #    run saves a checkpoint and exits 75 (second read: stop_reason, stopped). Otherwise stop
-    #    is None, and the run saves every save_every steps and at the last.
-    # loader.iterate yields (i, loader.batch(i)), i = the steps done; a thread reads one ahead.
-    for steps_done, batch in loader.iterate(int(state["step"]), r.steps):
-        step = steps_done + 1  # this step's number, as logged and saved
+    #    run saves a checkpoint and exits 75. Otherwise stop is None, and the run saves every
+    #    save_every steps and at the last. A signal reaches every process through a flag, read a
+    #    step late for the same reason as the metrics (second read: stop_reason).
+    # loader.iterate(done, r.steps) yields loader.batch(i) for i from done to r.steps - 1 (a thread
+    # reads one ahead), and step i + 1 trains on batch i.
+    done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
+    signalled = False  # (second read) had any process got a signal by the step before?
+    for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        log.step(step, metrics)  # prints step - 1's metrics every log_every steps
+        # log.step reads step - 1's metrics and prints them every log_every steps. (It also counts
+        # skipped updates, and 10 in a row end the run with an error: count_skips, second read.)
+        log.step(step, metrics)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
-        stop = stop_reason(step, args, mesh)
+        stop = stop_reason(step, args, signalled)  # reads the step before's flag
+        signalled = any_process_signalled(mesh)  # this step's flag, read at the next step
         if step % r.save_every == 0 or step == r.steps or stop:
             log.flush()  # waits for this step's metrics, then writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop and step < r.steps:  # (after the last step, the run ends anyway)
-            return stopped(manager, log, step, stop)
+            manager.wait_until_finished()  # the save is committed
+            log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
+            log.flush()
+            return 75  # EX_TEMPFAIL: stopped before its last step, so rerun to resume
     manager.wait_until_finished()
     if args.samples and importlib.util.find_spec("evaluation"):  # with evaluation.py only
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
@@ -317,32 +328,17 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
-    # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
-    # embedding; a skipped update keeps p and Adam's state. Why not optax.adamw: its LR schedule
-    # counts steps in opt_state from 0, so step 1 would get OLMo-core's LR for step 0, and
-    # --init-from would carry that count into the next stage. Here the LR is indexed by this run's
-    # step, and opt_state holds Adam's state alone.
-    grad_norm = optax.tree.norm(grads)  # before clipping
-    # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
-    # divides by the norm + 1e-6 instead)
-    clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # Adam's direction m^ / (sqrt(v^) + eps), with m and v bias-corrected by Adam's own count.
-    # (optax's scale_by_adam returns it as is: no minus sign and no LR, so the code subtracts below)
-    updates, opt_state = adam(r).update(jax.tree.map(clip, grads), state["opt_state"])
-    # + wd * p on every weight but the embedding (the norms and lm_head too, as OLMo-core)
-    decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
-    updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
+    grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
     # The LR is indexed by this step's number (state["step"] + 1), not by Adam's count, so a stage
     # restarts its schedule while Adam's count carries over (--init-from)
     lr = schedule(r)(state["step"] + 1)
-    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
+    new = adamw(params, state["opt_state"], grads, grad_norm, lr, r)  # {params, opt_state}
     # (second read: spike_guard) The spike guard (OLMo-core's; nanoGPT has none) may skip the
     # update: then params and opt_state stay as they were, while step and history advance.
     # spikes [2]: did the loss, did the grad norm spike; history: the window with them added
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     # (r.spike_guard is a Python bool, a constant in the traced expression)
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
-    new = {"params": new_params, "opt_state": opt_state}
     # where skip is True, keep the old params and Adam state
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     # The logged loss is the cross-entropy alone: z-loss is trained on, not logged
@@ -384,7 +380,25 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
 
 
-def adam(r):  # optax's Adam (train_step clips before it and decays after it)
+# AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
+# embedding. Why not optax.adamw: its LR schedule counts steps in opt_state from 0, so step 1 would
+# get OLMo-core's LR for step 0, and --init-from would carry that count into the next stage. Here
+# the LR is indexed by this run's step (train_step passes it), and opt_state holds Adam's alone.
+def adamw(params, opt_state, grads, grad_norm, lr, r):  # -> the updated {params, opt_state}
+    # clip to a global norm of grad_clip (optax's clip_by_global_norm; torch's clip_grad_norm_
+    # divides by the norm + 1e-6 instead)
+    clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
+    # Adam's direction m^ / (sqrt(v^) + eps), with m and v bias-corrected by Adam's own count.
+    # (optax's scale_by_adam returns it as is: no minus sign and no LR, so the code subtracts below)
+    updates, opt_state = adam(r).update(jax.tree.map(clip, grads), opt_state)
+    # + wd * p on every weight but the embedding (the norms and lm_head too, as OLMo-core)
+    decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
+    updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
+    new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
+    return {"params": new_params, "opt_state": opt_state}
+
+
+def adam(r):  # optax's Adam (adamw clips before it and decays after it)
     return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
@@ -404,9 +418,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (step, time) of the last progress line; skipped: steps skipped in a row
-        self.started, self.last, self.skipped = time.time(), None, 0
-        self.pending = {}  # step -> its metrics, on the devices until read
+        # last: (step, time) of the last progress line; skipped: steps skipped in a row; pending:
+        # step -> its metrics, on the devices until read
+        self.started, self.last, self.skipped, self.pending = time.time(), None, 0, {}
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -488,7 +502,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
 #   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
 #     flag, every host reads that flag a step later (both in stop_reason), and all save the same
-#     step and exit 75 (stopped);
+#     step and exit 75 (train's loop);
 #   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
 # =============================================================================
 
@@ -727,36 +741,29 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
 
 
-def stopped(manager, log, step, why):  # -> 75, once the save is committed
-    manager.wait_until_finished()
-    log(f"stopped after step {step} ({why}), checkpointed: rerun to resume")
-    log.flush()
-    return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
-
-
-STOP_FLAGS = {}  # step -> did any process get a signal by then? On the devices until read
-
-
-def stop_reason(step, args, mesh):  # why the run stops after step (None: it goes on)
-    # Every process must stop after the same step, but each gets its signal at its own moment.
-    # So each step gets a flag, "had any process got a signal by now?", and every process decides
-    # on the step before's flag, which is ready by then, so the devices need not wait. With a
-    # SIGTERM while iteration 8 waits in log.step(8, ...) for step 7's metrics:
-    #   iteration 8: dispatches flag 8 (True), reads flag 7 (False): go on
-    #   iteration 9: dispatches flag 9, reads flag 8 (True): every process saves 9 and exits 75
-    # The flag is an all-reduce: per_device has one entry per device, its process's SIGNALS, cut
-    # over every device (P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts its one dimension over
-    # all three mesh axes), and jnp.any over it gives every process the same answer. (On one host
-    # this is bool(SIGNALS), a step late. JAX's preemption sync point, which Orbax offers, misses
-    # a SIGTERM that comes before the first step.)
-    per_device = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
-                                              lambda _: np.array([bool(SIGNALS)]))  # one per device
-    STOP_FLAGS[step] = jnp.any(per_device)
+def stop_reason(step, args, signalled):  # why the run stops after step (None: it goes on)
+    # Every process must stop after the same step, but each gets its signal at its own moment. So
+    # each step dispatches a flag, "had any process got a signal by now?" (any_process_signalled),
+    # and every process decides on the step before's flag, `signalled`. Reading this step's flag
+    # at once would wait for the step itself, which runs ahead of it on the devices; the step
+    # before's is ready. With a SIGTERM while iteration 8 waits in log.step(8, ...) for step 7:
+    #   iteration 8: reads flag 7 (False): go on; dispatches flag 8 (True)
+    #   iteration 9: reads flag 8 (True): every process saves step 9 and exits 75
     if step == args.stop_at:
         return "--stop-at"
-    # `if` on a device array waits for it: this one was computed a step ago
-    if STOP_FLAGS.pop(step - 1, False):  # a process got a signal: all stop, together
+    if signalled:  # a device array: `if` waits for it (it was dispatched a step ago)
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+
+
+def any_process_signalled(mesh):  # -> a device array, True on every process if any got a signal
+    # per_device has one entry per device, its process's bool(SIGNALS), cut over every device
+    # (P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts its one dimension over all three mesh
+    # axes). jnp.any over it is an all-reduce, so every process gets the same answer. (On one host
+    # it is bool(SIGNALS). JAX's preemption sync point, which Orbax offers, misses a SIGTERM that
+    # comes before the first step.)
+    per_device = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
+                                              lambda _: np.array([bool(SIGNALS)]))  # one per device
+    return jnp.any(per_device)
 
 
 # ----------------------------------------------------------------------------- across hosts
@@ -805,9 +812,8 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
     # [len(loader.rows), seq_len], and the whole batch's shape; JAX hands each of its devices the
     # rows that device holds, in order (with loader.rows 8-15, rows 12-15 are x[4:8]), and no data
     # moves between hosts. On one host, it is jax.device_put(x, sharding).
-    sharding = olmo3.batch_sharding(mesh)
-    shape = lambda x: (loader.global_batch, x.shape[1])
-    return {name: jax.make_array_from_process_local_data(sharding, x, shape(x))
+    shape = lambda x: (loader.global_batch, x.shape[1])  # the whole batch's
+    return {name: jax.make_array_from_process_local_data(olmo3.batch_sharding(mesh), x, shape(x))
             for name, x in batch.items()}
 
 
