@@ -1,7 +1,8 @@
 """Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files."""
 # Usage: python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]
 # (--heldout 0.05 holds 5% of the documents out; the default is 0)
-# (prepare.py, beside the core, holds the command line and reads the documents)
+# (prepare.py, beside the core, holds the command line and reads the documents, which keeps
+# the core's lines for training; tokenize, below, is the core's part)
 #
 # Read in this order:
 # 1. `Loader` cuts each token file into instances of seq_len tokens (it drops the tail, and

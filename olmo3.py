@@ -46,10 +46,10 @@ class Config:
     norm_eps: float = 1e-6
     # How it runs (NUMERICS). The command line sets these, and a checkpoint need not match them.
     compute_dtype: str = "bfloat16"    # params and optimizer state stay fp32
-    remat: bool = False                # what the backward pass keeps of each layer, recomputing
-    #                                    the rest (decoder): False keeps the matmul outputs
-    #                                    (dots_saveable, partial remat); True keeps only the
-    #                                    layer's input (nothing_saveable, full remat)
+    remat: str = "dots"                # what the backward pass keeps of each layer, recomputing
+    #                                    the rest (decoder): "dots" keeps the matmul outputs
+    #                                    (jax's dots_saveable); "full" keeps only the layer's
+    #                                    input (nothing_saveable: full remat, as MaxText's "full")
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     @property
@@ -64,6 +64,9 @@ class Config:
 
 
 NUMERICS = ("compute_dtype", "remat", "attention")  # fields a checkpoint need not match
+# the fields whose values are a few names (train.py's command line offers only these)
+CHOICES = {"attention": ("auto", "reference", "cudnn", "splash"), "remat": ("dots", "full"),
+           "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
 MODELS = {
     # A laptop CPU trains it in minutes. Its vocabulary is bytes, and window 64 < seq 256 makes
     # both layer kinds matter.
@@ -76,7 +79,7 @@ MODELS = {
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
     # AI2's released model after stage 3. It uses YaRN x8 on the full-attention layers. That
     # stage trains 65,536-token rows, which fit v5p-128 only with remat (64 of 95 GiB, see README).
-    "7b-long": Config(yarn_factor=8.0, remat=True),
+    "7b-long": Config(yarn_factor=8.0, remat="full"),
 }
 
 
@@ -191,7 +194,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
     # recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
     # elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
     policies = jax.checkpoint_policies
-    policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
+    policy = policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
     # (cfg) are static, Python values that Python `if`s read (attention's `if window`)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
@@ -478,14 +481,13 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
 
 # ----------------------------------------------------------------------------- attention kernels
 
-ATTENTION = ("auto", "reference", "cudnn", "splash")
 # attention's kernel, which computes the same as the reference:
 #   "splash", or "auto" on a TPU: Pallas' splash kernel;
 #   "cudnn", or "auto" on an NVIDIA GPU in bf16 or fp16 (the dtypes cuDNN takes): cuDNN's;
 #   otherwise, as on a CPU (where it is the fastest) or for tiny's fp32: the reference.
 # cuDNN is asked for by name, because JAX's default is the XLA path, whose [B, H, T, T] fp32
 # scores are 8 GiB a sequence and layer at 8192: too much when the default policy
-# (dots_saveable, --remat false) keeps the matmul outputs, these among them, for every layer.
+# (dots_saveable, --remat dots) keeps the matmul outputs, these among them, for every layer.
 
 
 def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for NVIDIA GPUs
@@ -498,7 +500,7 @@ def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for 
                                             implementation="cudnn")
     except (ValueError, NotImplementedError, RuntimeError) as e:  # checked as it is traced
         raise SystemExit(f"error: cuDNN's attention cannot run this ({e}); use --attention "
-                         "reference (it holds [B, H, T, T] scores: try --remat true)") from None
+                         "reference (it holds [B, H, T, T] scores: try --remat full)") from None
 
 
 def attention_splash(q, k, v, window: int | None, segments=None):

@@ -1219,7 +1219,8 @@ def test_flag_errors_are_one_line(capsys):
     for flags, message in [
         (["--lr", "fast"], "invalid float value"),
         (["--schedule", "constant"], "invalid choice"),
-        (["--remat", "maybe"], "invalid boolean value"),
+        (["--spike-guard", "maybe"], "invalid boolean value"),
+        (["--remat", "true"], "invalid choice: 'true' (choose from 'dots', 'full')"),
     ]:
         with pytest.raises(SystemExit):
             train.parse_args(flags)

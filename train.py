@@ -836,8 +836,7 @@ def check_processes_agree(value, problem):  # on several hosts, checks every one
 # ----------------------------------------------------------------------------- command line
 
 # the flags whose values are a few names
-CHOICES = {"schedule": ("cosine", "linear", "olmo3"), "attention": olmo3.ATTENTION,
-           "compute_dtype": ("float32", "bfloat16"), "tokenizer": ("dolma2", "bytes")}
+CHOICES = olmo3.CHOICES | {"schedule": ("cosine", "linear", "olmo3")}
 
 
 def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with the flags applied
