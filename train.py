@@ -5,7 +5,8 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
 # file's order, down to the progress line (Log). Below the "second read" banner is what the 7B on a
 # pod needs (AI2's stage-1 schedule, the spike guard, checkpoints, stopping, several hosts), then
-# the command line.
+# the command line. On a first read, take each call to a function below the banner as its name and
+# the comment beside the call say.
 # `r` is always the Recipe, `cfg` the model's olmo3.Config. The README has a JAX glossary.
 # Steps (updates) count from 1, as OLMo-core's do. What counts them, at step 5 of a fresh run:
 #   step                 5  the loop's: the step's number, logged, saved, and the LR's index
@@ -100,17 +101,17 @@ STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedu
 
 def main(argv=None):
     cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, then STAGE2, then the flags
-    start_jax(args)  # (second read) fake CPU devices if asked, and the multi-host start-up
+    start_jax(args)  # fake CPU devices if asked, then JAX's multi-host start-up
     if args.dry_run:
         # data.beside("prepare"): a lazy import of prepare.py (in data.py, for data's own command
         # line too), which says what is missing if the file is not there
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
-    catch_signals_check_run_dir(args.out)  # (second read) what a run on a pod needs first
+    catch_signals_check_run_dir(args.out)  # Ctrl-C and SIGTERM will save, then stop
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
-    # (second read) manager: Orbax's CheckpointManager for the run's checkpoints/. The first read
-    # needs only that it lists the saved steps and saves new ones in the background.
+    # manager: Orbax's CheckpointManager for the run's checkpoints/. It lists the saved steps, and
+    # saves new ones in the background.
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
         return train(cfg, r, args, mesh, manager)
 
@@ -134,28 +135,32 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # 1. The metrics are read a step late. step_fn returns at once while the devices compute (as
     #    a CUDA launch returns in PyTorch), and reading a result (nanoGPT's loss.item()) waits for
     #    them. So log.step(step, metrics) keeps this step's metrics and reads the step before's,
-    #    done by now: the devices never wait for the host.
-    # 2. A pod can be stopped at any moment (a SIGTERM, or --stop-at). stop is then why, and the
+    #    done by now: the devices never wait for the host. Before a save, which waits for the step
+    #    anyway, it reads this step's too, so that the saved log has it.
+    # 2. A pod can be stopped at any moment (a SIGTERM, or --stop-at): stop is then why, and the
     #    run saves a checkpoint and exits 75. Otherwise stop is None, and the run saves every
-    #    save_every steps and at the last. A signal reaches every process through a flag, read a
-    #    step late for the same reason as the metrics (second read: stop_reason).
+    #    save_every steps and at the last.
     # loader.iterate(done, r.steps) yields loader.batch(i) for i from done to r.steps - 1 (a thread
     # reads one ahead), and step i + 1 trains on batch i.
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    signalled = False  # (second read) had any process got a signal by the step before?
+    stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        # log.step reads step - 1's metrics and prints them every log_every steps. (It also counts
-        # skipped updates, and 10 in a row end the run with an error: count_skips, second read.)
-        log.step(step, metrics)
+        stop = stopper.poll(step)  # None, or why to save now and exit 75
+        save_now = step % r.save_every == 0 or step == r.steps or stop
+        log.step(step, metrics, wait=save_now)  # prints them every log_every steps
+        # The spike guard skips bad updates; 10 in a row mean it cannot save this run. The last
+        # checkpoint holds the last good weights (a skipped update keeps the weights).
+        if len(log.skipped) >= 10:
+            log.flush()
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {log.skipped[-1]}; "
+                             "lower --lr or check the data, and rerun")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
-        stop = stop_reason(step, args, signalled)  # reads the step before's flag
-        signalled = any_process_signalled(mesh)  # this step's flag, read at the next step
-        if step % r.save_every == 0 or step == r.steps or stop:
-            log.flush()  # waits for this step's metrics, then writes metrics.jsonl and log.txt
+        if save_now:
+            log.flush()  # writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop and step < r.steps:  # (after the last step, the run ends anyway)
             manager.wait_until_finished()  # the save is committed
@@ -182,14 +187,13 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
     elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
         heldout = os.path.join(source, "heldout.txt")
-    # rows: the rows of each batch that this process's devices hold (all of them on one host;
-    # local_rows is second read)
+    # rows: the rows of each batch that this process's devices hold (on one host, all of them)
     options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
     # The plain Loader comes first even for packing: the hosts compare its fingerprint (the
     # token files) before process 0 spends minutes packing them.
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
-    # (second read) on several hosts, every one must read the same token files
+    # on several hosts, every one must read the same token files
     check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
                           "--data, --data-root and the mix file on every host")
     if r.packing:  # process 0 packs the same files into the run directory once, then all read it
@@ -252,15 +256,14 @@ def init_state(cfg, r, target):
 
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
-    # On a first read: a new run is init_state(cfg, r, target), with the note "fresh start". If the
-    # run directory has a checkpoint, the state is its newest readable one, read into target's
-    # shardings. Otherwise it is a fresh state, into which --init-from (if given) copies its weights
-    # and Adam state (the last lines, below). (resume, refuse_fresh_start and restore are in the
-    # second read.)
+    # A new run is init_state(cfg, r, target), with the note "fresh start". If the run directory
+    # has a checkpoint, the state is its newest readable one, read into target's shardings.
+    # Otherwise it is a fresh state, into which --init-from (if given) copies its weights and Adam
+    # state (stages 2 and 3: the last lines, below).
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
-    refuse_fresh_start(args.out)  # (second read) stops if a run already trained in args.out
+    refuse_fresh_start(args.out)  # stops if a run already trained in args.out
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -333,13 +336,14 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # restarts its schedule while Adam's count carries over (--init-from)
     lr = schedule(r)(state["step"] + 1)
     new = adamw(params, state["opt_state"], grads, grad_norm, lr, r)  # {params, opt_state}
-    # (second read: spike_guard) The spike guard (OLMo-core's; nanoGPT has none) may skip the
-    # update: then params and opt_state stay as they were, while step and history advance.
+    # The spike guard (OLMo-core's; nanoGPT has none) may skip the update: then params and
+    # opt_state stay as they were, while step and history advance.
     # spikes [2]: did the loss, did the grad norm spike; history: the window with them added
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     # (r.spike_guard is a Python bool, a constant in the traced expression)
     skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
-    # where skip is True, keep the old params and Adam state
+    # where skip is True, keep the old params and Adam state ({k: state[k] for k in new}: the
+    # state's params and opt_state)
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     # The logged loss is the cross-entropy alone: z-loss is trained on, not logged
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
@@ -414,13 +418,13 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
     # What train's loop uses: log(text) or log(**record); log.step(step, metrics) for each step;
-    # flush() before a save.
+    # skipped; flush() before a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (step, time) of the last progress line; skipped: steps skipped in a row; pending:
-        # step -> its metrics, on the devices until read
-        self.started, self.last, self.skipped, self.pending = time.time(), None, 0, {}
+        # last: (step, time) of the last progress line; skipped: the steps skipped in a row;
+        # pending: step -> its metrics, on the devices until read
+        self.started, self.last, self.skipped, self.pending = time.time(), None, [], {}
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -435,15 +439,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    def step(self, step, metrics):  # keeps this step's metrics, reads the step before's
-        self.pending[step] = metrics
-        self.read(step - 1)  # nothing to read before this run's first step
+    def step(self, step, metrics, wait=False):  # reads the step before's metrics, and with wait,
+        self.pending[step] = metrics               # this step's too
+        for s in (step - 1, step) if wait else (step - 1,):
+            self.read(s)  # (nothing to read before this run's first step)
 
-    # flush reads the steps still pending, then rewrites each file whole and atomically (an object
-    # store cannot append), and draws loss.png if evaluation.py is here.
+    # flush rewrites each file whole and atomically (an object store cannot append), and draws
+    # loss.png if evaluation.py is here.
     def flush(self):
-        for step in sorted(self.pending):
-            self.read(step)
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (run_mark made the run directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
@@ -451,7 +454,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if importlib.util.find_spec("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # (second read) metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes
+    # metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes
     # it before Orbax commits the checkpoint, so a kill between the two leaves records past it, and
     # so does the stop after 10 skipped steps. rewind drops them (it keeps steps 1 to the state's
     # step); the resumed run logs those steps again.
@@ -465,7 +468,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         r = self.r
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
-        count_skips(self, step, m)  # (second read) stops the run after 10 skips in a row
+        self.skipped = self.skipped + [step] if m["skipped"] else []
+        if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
+            self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
+                 f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
         if step % r.log_every and step != r.steps:  # a line every log_every steps, and the last
             return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
@@ -501,7 +507,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #     after restore checks the settings and the data; an all-gather confirms all could;
 #   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
 #   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
-#     flag, every host reads that flag a step later (both in stop_reason), and all save the same
+#     flag, every host reads that flag a step later (both in Stopper.poll), and all save the same
 #     step and exit 75 (train's loop);
 #   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
 # =============================================================================
@@ -565,18 +571,6 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
     # stops at the non-finite loss.)
     kept = jnp.where(jnp.isfinite(values), values, mean)
     return checking & ~within, history.at[:, steps_done % HISTORY].set(kept)
-
-
-# A run that skips 10 updates in a row stops: the spike guard cannot save it
-def count_skips(log, step, m):  # logs a skipped update; stops the run at 10 in a row
-    log.skipped = log.skipped + 1 if m["skipped"] else 0
-    if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
-        log(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
-            f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-    if log.skipped == 10:  # the last checkpoint is the last good state
-        log.flush()
-        raise SystemExit(f"error: 10 updates in a row skipped, up to step "
-                         f"{step} (loss {m['loss']}); lower --lr or check the data; rerun")
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -722,7 +716,7 @@ def refuse_fresh_start(out):
 def catch_signals_check_run_dir(out):  # main calls it after start_jax, before training
     # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes after
     # start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this one
-    # replaces it (stop_reason says why not JAX's own preemption sync point).
+    # replaces it (Stopper.poll says why not JAX's own preemption sync point).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
     # Every host must see the run directory that process 0 writes (on one host, this only makes
@@ -741,29 +735,34 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
 
 
-def stop_reason(step, args, signalled):  # why the run stops after step (None: it goes on)
+class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
     # Every process must stop after the same step, but each gets its signal at its own moment. So
-    # each step dispatches a flag, "had any process got a signal by now?" (any_process_signalled),
-    # and every process decides on the step before's flag, `signalled`. Reading this step's flag
-    # at once would wait for the step itself, which runs ahead of it on the devices; the step
-    # before's is ready. With a SIGTERM while iteration 8 waits in log.step(8, ...) for step 7:
+    # poll dispatches a flag for each step, "had any process got a signal by now?", and every
+    # process decides on the step before's flag (self.flag). Reading this step's flag at once
+    # would wait for the step itself, which runs ahead on the devices; the step before's is
+    # ready. With a SIGTERM while iteration 8 waits in log.step(8, ...) for step 7:
     #   iteration 8: reads flag 7 (False): go on; dispatches flag 8 (True)
     #   iteration 9: reads flag 8 (True): every process saves step 9 and exits 75
-    if step == args.stop_at:
-        return "--stop-at"
-    if signalled:  # a device array: `if` waits for it (it was dispatched a step ago)
-        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
+    def __init__(self, stop_at, mesh):
+        self.stop_at, self.mesh, self.flag = stop_at, mesh, False
 
-def any_process_signalled(mesh):  # -> a device array, True on every process if any got a signal
-    # per_device has one entry per device, its process's bool(SIGNALS), cut over every device
-    # (P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts its one dimension over all three mesh
-    # axes). jnp.any over it is an all-reduce, so every process gets the same answer. (On one host
-    # it is bool(SIGNALS). JAX's preemption sync point, which Orbax offers, misses a SIGTERM that
-    # comes before the first step.)
-    per_device = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P(olmo3.MESH_AXES)),
-                                              lambda _: np.array([bool(SIGNALS)]))  # one per device
-    return jnp.any(per_device)
+    def poll(self, step):
+        # The flag is an all-reduce: per_device has one entry per device, its process's
+        # bool(SIGNALS), cut over every device (P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts
+        # its one dimension over all three mesh axes), and jnp.any over it gives every process the
+        # same answer. (On one host it is bool(SIGNALS). JAX's preemption sync point, which Orbax
+        # offers, misses a SIGTERM that comes before the first step.)
+        sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
+        per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
+                                                  lambda _: np.array([bool(SIGNALS)]))
+        # signalled: the step before's flag (a device array: `if` waits for it); self.flag: this
+        # step's, read at the next step
+        signalled, self.flag = self.flag, jnp.any(per_device)
+        if step == self.stop_at:
+            return "--stop-at"
+        if signalled:  # a process got a signal: all stop, together
+            return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
