@@ -151,8 +151,7 @@ def init(cfg: Config, key) -> dict:
 def forward(params, tokens, cfg: Config, segments=None):
     """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
     # segments [B, T] int marks packed documents (stage 3). A token sees only its own segment.
-    # The final norm is applied at the end of decoder.
-    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg, segments))
+    return unembed(params, decoder(params, embed(params, tokens, cfg), cfg, segments), cfg)
 
 
 def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not scale it)
@@ -162,7 +161,7 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
     return constrain(x, "batch", "seq", None)
 
 
-def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed hidden states
+def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], through the layers
     # The layers, in plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is
     # [4096, 4096, 4096, None] (three sliding-window layers, then a full one):
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
@@ -204,9 +203,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> final normed
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
         return x, None
-    x, _ = jax.lax.scan(group, x, groups)  # group g gets each leaf of `groups` sliced at g
-    # the weight cast to the compute dtype, as block casts its norms' weights
-    return rms_norm(x, params["final_norm"].astype(x.dtype), cfg.norm_eps)
+    # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
+    return jax.lax.scan(group, x, groups)[0]
 
 
 # window is None (full) or W (decoder makes window and cfg static); rope is rope_tables'
@@ -316,8 +314,10 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     return out_BHTE.transpose(0, 2, 1, 3)
 
 
-# (an einsum, not dense: dense casts its result back to h's dtype, and the logits stay fp32)
-def unembed(params, h):  # -> fp32 logits over the padded vocab, with the matmul in h's dtype
+def unembed(params, h, cfg: Config):  # the final norm, then lm_head: fp32 logits [B, T, V_padded]
+    # The norm's weight is cast to the compute dtype, as block casts its norms' weights. lm_head is
+    # an einsum, not dense: dense casts its result back to h's dtype, and the logits stay fp32.
+    h = rms_norm(h, params["final_norm"].astype(h.dtype), cfg.norm_eps)
     logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
                         preferred_element_type=jnp.float32)
     return constrain(logits, "batch", "seq", "vocab")
@@ -398,8 +398,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # - Rows. It holds rows 128*i to 128*i + 127 of the batch, 2 of them in each micro-batch (which
 #   two is train.split_micro's business: strided, so that no row moves between devices). Its
 #   tensor partner (same i) holds the same rows.
-# - Activations keep D whole: fsdp already cuts their rows, and tensor cuts only heads, MLP and
-#   vocab, so tensor partners hold the same rows whole. The matmuls that make q and the logits
+# - Activations keep D whole. fsdp cuts two things: a weight's D (stored in shards, gathered
+#   whole before use) and the batch's rows. So an activation is already cut by its rows over
+#   fsdp, and each device's rows need the whole D. tensor cuts only heads, MLP and vocab, so
+#   tensor partners hold the same rows, with D whole. The matmuls that make q and the logits
 #   need no communication beyond the weights' gather: each device computes its own heads' or
 #   vocab's columns for its rows. What follows them does: QK-norm's statistics and the loss's
 #   logsumexp sum across tensor partners (part three). constrain pins the cuts of x_BTD and the
