@@ -112,18 +112,18 @@ def config_from_hf(hf: dict) -> olmo3.Config:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
-    # (RoPE: HF's two config forms, which matter only for a YaRN model; skim on a first read.)
-    # The result: `full`, the full-attention layers' RoPE (theta, and YaRN's factor and betas if
-    # any); the sliding layers must have plain RoPE with that theta; any other RoPE is refused.
-    # A config gives RoPE in one of two forms (AI2's stage-3 values shown; ... is YaRN's others):
-    #   legacy (AI2's released config): rope_theta: 500000, rope_scaling: {rope_type: yarn,
-    #     factor: 8, ...}, which transformers applies to the full-attention layers only
-    #   newer: rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
-    #     sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # `full`, the full-attention layers' RoPE, merges the dicts in this order, later keys
-    # winning: the top-level rope_theta, then rope_parameters' full_attention, then the legacy
-    # rope_scaling. Either form gives {rope_theta: 500000, rope_type: yarn, factor: 8, ...}. (A
-    # config with no YaRN, as stages 1 and 2 have, gives a full with no yarn rope_type: factor 0.)
+    # RoPE (it matters only for a YaRN model: skim it on a first read). A config gives it in one
+    # of two forms, shown with AI2's stage-3 values (... is YaRN's other keys):
+    #   legacy, AI2's released config:
+    #     rope_theta: 500000, rope_scaling: {rope_type: yarn, factor: 8, ...}
+    #   newer:
+    #     rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
+    #                       sliding_attention: {rope_type: default, rope_theta: 500000}}
+    # Both give full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, the full-attention
+    # layers' RoPE: the merge below takes each key from the last of these that has it: the
+    # top-level rope_theta, rope_parameters' full_attention, rope_scaling. (Without YaRN, as in
+    # stages 1 and 2, full has no yarn rope_type, and factor is 0.) The sliding layers must have
+    # plain RoPE with full's theta, and any other RoPE is refused.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

@@ -148,15 +148,18 @@ class PackedLoader(Loader):
             with path.with_suffix(".tmp").open("wb") as f:  # then renamed, so never half there
                 np.save(f, pack_documents(self, group_size))  # NumPy's .npy, unlike token files
             path.with_suffix(".tmp").replace(path)
-        while not path.exists():  # wait while process 0 packs
+        # wait while process 0 packs (if it dies, the pod's job fails and every process with it)
+        while not path.exists():
             time.sleep(5)
         # docs is [4, documents]. Rows 0-3 hold each document's file, offset, length and
-        # instance (docs[3]), instance after instance. Instance i's documents are bounds[i] to
-        # bounds[i + 1]. With instances [0, 0, 1, 2, 2, 2], bounds is [0, 2, 3, 6].
+        # instance (docs[3]), instance after instance. bounds[i] is instance i's first document,
+        # so its documents are bounds[i] to bounds[i + 1]: with instances [0, 0, 1, 2, 2, 2],
+        # bounds is [0, 2, 3, 6]. lengths[i] sums its documents' lengths (reduceat sums each run
+        # bounds[i] to bounds[i + 1] of docs[2]): the tokens before the instance's padding.
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, in order
         self.bounds = np.searchsorted(instance, np.arange(instance[-1] + 2))
-        self.lengths = np.add.reduceat(self.docs[2], self.bounds[:-1])  # each instance's tokens
+        self.lengths = np.add.reduceat(self.docs[2], self.bounds[:-1])
         self.set_instances(int(instance[-1]) + 1)
 
     def read(self, ids):  # -> each instance's documents, then padding: [len(ids), seq_len] int32
@@ -168,8 +171,8 @@ class PackedLoader(Loader):
         return inputs
 
     def batch(self, i):
-        # Labels: Loader.batch's plain shift, as OLMo-core's get_labels, with the padding masked
-        # there: position t keeps its label iff t + 1 < the row's length, as OLMo-core's
+        # Labels, in two steps: Loader.batch's plain shift (OLMo-core's get_labels), then the
+        # padding masked: position t keeps its label iff t + 1 < the row's length, as OLMo-core's
         # label_mask gives (with length 3 and T = 6, positions 2 to 4 lose theirs; 5 has none).
         # So a document's EOS is labelled with the next document's first token: each EOS but the
         # row's last (padding follows it, so it has no target) learns to predict an unrelated
@@ -178,7 +181,7 @@ class PackedLoader(Loader):
         # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
         #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(i)
-        # self.lengths[ids, None]: [rows, 1], each row's tokens before its padding
+        # the padding mask: positions past each row's end (self.lengths[ids, None] is [rows, 1])
         batch["labels"][np.arange(self.seq_len) + 1 >= self.lengths[self.ids(i), None]] = -100
         eos = batch["inputs"] == self.eos
         return batch | {"segments": (np.cumsum(eos, axis=1) - eos).astype(np.int32)}

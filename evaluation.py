@@ -38,7 +38,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
                 for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, tasks_spec.split(","))}
-    step_rows = r.micro_batch if r.micro_batch else r.global_batch  # what a step's memory holds
+    # rows a forward pass takes, over all devices: what a training step's memory holds
+    step_rows = r.micro_batch if r.micro_batch else r.global_batch
 
     def evaluate(params, step=None):
         # results for eval.json; logged: the same numbers under AI2's log keys, for the log
@@ -108,7 +109,9 @@ def perplexity_sets(spec, tokenizer, root=None):
     if not spec.endswith(".txt"):
         return {"heldout": data.resolve_source(spec, tokenizer, root)}
     mix = data.read_mix(spec, root, tokenizer)  # [(label, token file, "mix line N")]
-    data.resolve_source(spec, tokenizer, root)  # checks every file, naming its mix line if not
+    # resolve_source is called for its checks alone: each file exists and holds whole tokens,
+    # and an error names the file's mix line
+    data.resolve_source(spec, tokenizer, root)
     return {name: [path for label, path, _ in mix if label == name] for name, _, _ in mix}
 
 
@@ -211,7 +214,9 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
 def samples(params, cfg, r, loader, n, log, new=128):
     """Continue the first rows of the first batch by `new` tokens, at temperature 0 and 0.8."""
     decode_text = data.get_tokenizer(cfg.tokenizer).decode
-    # the first batch's rows as every process sees them, unpacked (any text will do for prompts)
+    # A new Loader over the same files: the training loader holds only this process's rows (on a
+    # pod) and may pack documents. This one gives every process the same whole rows, so every
+    # process prompts with the same text (any text will do for prompts).
     whole = data.Loader(loader.files, r.seq_len, r.global_batch, r.data_seed)
     prompts = whole.batch(0)["inputs"][:n, :min(32, r.seq_len // 4)]
     for temperature in (0.0, 0.8):

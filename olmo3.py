@@ -168,13 +168,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
     # That is `for l in range(32): x = block(...)`, the same math. On a first read, take `layer`
-    # as `block`: its jax.checkpoint only decides what the backward pass keeps.
-    # Why groups: scanning compiles one group instead of 32 layers (as MaxText does), and the
-    # scanned unit is a group, not a layer, because a layer's window is a Python value baked into
-    # its program, and every scan step runs the same program. (tiny is one group of 4. When
-    # global_every does not divide n_layers, all layers are one group.)
-    # Below, in order: the groups (a reshape), the RoPE tables, each layer's window, `layer` (a
-    # checkpointed block), and the scan.
+    # as `block`: its jax.checkpoint only decides what the backward pass keeps. (Why groups: at
+    # the scan, the last line.) Below, in order: the groups (a reshape), the RoPE tables, each
+    # layer's window, `layer` (a checkpointed block), and the scan.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -194,8 +190,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
-    # layer(...) calls block(p, x, window, rope, cfg, segments): arguments 2 (window) and 4
-    # (cfg) are static, Python values that Python `if`s read (attention's `if window`)
+    # layer(...) calls block(p, x, window, rope, cfg, segments). Static: argument 2, window, and
+    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
@@ -203,6 +199,10 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
         return x, None
+    # Why groups: scanning compiles one group instead of 32 layers (as MaxText does), and the
+    # scanned unit is a group, not a layer, because a layer's window is a Python value baked into
+    # its program, and every scan step runs the same program. (tiny is one group of 4. When
+    # global_every does not divide n_layers, all layers are one group.)
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]
 

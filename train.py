@@ -144,19 +144,24 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # reads one ahead), and step i + 1 trains on batch i.
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
+    skips = 0  # updates the spike guard skipped in a row
+    # At step s: it trains on loader.batch(s - 1), and state["step"] goes from s - 1 to s.
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over every device (on one host, it is
         # jax.device_put(batch, olmo3.batch_sharding(mesh)))
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
         stop = stopper.poll(step)  # None, or why to save now and exit 75
         save_now = step % r.save_every == 0 or step == r.steps or stop
-        log.step(step, metrics, wait=save_now)  # prints them every log_every steps
-        # The spike guard skips bad updates; 10 in a row mean it cannot save this run. The last
+        # log.step reads the step before's metrics (and, before a save, this step's too), prints
+        # them every log_every steps, and returns them as dicts of numbers, in step order
+        for m in log.step(step, metrics, wait=save_now):
+            skips = skips + 1 if m["skipped"] else 0
+        # 10 skipped updates in a row mean the spike guard cannot save this run. The last
         # checkpoint holds the last good weights (a skipped update keeps the weights).
-        if len(log.skipped) >= 10:
+        if skips >= 10:
             log.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {log.skipped[-1]}; "
-                             "lower --lr or check the data, and rerun")
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step "
+                             f"{step if save_now else step - 1}; lower --lr or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         if save_now:
@@ -341,7 +346,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # spikes [2]: did the loss, did the grad norm spike; history: the window with them added
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     # (r.spike_guard is a Python bool, a constant in the traced expression)
-    skip = ~jnp.isfinite(ce + grad_norm) | (spikes.any() & r.spike_guard)  # never apply a NaN
+    skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)  # never apply a NaN
     # where skip is True, keep the old params and Adam state ({k: state[k] for k in new}: the
     # state's params and opt_state)
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
@@ -418,13 +423,13 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # Both live in the run directory, because a spot slice's disks go when the slice is deleted.
     # What train's loop uses: log(text) or log(**record); log.step(step, metrics) for each step;
-    # skipped; flush() before a save.
+    # flush() before a save.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (step, time) of the last progress line; skipped: the steps skipped in a row;
-        # pending: step -> its metrics, on the devices until read
-        self.started, self.last, self.skipped, self.pending = time.time(), None, [], {}
+        # last: (step, time) of the last progress line; pending: step -> its metrics, on the
+        # devices until read
+        self.started, self.last, self.pending = time.time(), None, {}
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -439,10 +444,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    def step(self, step, metrics, wait=False):  # reads the step before's metrics, and with wait,
-        self.pending[step] = metrics               # this step's too
-        for s in (step - 1, step) if wait else (step - 1,):
-            self.read(s)  # (nothing to read before this run's first step)
+    # step keeps this step's metrics and reads the step before's (with wait, this step's too):
+    # -> the metrics it read. (Before this run's first step, and after a save, none is pending.)
+    def step(self, step, metrics, wait=False):
+        self.pending[step] = metrics
+        steps = (step - 1, step) if wait else (step - 1,)
+        return [self.read(s) for s in steps if s in self.pending]
 
     # flush rewrites each file whole and atomically (an object store cannot append), and draws
     # loss.png if evaluation.py is here.
@@ -462,18 +469,15 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, step):  # waits for a pending step's metrics; logs them every log_every steps
-        if step not in self.pending:
-            return
+    def read(self, step):  # waits for a step's metrics; logs them every log_every steps; -> them
         r = self.r
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
-        self.skipped = self.skipped + [step] if m["skipped"] else []
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
         if step % r.log_every and step != r.steps:  # a line every log_every steps, and the last
-            return
+            return m
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -487,6 +491,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
+        return m
 
 
 # =============================================================================
@@ -534,14 +539,15 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
     # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
     warmup2 = int(5e12) // tokens // 2 + warmup // 2
-    # half is a cosine from P to F over 2 (T2 - W2) steps. Our step k is its step
-    # k - W2 + (T2 - W2): its midpoint, (F + P) / 2, at W2, and F at T2 (and from T2 on).
-    half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-    part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
-                                half((k - warmup2) + (t_max2 - warmup2)))  # half's own step
     # The 7b preset's LR at a few steps k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
     # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
     # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
+    # Part 2 after its warmup is the second half of a cosine: half is a whole cosine from P to F
+    # over 2 (T2 - W2) steps, and our step k is its step k - W2 + (T2 - W2). So our W2 is half's
+    # midpoint ((F + P) / 2), and our T2 its end (F, and F from then on).
+    half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
+    part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
+                                half((k - warmup2) + (t_max2 - warmup2)))  # half's own step
     return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
 
 
@@ -631,7 +637,7 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
     # pairs: (a setting, its checkpoint value, its command-line value), which must be equal, for
     # every model setting either side has, as ("yarn_factor", 0.0, 8.0)
-    pairs = [(f, saved["model"].get(f), given.get(f)) for f in saved["model"] | given
+    pairs = [(f, saved["model"].get(f), given.get(f)) for f in {*saved["model"], *given}
              if not may_differ(f)]
     if r is not None:  # a resume
         pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
@@ -740,9 +746,11 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # poll dispatches a flag for each step, "had any process got a signal by now?", and every
     # process decides on the step before's flag (self.flag). Reading this step's flag at once
     # would wait for the step itself, which runs ahead on the devices; the step before's is
-    # ready. With a SIGTERM while iteration 8 waits in log.step(8, ...) for step 7:
-    #   iteration 8: reads flag 7 (False): go on; dispatches flag 8 (True)
-    #   iteration 9: reads flag 8 (True): every process saves step 9 and exits 75
+    # ready. The loop polls right after it dispatches a step. With a SIGTERM while iteration 8
+    # waits in log.step(8, ...) for step 7's metrics (after poll(8) dispatched flag 8, False):
+    #   iteration 9: poll(9) reads flag 8 (False): go on; dispatches flag 9 (True)
+    #   iteration 10: poll(10) reads flag 9 (True): every process saves step 10 and exits 75
+    # So a signal stops the run within two steps.
 
     def __init__(self, stop_at, mesh):
         self.stop_at, self.mesh, self.flag = stop_at, mesh, False
@@ -816,6 +824,8 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
             for name, x in batch.items()}
 
 
+# A fresh number (the time in ns) that only process 0 writes, in this run: a host that reads the
+# same number sees the directory process 0 writes; one with another disk reads none, or an old one.
 def run_mark(out):  # what process 0 writes into the run directory, as this process reads it
     mark = epath.Path(out) / "run-mark.txt"
     if jax.process_index() == 0:
