@@ -239,8 +239,8 @@ def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
 
-# The weight comes rounded to the compute dtype (by block and decoder), as HF's bf16 model holds
-# it; the multiply then runs in fp32.
+# The weight comes rounded to the compute dtype (block and unembed cast it), as HF's bf16 model
+# holds it; the multiply then runs in fp32.
 def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF do
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

@@ -108,7 +108,10 @@ def main(argv=None):
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
-    catch_signals_check_run_dir(args.out)  # Ctrl-C and SIGTERM will save, then stop
+    catch_signals()  # from now on, Ctrl-C and SIGTERM save a checkpoint, then stop the run
+    # every host must see the run directory that process 0 writes (on one host, this makes it)
+    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
+                          "process 0 writes; give every host the same: a bucket, or a shared disk")
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager for the run's checkpoints/. It lists the saved steps, and
     # saves new ones in the background.
@@ -131,37 +134,33 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop, with two changes.
-    # 1. The metrics are read a step late. step_fn returns at once while the devices compute (as
-    #    a CUDA launch returns in PyTorch), and reading a result (nanoGPT's loss.item()) waits for
-    #    them. So log.step(step, metrics) keeps this step's metrics and reads the step before's,
-    #    done by now: the devices never wait for the host. Before a save, which waits for the step
-    #    anyway, it reads this step's too, so that the saved log has it.
-    # 2. A pod can be stopped at any moment (a SIGTERM, or --stop-at): stop is then why, and the
-    #    run saves a checkpoint and exits 75. Otherwise stop is None, and the run saves every
-    #    save_every steps and at the last.
-    # loader.iterate(done, r.steps) yields loader.batch(i) for i from done to r.steps - 1 (a thread
-    # reads one ahead), and step i + 1 trains on batch i.
+    # The loop, in short: nanoGPT's, with the metrics read a step late, and a stop that saves.
+    #   for each step:
+    #       state, metrics = step_fn(state, batch)  # returns at once, while the devices compute
+    #       stop = None, or why to stop after this step (a signal, --stop-at)
+    #       read the step before's metrics (before a save, this step's too): print, count skips
+    #       every eval_every steps, evaluate; every save_every steps (and last, or on a stop), save
+    #       on a stop: wait for the save, exit 75
+    # Why a step late: reading a result (nanoGPT's loss.item(), here jax.device_get) waits for the
+    # devices. The step before's is done by the time step_fn returns, so reading it never makes
+    # the devices wait for the host. (Stopper reads its flag a step late for the same reason.)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     skips = 0  # updates the spike guard skipped in a row
-    # At step s: it trains on loader.batch(s - 1), and state["step"] goes from s - 1 to s.
+    # step s trains on loader.batch(s - 1), and takes state["step"] from s - 1 to s
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
-        # device_batch: this process's rows -> one array over every device (on one host, it is
-        # jax.device_put(batch, olmo3.batch_sharding(mesh)))
-        state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # returns at once
-        stop = stopper.poll(step)  # None, or why to save now and exit 75
+        # device_batch: this process's rows -> one array over all devices (one host: device_put)
+        state, metrics = step_fn(state, device_batch(batch, loader, mesh))
+        stop = stopper.poll(step)
         save_now = step % r.save_every == 0 or step == r.steps or stop
-        # log.step reads the step before's metrics (and, before a save, this step's too), prints
-        # them every log_every steps, and returns them as dicts of numbers, in step order
-        for m in log.step(step, metrics, wait=save_now):
+        # log.step prints every log_every steps; -> [(step read, its metrics)]: step - 1's, and
+        # before a save this step's too
+        for read_step, m in log.step(step, metrics, wait=save_now):
             skips = skips + 1 if m["skipped"] else 0
-        # 10 skipped updates in a row mean the spike guard cannot save this run. The last
-        # checkpoint holds the last good weights (a skipped update keeps the weights).
-        if skips >= 10:
-            log.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step "
-                             f"{step if save_now else step - 1}; lower --lr or check the data")
+            if skips == 10:  # the spike guard cannot save this run; the last checkpoint is good
+                log.flush()
+                raise SystemExit(f"error: 10 updates in a row skipped, up to step {read_step}; "
+                                 "lower --lr or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         if save_now:
@@ -212,6 +211,8 @@ def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or N
     # --eval-tasks), or else the corpus's held-out set. With the core alone (a copy of the three
     # files) the held-out set is skipped (and so are the samples and the loss plot), and
     # --eval-data or --eval-tasks is an error.
+    # (find_spec asks whether evaluation.py is here, without importing it; data.beside imports it,
+    # or stops with a line saying that it is missing. Optional features ask; flags import.)
     have_evaluation = importlib.util.find_spec("evaluation") is not None
     if not (args.eval_data or args.eval_tasks or (heldout and have_evaluation)):
         return None
@@ -445,11 +446,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
     # step keeps this step's metrics and reads the step before's (with wait, this step's too):
-    # -> the metrics it read. (Before this run's first step, and after a save, none is pending.)
+    # -> [(step read, its metrics)]. (Before this run's first step, and after a save, the step
+    # before is not pending.)
     def step(self, step, metrics, wait=False):
         self.pending[step] = metrics
         steps = (step - 1, step) if wait else (step - 1,)
-        return [self.read(s) for s in steps if s in self.pending]
+        return [(s, self.read(s)) for s in steps if s in self.pending]
 
     # flush rewrites each file whole and atomically (an object store cannot append), and draws
     # loss.png if evaluation.py is here.
@@ -505,7 +507,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   then the command line.
 # A preempted pod run, end to end, through these sections (say 4 hosts, resuming from step 500):
 #   start: every host runs the same command. start_jax joins them into one JAX cluster, and
-#     catch_signals_check_run_dir checks that all see the run directory process 0 writes;
+#     main checks that all see the run directory process 0 writes (run_mark);
 #   data: each host's loader reads only the rows its devices hold (local_rows), and the hosts
 #     check that they read the same token files (check_processes_agree);
 #   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
@@ -719,16 +721,12 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 
-def catch_signals_check_run_dir(out):  # main calls it after start_jax, before training
+def catch_signals():  # main calls it after start_jax, before training
     # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes after
     # start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this one
     # replaces it (Stopper.poll says why not JAX's own preemption sync point).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    # Every host must see the run directory that process 0 writes (on one host, this only makes
-    # the directory).
-    check_processes_agree(run_mark(out), f"do not see the run directory {out} that process 0 "
-                          "writes; give every host the same: a bucket, or a shared disk")
 
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
@@ -742,34 +740,34 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
-    # Every process must stop after the same step, but each gets its signal at its own moment. So
-    # poll dispatches a flag for each step, "had any process got a signal by now?", and every
-    # process decides on the step before's flag (self.flag). Reading this step's flag at once
-    # would wait for the step itself, which runs ahead on the devices; the step before's is
-    # ready. The loop polls right after it dispatches a step. With a SIGTERM while iteration 8
-    # waits in log.step(8, ...) for step 7's metrics (after poll(8) dispatched flag 8, False):
-    #   iteration 9: poll(9) reads flag 8 (False): go on; dispatches flag 9 (True)
-    #   iteration 10: poll(10) reads flag 9 (True): every process saves step 10 and exits 75
+    # The idea: every process must stop after the same step, and each may get a signal at its own
+    # moment. So poll does an all-reduce each step, "has any process got a signal?", and every
+    # process acts on the answer a step later, as the loop reads metrics a step late: the
+    # answer for the step before is ready, so reading it does not stall the loop. A SIGTERM
+    # while iteration 8 waits in log.step for step 7's metrics (poll(8) has already asked):
+    #   iteration   the answer it reads      the answer it asks for    decision
+    #   8           step 7's: no             step 8's: no (asked before the signal)   go on
+    #   9           step 8's: no             step 9's: yes             go on
+    #   10          step 9's: yes            step 10's: yes            save step 10, exit 75
     # So a signal stops the run within two steps.
 
     def __init__(self, stop_at, mesh):
-        self.stop_at, self.mesh, self.flag = stop_at, mesh, False
+        self.stop_at, self.mesh, self.previous = stop_at, mesh, False  # previous: the last answer
 
     def poll(self, step):
-        # The flag is an all-reduce: per_device has one entry per device, its process's
-        # bool(SIGNALS), cut over every device (P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts
-        # its one dimension over all three mesh axes), and jnp.any over it gives every process the
-        # same answer. (On one host it is bool(SIGNALS). JAX's preemption sync point, which Orbax
-        # offers, misses a SIGTERM that comes before the first step.)
+        # The all-reduce: per_device has one entry per device, its process's bool(SIGNALS), cut
+        # over every device (P(MESH_AXES) = P(("data", "fsdp", "tensor")) cuts its one dimension
+        # over all three mesh axes), and jnp.any over it gives every process the same answer. (On
+        # one host it is bool(SIGNALS). JAX's preemption sync point, which Orbax offers, misses a
+        # SIGTERM that comes before the first step.)
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # signalled: the step before's flag (a device array: `if` waits for it); self.flag: this
-        # step's, read at the next step
-        signalled, self.flag = self.flag, jnp.any(per_device)
+        # signalled: the step before's answer; self.previous: this step's, for the next poll
+        signalled, self.previous = self.previous, jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
-        if signalled:  # a process got a signal: all stop, together
+        if signalled:  # a device array: this `if` is where the host waits for it (done by now)
             return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
