@@ -158,6 +158,7 @@ class PackedLoader(Loader):
         # bounds[i] to bounds[i + 1] of docs[2]): the tokens before the instance's padding.
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, in order
+        # (arange(instance[-1] + 2): instances 0 to the last, plus one past it for the last's end)
         self.bounds = np.searchsorted(instance, np.arange(instance[-1] + 2))
         self.lengths = np.add.reduceat(self.docs[2], self.bounds[:-1])
         self.set_instances(int(instance[-1]) + 1)

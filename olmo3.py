@@ -398,10 +398,12 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # - Rows. It holds rows 128*i to 128*i + 127 of the batch, 2 of them in each micro-batch (which
 #   two is train.split_micro's business: strided, so that no row moves between devices). Its
 #   tensor partner (same i) holds the same rows.
-# - Activations keep D whole. fsdp cuts two things: a weight's D (stored in shards, gathered
-#   whole before use) and the batch's rows. So an activation is already cut by its rows over
-#   fsdp, and each device's rows need the whole D. tensor cuts only heads, MLP and vocab, so
-#   tensor partners hold the same rows, with D whole. The matmuls that make q and the logits
+# - Activations keep D whole. What each mesh axis cuts:
+#     axis     in a weight                                    in an activation
+#     fsdp     D (stored in shards, gathered whole for use)   the batch's rows
+#     tensor   heads, MLP or vocab                            heads, MLP or vocab
+#   So D is never cut in an activation: fsdp cuts its rows instead, and tensor partners hold the
+#   same rows. The matmuls that make q and the logits
 #   need no communication beyond the weights' gather: each device computes its own heads' or
 #   vocab's columns for its rows. What follows them does: QK-norm's statistics and the loss's
 #   logsumexp sum across tensor partners (part three). constrain pins the cuts of x_BTD and the

@@ -3,10 +3,10 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main` and `train` (setup, then the loop), then the helpers in the
-# file's order, down to the progress line (Log). Below the "second read" banner is what the 7B on a
-# pod needs (AI2's stage-1 schedule, the spike guard, checkpoints, stopping, several hosts), then
-# the command line. On a first read, take each call to a function below the banner as its name and
-# the comment beside the call say.
+# file's order, down to the optimizer. Below the "second read" banner are the progress line (Log)
+# and what the 7B on a pod needs (AI2's stage-1 schedule, the spike guard, checkpoints, stopping,
+# several hosts), then the command line. On a first read, take each call to a function below the
+# banner as its name and the comment beside the call say.
 # `r` is always the Recipe, `cfg` the model's olmo3.Config. The README has a JAX glossary.
 # Steps (updates) count from 1, as OLMo-core's do. What counts them, at step 5 of a fresh run:
 #   step                 5  the loop's: the step's number, logged, saved, and the LR's index
@@ -155,6 +155,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         save_now = step % r.save_every == 0 or step == r.steps or stop
         # log.step prints every log_every steps; -> [(step read, its metrics)]: step - 1's, and
         # before a save this step's too
+        # (A save reads this step's too, as it waits for the step anyway: so the metrics.jsonl
+        # saved with the checkpoint holds every step up to it.)
         for read_step, m in log.step(step, metrics, wait=save_now):
             skips = skips + 1 if m["skipped"] else 0
             if skips == 10:  # the spike guard cannot save this run; the last checkpoint is good
@@ -248,7 +250,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     # Adam's mu and nu are described exactly as params, so each is cut like its param (ZeRO-3).
-    # (adam(r).init returns this type; a test compares the two.)
+    # (adam(r).init returns this type; a test compares the two:
+    # test_abstract_state_describes_fresh_state_with_adam_cut_like_params)
     opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
     return {"params": params, "opt_state": opt, "step": whole((), jnp.int32),
             "history": whole((2, HISTORY), jnp.float32)}
@@ -374,8 +377,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # F = min_lr_ratio * P, warmup W and t_max T (letters local to this comment, not olmo3's):
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # Both stay at F from T on, and both give the peak P at k = W. (The "olmo3" schedule,
-    # olmo3_stage1, is in the second read.)
+    # Both stay at F from T on, and both give the peak P at k = W. The code below uses optax's;
+    # test_schedule_matches_olmo_core_off_by_one checks them against these formulas. (The "olmo3"
+    # schedule, olmo3_stage1, is in the second read.)
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     # optax's arguments, in order: init value, peak, warmup steps, decay steps (T), end value
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
@@ -410,6 +414,32 @@ def adamw(params, opt_state, grads, grad_norm, lr, r):  # -> the updated {params
 
 def adam(r):  # optax's Adam (adamw clips before it and decays after it)
     return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
+
+
+# =============================================================================
+# Second read (the map's stop 8): the progress line, and what the 7B on a pod needs. By section:
+#   the progress line: Log, which reads each step's metrics a step late, prints them, and writes
+#     log.txt and metrics.jsonl;
+#   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
+#   the spike guard: OLMo-core's check that skips an update whose loss or grad norm spikes;
+#   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
+#   stopping: a SIGTERM that every process acts on at the same step (matters on a pod);
+#   across hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts
+#     agree (pods only; on one host, each is simple);
+#   then the command line.
+# A preempted pod run, end to end, through these sections (say 4 hosts, resuming from step 500):
+#   start: every host runs the same command. start_jax joins them into one JAX cluster, and
+#     main checks that all see the run directory process 0 writes (run_mark);
+#   data: each host's loader reads only the rows its devices hold (local_rows), and the hosts
+#     check that they read the same token files (check_processes_agree);
+#   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
+#     after restore checks the settings and the data; an all-gather confirms all could;
+#   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
+#   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
+#     flag, every host reads that flag a step later (both in Stopper.poll), and all save the same
+#     step and exit 75 (train's loop);
+#   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
+# =============================================================================
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -494,30 +524,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
         return m
-
-
-# =============================================================================
-# Second read (the map's stop 8): the spike guard and what the 7B on a pod needs. By section:
-#   the 7b's schedule: AI2's two-part stage 1 (the 7b presets only);
-#   the spike guard: OLMo-core's check that skips an update whose loss or grad norm spikes;
-#   checkpoints: saves that survive a kill at any moment and resume on another mesh (any run);
-#   stopping: a SIGTERM that every process acts on at the same step (matters on a pod);
-#   across hosts: JAX's start-up, each host feeding its own devices, and checks that the hosts
-#     agree (pods only; on one host, each is simple);
-#   then the command line.
-# A preempted pod run, end to end, through these sections (say 4 hosts, resuming from step 500):
-#   start: every host runs the same command. start_jax joins them into one JAX cluster, and
-#     main checks that all see the run directory process 0 writes (run_mark);
-#   data: each host's loader reads only the rows its devices hold (local_rows), and the hosts
-#     check that they read the same token files (check_processes_agree);
-#   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
-#     after restore checks the settings and the data; an all-gather confirms all could;
-#   steps: device_batch makes each host's rows one global batch; Log prints process 0's lines;
-#   preemption: host 3 gets a SIGTERM while step 612 runs. It shows in step 612's or 613's stop
-#     flag, every host reads that flag a step later (both in Stopper.poll), and all save the same
-#     step and exit 75 (train's loop);
-#   rerun: the same command, on this slice or another whose mesh splits the model, resumes there.
-# =============================================================================
 
 
 # ----------------------------------------------------------------------------- the 7b's schedule
@@ -638,8 +644,9 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     given = dataclasses.asdict(cfg)  # the command line's model settings
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
     # pairs: (a setting, its checkpoint value, its command-line value), which must be equal, for
-    # every model setting either side has, as ("yarn_factor", 0.0, 8.0)
-    pairs = [(f, saved["model"].get(f), given.get(f)) for f in {*saved["model"], *given}
+    # every model setting either side has (saved["model"] | given: the keys of both, in order),
+    # as ("yarn_factor", 0.0, 8.0)
+    pairs = [(f, saved["model"].get(f), given.get(f)) for f in saved["model"] | given
              if not may_differ(f)]
     if r is not None:  # a resume
         pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
