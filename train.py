@@ -39,8 +39,9 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# Training settings: AI2's stage 1, but a plain cosine. RECIPES below changes a few fields for each
-# preset (7b: AI2's two-part schedule, micro-batches, saves every 250 steps).
+# Training settings: AI2's stage 1, with a plain cosine as the default schedule. RECIPES below
+# changes a few fields for each preset (7b: AI2's two-part schedule, "olmo3", micro-batches, saves
+# every 250 steps).
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -108,10 +109,9 @@ def main(argv=None):
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
-    catch_signals()  # from now on, Ctrl-C and SIGTERM save a checkpoint, then stop the run
-    # every host must see the run directory that process 0 writes (on one host, this makes it)
-    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
-                          "process 0 writes; give every host the same: a bucket, or a shared disk")
+    # From here on, Ctrl-C and SIGTERM save a checkpoint, then stop the run; and every host must
+    # see the run directory process 0 writes (on one host, this only makes the directory)
+    set_up_run(args.out)
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager for the run's checkpoints/. It lists the saved steps, and
     # saves new ones in the background.
@@ -429,7 +429,7 @@ def adam(r):  # optax's Adam (adamw clips before it and decays after it)
 #   then the command line.
 # A preempted pod run, end to end, through these sections (say 4 hosts, resuming from step 500):
 #   start: every host runs the same command. start_jax joins them into one JAX cluster, and
-#     main checks that all see the run directory process 0 writes (run_mark);
+#     set_up_run checks that all see the run directory process 0 writes (run_mark);
 #   data: each host's loader reads only the rows its devices hold (local_rows), and the hosts
 #     check that they read the same token files (check_processes_agree);
 #   resume: every host reads checkpoint 500 onto its own devices (resume, restore, read_item),
@@ -728,12 +728,15 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 
-def catch_signals():  # main calls it after start_jax, before training
+def set_up_run(out):  # main calls it after start_jax, before training
     # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop). This comes after
     # start_jax, because JAX's distributed start-up installs its own SIGTERM handler and this one
     # replaces it (Stopper.poll says why not JAX's own preemption sync point).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
+    # Every host must see the run directory that process 0 writes (run_mark)
+    check_processes_agree(run_mark(out), f"do not see the run directory {out} that process 0 "
+                          "writes; give every host the same: a bucket, or a shared disk")
 
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
@@ -747,10 +750,11 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
-    # The idea: every process must stop after the same step, and each may get a signal at its own
-    # moment. So poll does an all-reduce each step, "has any process got a signal?", and every
-    # process acts on the answer a step later, as the loop reads metrics a step late: the
-    # answer for the step before is ready, so reading it does not stall the loop. A SIGTERM
+    # The rule: a signal that comes while step s runs stops every process after step s + 1 or
+    # s + 2, the same step on all. Why: each process may get a signal at its own moment, so poll
+    # does an all-reduce each step, "has any process got a signal?", and every process acts on
+    # the answer a step later, as the loop reads metrics a step late: the answer for the step
+    # before is ready, so reading it does not stall the loop. A SIGTERM
     # while iteration 8 waits in log.step for step 7's metrics (poll(8) has already asked):
     #   iteration   the answer it reads      the answer it asks for    decision
     #   8           step 7's: no             step 8's: no (asked before the signal)   go on
