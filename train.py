@@ -167,7 +167,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             evals(state["params"], step)  # the results are logged
         if save_now:
             log.flush()  # writes metrics.jsonl and log.txt
-            save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
+            # save copies the arrays to host memory before it returns (Orbax's D2H transfer
+            # blocks), then writes them in the background: so the next step may reuse the state's
+            # buffers (donation, compile_step)
+            save(manager, step, state, cfg, r, loader.fingerprint)
         if stop and step < r.steps:  # (after the last step, the run ends anyway)
             manager.wait_until_finished()  # the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -543,20 +546,19 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # OLMo-core's formulas (schedule's), with part 2's warmup W2 and t_max T2,
     #   HalfCosWithWarmup: ((F + P) / 2) k / W2 for k < W2, then
     #                      F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
-    t_max1, t_max2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # rounded up
+    t1, t2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # T1 and T2, rounded up
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where
     # original_max_steps = 5e12 // tokens (T1 rounded down) and original_warmup_steps = W
-    warmup2 = int(5e12) // tokens // 2 + warmup // 2
+    w2 = int(5e12) // tokens // 2 + warmup // 2
     # The 7b preset's LR at a few steps k: 1.5e-7 at 1; the peak 3.0e-4 at 2,000;
     # 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at 596,048 (part 2's first, in its
     # warmup); 1.650e-4 = (F + P) / 2 at 597,046 (W2); 3.93e-5 at 1,413,814, the last.
-    # Part 2 after its warmup is the second half of a cosine: half is a whole cosine from P to F
-    # over 2 (T2 - W2) steps, and our step k is its step k - W2 + (T2 - W2). So our W2 is half's
-    # midpoint ((F + P) / 2), and our T2 its end (F, and F from then on).
-    half = optax.cosine_decay_schedule(peak, 2 * (t_max2 - warmup2), floor / peak)
-    part2 = lambda k: jnp.where(k < warmup2, (peak + floor) / 2 * k / warmup2,
-                                half((k - warmup2) + (t_max2 - warmup2)))  # half's own step
-    return lambda k: jnp.where(k < RESTART, cosine(t_max1)(k), part2(k))
+    # Part 2 is HalfCosWithWarmup, as written above. The cosine's angle runs from pi / 2 at W2
+    # ((F + P) / 2) to pi at T2 (F), and stays at pi from T2 on (the minimum).
+    angle = lambda k: jnp.pi * (jnp.minimum(k, t2) - w2 + t2 - w2) / (2 * (t2 - w2))
+    part2 = lambda k: jnp.where(k < w2, (peak + floor) / 2 * k / w2,
+                                floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
+    return lambda k: jnp.where(k < RESTART, cosine(t1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the spike guard
@@ -763,7 +765,7 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # So a signal stops the run within two steps.
 
     def __init__(self, stop_at, mesh):
-        self.stop_at, self.mesh, self.previous = stop_at, mesh, False  # previous: the last answer
+        self.stop_at, self.mesh, self.asked = stop_at, mesh, False  # asked: see poll
 
     def poll(self, step):
         # The all-reduce: per_device has one entry per device, its process's bool(SIGNALS), cut
@@ -774,11 +776,12 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # signalled: the step before's answer; self.previous: this step's, for the next poll
-        signalled, self.previous = self.previous, jnp.any(per_device)
+        # answer: what the last poll asked for, the step before's (done by now); self.asked: what
+        # this poll asks for, this step's, which the next poll reads
+        answer, self.asked = self.asked, jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
-        if signalled:  # a device array: this `if` is where the host waits for it (done by now)
+        if answer:  # a device array: this `if` is where the host waits for it (done by now)
             return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
