@@ -25,7 +25,8 @@
 #    NumPy's .npy format), plus mix files that list them. A hash of each document's text picks
 #    train or held-out, so no text is in both (exact copies; a near-copy hashes otherwise).
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
-# (`beside`, at the end, imports a module beside the core where a flag needs it; train.py uses it.)
+# (`have` and `beside`, at the end: is a module beside the core here, and importing one where a
+# flag needs it; train.py uses both.)
 import bisect
 import collections
 import concurrent.futures
@@ -415,8 +416,12 @@ def stdlib_files():  # every .py file under the stdlib folder, outside site-pack
 
 
 # train.py imports the modules beside the core (evaluation, prepare) through this, too
+def have(name):  # is this module beside the core here? (asks, without importing it)
+    return importlib.util.find_spec(name) is not None
+
+
 def beside(name):  # imports a module beside the core where a flag needs it, or says it is missing
-    if importlib.util.find_spec(name) is None:  # the core alone, as a copy of its three files
+    if not have(name):  # the core alone, as a copy of its three files
         raise SystemExit(f"error: this needs {name}.py, beside the core; copy it next to train.py")
     return importlib.import_module(name)
 

@@ -17,7 +17,6 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import logging
 import os
@@ -177,7 +176,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             log.flush()
             return 75  # EX_TEMPFAIL: stopped before its last step, so rerun to resume
     manager.wait_until_finished()
-    if args.samples and importlib.util.find_spec("evaluation"):  # with evaluation.py only
+    if args.samples and data.have("evaluation"):  # with evaluation.py only
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
@@ -216,10 +215,9 @@ def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or N
     # --eval-tasks), or else the corpus's held-out set. With the core alone (a copy of the three
     # files) the held-out set is skipped (and so are the samples and the loss plot), and
     # --eval-data or --eval-tasks is an error.
-    # (find_spec asks whether evaluation.py is here, without importing it; data.beside imports it,
+    # (data.have asks whether evaluation.py is here, without importing it; data.beside imports it,
     # or stops with a line saying that it is missing. Optional features ask; flags import.)
-    have_evaluation = importlib.util.find_spec("evaluation") is not None
-    if not (args.eval_data or args.eval_tasks or (heldout and have_evaluation)):
+    if not (args.eval_data or args.eval_tasks or (heldout and data.have("evaluation"))):
         return None
     sets = args.eval_data if args.eval_data else heldout
     evaluation = data.beside("evaluation")
@@ -493,7 +491,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             for name, path in self.files.items():  # (run_mark made the run directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
                 path.with_suffix(".tmp").replace(path)
-            if importlib.util.find_spec("evaluation"):
+            if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
     # metrics.jsonl can run ahead of the checkpoint a run resumes from: flush writes
