@@ -8,12 +8,7 @@ its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it sa
 # several hosts), then the command line. On a first read, take each call to a function below the
 # banner as its name and the comment beside the call say.
 # `r` is always the Recipe, `cfg` the model's olmo3.Config. The README has a JAX glossary.
-# Steps (updates) count from 1, as OLMo-core's do. What counts them, at step 5 of a fresh run:
-#   step                 5  the loop's: the step's number, logged, saved, and the LR's index
-#   loader.batch(4)         what step 5 trains on (batches count from 0, so step s gets s - 1)
-#   state["step"]        4  the steps done: 4 before step 5, 5 after it (saved in checkpoints)
-#   opt_state.count      4  Adam's own count, for its bias correction: the same in a fresh run,
-#                           but --init-from (stages 2, 3) carries it over, while step restarts
+# Steps (updates) count from 1, as OLMo-core's do (the loop in `train` says what counts them).
 import argparse
 import dataclasses
 import datetime
@@ -137,31 +132,31 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   for each step:
     #       state, metrics = step_fn(state, batch)  # returns at once, while the devices compute
     #       stop = None, or why to stop after this step (a signal, --stop-at)
-    #       read the step before's metrics (before a save, this step's too): print, count skips
+    #       read the step before's metrics (before a save, this step's too): print, check skips
     #       every eval_every steps, evaluate; every save_every steps (and last, or on a stop), save
     #       on a stop: wait for the save, exit 75
     # Why a step late: reading a result (nanoGPT's loss.item(), here jax.device_get) waits for the
     # devices. The step before's is done by the time step_fn returns, so reading it never makes
     # the devices wait for the host. (Stopper reads its flag a step late for the same reason.)
+    # Steps count from 1, as OLMo-core's do. What counts them, at step 5 of a fresh run:
+    #   step                 5  the loop's: the step's number, logged, saved, and the LR's index
+    #   loader.batch(4)         what step 5 trains on (batches count from 0, so step s gets s - 1)
+    #   state["step"]        4  the steps done: 4 before step 5, 5 after it (saved in checkpoints)
+    #   opt_state.count      4  Adam's own count, for its bias correction (adamw): the same in a
+    #                           fresh run, but --init-from (stages 2, 3) carries it over, while
+    #                           state["step"] restarts from 0
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
-    skips = 0  # updates the spike guard skipped in a row
-    # step s trains on loader.batch(s - 1), and takes state["step"] from s - 1 to s
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over all devices (one host: device_put)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         stop = stopper.poll(step)
         save_now = step % r.save_every == 0 or step == r.steps or stop
-        # log.step prints every log_every steps; -> [(step read, its metrics)]: step - 1's, and
-        # before a save this step's too
-        # (A save reads this step's too, as it waits for the step anyway: so the metrics.jsonl
-        # saved with the checkpoint holds every step up to it.)
-        for read_step, m in log.step(step, metrics, wait=save_now):
-            skips = skips + 1 if m["skipped"] else 0
-            if skips == 10:  # the spike guard cannot save this run; the last checkpoint is good
-                log.flush()
-                raise SystemExit(f"error: 10 updates in a row skipped, up to step {read_step}; "
-                                 "lower --lr or check the data")
+        # log.step reads the step before's metrics and prints them every log_every steps. Before a
+        # save, which waits for this step anyway, it reads this step's too, so that the
+        # metrics.jsonl saved with the checkpoint holds every step up to it. It ends the run with
+        # an error after 10 skipped updates in a row: the spike guard cannot save such a run.
+        log.step(step, metrics, wait=save_now)
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         if save_now:
@@ -460,8 +455,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (step, time) of the last progress line; pending: step -> its metrics, on the
-        # devices until read
-        self.started, self.last, self.pending = time.time(), None, {}
+        # devices until read; skipped: the steps skipped in a row
+        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, []
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -476,13 +471,11 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    # step keeps this step's metrics and reads the step before's (with wait, this step's too):
-    # -> [(step read, its metrics)]. (Before this run's first step, and after a save, the step
-    # before is not pending.)
+    # step keeps this step's metrics and reads the step before's (with wait, this step's too)
     def step(self, step, metrics, wait=False):
         self.pending[step] = metrics
-        steps = (step - 1, step) if wait else (step - 1,)
-        return [(s, self.read(s)) for s in steps if s in self.pending]
+        for s in (step - 1, step) if wait else (step - 1,):
+            self.read(s)
 
     # flush rewrites each file whole and atomically (an object store cannot append), and draws
     # loss.png if evaluation.py is here.
@@ -502,15 +495,22 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, step):  # waits for a step's metrics; logs them every log_every steps; -> them
+    def read(self, step):  # waits for a step's metrics; logs them every log_every steps
+        if step not in self.pending:  # before this run's first step, or read by a save already
+            return
         r = self.r
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
+        self.skipped = self.skipped + [step] if m["skipped"] else []
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
+        if len(self.skipped) == 10:  # the last checkpoint holds the last good weights
+            self.flush()
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step}; lower --lr "
+                             "or check the data")
         if step % r.log_every and step != r.steps:  # a line every log_every steps, and the last
-            return m
+            return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
         line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -524,7 +524,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m
 
 
 # ----------------------------------------------------------------------------- the 7b's schedule
