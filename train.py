@@ -135,9 +135,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       read the step before's metrics (before a save, this step's too): print, check skips
     #       every eval_every steps, evaluate; every save_every steps (and last, or on a stop), save
     #       on a stop: wait for the save, exit 75
-    # Why a step late: reading a result (nanoGPT's loss.item(), here jax.device_get) waits for the
-    # devices. The step before's is done by the time step_fn returns, so reading it never makes
-    # the devices wait for the host. (Stopper reads its flag a step late for the same reason.)
+    # Why a step late: reading a result (nanoGPT's loss.item(), here jax.device_get) makes the host
+    # wait for the devices. When the loop reads step s - 1's metrics, step s is already queued on
+    # the devices, so they keep computing while the host waits, prints and fetches the next batch;
+    # reading step s's own would leave them idle until the host dispatched step s + 1. (Stopper
+    # reads its flag a step late for the same reason.)
     # Steps count from 1, as OLMo-core's do. What counts them, at step 5 of a fresh run:
     #   step                 5  the loop's: the step's number, logged, saved, and the LR's index
     #   loader.batch(4)         what step 5 trains on (batches count from 0, so step s gets s - 1)
@@ -752,8 +754,8 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # The rule: a signal that comes while step s runs stops every process after step s + 1 or
     # s + 2, the same step on all. Why: each process may get a signal at its own moment, so poll
     # does an all-reduce each step, "has any process got a signal?", and every process acts on
-    # the answer a step later, as the loop reads metrics a step late: the answer for the step
-    # before is ready, so reading it does not stall the loop. A SIGTERM
+    # the answer a step later, as the loop reads metrics a step late: by then the next step is
+    # already queued, so the devices do not idle while the host waits for it. A SIGTERM
     # while iteration 8 waits in log.step for step 7's metrics (poll(8) has already asked):
     #   iteration   the answer it reads      the answer it asks for    decision
     #   8           step 7's: no             step 8's: no (asked before the signal)   go on
@@ -773,12 +775,12 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # answer: what the last poll asked for, the step before's (done by now); self.asked: what
+        # answer: what the last poll asked for, the step before's; self.asked: what
         # this poll asks for, this step's, which the next poll reads
         answer, self.asked = self.asked, jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
-        if answer:  # a device array: this `if` is where the host waits for it (done by now)
+        if answer:  # a device array: this `if` is where the host waits for it
             return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
