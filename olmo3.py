@@ -191,7 +191,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments). Static: argument 2, window, and
-    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`)
+    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`). By number:
+    # jax.checkpoint accepts static_argnames too, but in JAX 0.10.2 its default path ignores
+    # them (a window named there stays traced, and its `if` fails).
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
