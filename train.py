@@ -123,8 +123,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # calls such a tree the restore target)
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
+    done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     # after a resume, drops metrics.jsonl's records newer than the state (a kill can leave some)
-    log.rewind(int(state["step"]))
+    log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
@@ -147,7 +148,6 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   opt_state.count      4  Adam's own count, for its bias correction (adamw): the same in a
     #                           fresh run, but --init-from (stages 2, 3) carries it over, while
     #                           state["step"] restarts from 0
-    done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over all devices (one host: device_put)
@@ -457,8 +457,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (step, time) of the last progress line; pending: step -> its metrics, on the
-        # devices until read; skipped: the steps skipped in a row
-        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, []
+        # devices until read; skipped: updates skipped in a row
+        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, 0
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -503,11 +503,11 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         r = self.r
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
-        self.skipped = self.skipped + [step] if m["skipped"] else []
+        self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        if len(self.skipped) == 10:  # the last checkpoint holds the last good weights
+        if self.skipped == 10:  # the last checkpoint holds the last good weights
             self.flush()
             raise SystemExit(f"error: 10 updates in a row skipped, up to step {step}; lower --lr "
                              "or check the data")
