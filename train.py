@@ -91,8 +91,10 @@ def main(argv=None):
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
-    # From here on, Ctrl-C and SIGTERM save, then stop; every host must see the run directory
-    set_up_run(args.out)
+    catch_signals()  # from here on, Ctrl-C and SIGTERM checkpoint, then stop the run
+    # every host must see the run directory that process 0 writes (run_mark)
+    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
+                          "process 0 writes; give every host the same: a bucket, or a shared disk")
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager: it lists the saved steps and saves in the background
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
@@ -123,9 +125,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         stop = stopper.poll(step)
         save_now = step % r.save_every == 0 or step == r.steps or stop
-        # reads the step before's metrics (before a save, this step's too), prints them every
-        # log_every steps, and ends the run after 10 skipped updates in a row
+        # Reads the step before's metrics and prints them every log_every steps. Before a save it
+        # reads this step's too, so that the metrics.jsonl saved with it holds every step up to it.
         log.step(step, metrics, wait=save_now)
+        if len(log.skipped) >= 10:  # the spike guard cannot rescue this run: stop before saving
+            log.flush()
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {log.skipped[-1]}; "
+                             "lower --lr or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         if save_now:
@@ -196,7 +202,8 @@ def fresh_state(r, params):  # the training state before step 1
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
     # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates the shards
     # from these, restore reads onto them, and compile_step compiles for them, so the 7B's state
-    # is never whole on one device.
+    # is never whole on one device. (jax.eval_shape(fresh_state) gives the shapes, but no
+    # shardings: it would not cut Adam's moments like their weights.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -283,6 +290,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # spikes [2]: did the loss, the grad norm spike
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)  # never apply a NaN
+    # where skip, keep the old ones ({k: state[k] for k in new}: params and opt_state before it)
     new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     return new | {"step": state["step"] + 1, "history": history}, metrics
@@ -290,7 +298,9 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
 
 def split_micro(x, n_micro: int):
     # [global, ...] -> [n_micro, global/n_micro, ...], row i to micro-batch i % n_micro (8 rows,
-    # 2 micro-batches: [[0 2 4 6], [1 3 5 7]]). Strided, so each device keeps its own rows.
+    # 2 micro-batches: [[0 2 4 6], [1 3 5 7]]). Strided, so no row moves: with 2 devices, device 0
+    # holds rows 0-3 and gives rows 0 and 2 to micro-batch 0, rows 1 and 3 to micro-batch 1. (A
+    # plain reshape would put all of micro-batch 0 on device 0.)
     x = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -357,8 +367,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last: (step, time) of the last line; pending: step -> metrics not yet read;
-        # skipped: updates skipped in a row
-        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, 0
+        # skipped: the steps of the updates skipped in a row
+        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, []
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -399,14 +409,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         r = self.r
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
-        self.skipped = self.skipped + 1 if m["skipped"] else 0
+        self.skipped = self.skipped + [step] if m["skipped"] else []
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        if self.skipped == 10:  # the last checkpoint holds the last good weights
-            self.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step}; lower --lr "
-                             "or check the data")
         if step % r.log_every and step != r.steps:  # a line every log_every steps, and the last
             return
         now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
@@ -593,12 +599,10 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 
-def set_up_run(out):  # main calls it after start_jax, before training
-    # After start_jax, whose start-up installs a SIGTERM handler that this one replaces
+def catch_signals():  # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop)
+    # after start_jax, whose distributed start-up installs a SIGTERM handler that this replaces
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    check_processes_agree(run_mark(out), f"do not see the run directory {out} that process 0 "
-                          "writes; give every host the same: a bucket, or a shared disk")
 
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
@@ -612,12 +616,14 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
-    # Each process may get a signal at its own moment, so every process must stop after the same
-    # step. poll asks all of them "has any process got a signal?" (an all-reduce), and, like the
-    # metrics, reads the answer a step later: a signal stops the run within two steps.
+    # The rule: every process stops after the same step, within two steps of a signal to any.
+    # Each process may get a signal at its own moment, so poll asks all of them "has any process
+    # got a signal?" (an all-reduce) each step, and, like the loop with the metrics, reads the
+    # answer a step later, when it is ready. A SIGTERM just after poll(8) asked: poll(9) asks and
+    # gets yes, poll(10) reads that yes, and every process saves step 10 and exits 75.
 
     def __init__(self, stop_at, mesh):
-        self.stop_at, self.mesh, self.asked = stop_at, mesh, False
+        self.stop_at, self.mesh, self.unread = stop_at, mesh, False  # unread: see poll
 
     def poll(self, step):
         # per_device: one entry per device, its process's bool(SIGNALS); jnp.any over it is the
@@ -625,8 +631,8 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # answer: the step before's; self.asked: this step's, which the next poll reads
-        answer, self.asked = self.asked, jnp.any(per_device)
+        # answer: the last poll's (the step before's); self.unread: this one's, for the next poll
+        answer, self.unread = self.unread, jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
         if answer:  # a device array: this `if` is where the host waits for it
