@@ -92,9 +92,7 @@ def main(argv=None):
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
     catch_signals()  # from here on, Ctrl-C and SIGTERM checkpoint, then stop the run
-    # every host must see the run directory that process 0 writes (run_mark)
-    check_processes_agree(run_mark(args.out), f"do not see the run directory {args.out} that "
-                          "process 0 writes; give every host the same: a bucket, or a shared disk")
+    check_run_directory(args.out)  # makes it; on a pod, checks every host sees the same one
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager: it lists the saved steps and saves in the background
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
@@ -125,7 +123,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         stop = stopper.poll(step)
         save_now = step % r.save_every == 0 or step == r.steps or stop
-        # Reads the step before's metrics and prints them every log_every steps. Before a save it
+        # Reads the previous step's metrics and prints them every log_every steps. Before a save it
         # reads this step's too, so that the metrics.jsonl saved with it holds every step up to it.
         log.step(step, metrics, wait=save_now)
         if len(log.skipped) >= 10:  # the spike guard cannot rescue this run: stop before saving
@@ -383,7 +381,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    # keeps this step's metrics, reads the step before's (with wait, this step's too)
+    # keeps this step's metrics, reads the previous step's (with wait, this step's too)
     def step(self, step, metrics, wait=False):
         self.pending[step] = metrics
         for s in (step - 1, step) if wait else (step - 1,):
@@ -392,7 +390,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # rewrites each file whole, atomically (an object store cannot append); draws loss.png
     def flush(self):
         if jax.process_index() == 0:
-            for name, path in self.files.items():  # (run_mark made the run directory)
+            for name, path in self.files.items():  # (check_run_directory made the directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
                 path.with_suffix(".tmp").replace(path)
             if data.have("evaluation"):
@@ -445,7 +443,8 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     #   ((F + P) / 2) k / W2 for k < W2,
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
     t1, t2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # T1 and T2, rounded up
-    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2
+    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2 (original_max_steps: T1
+    # rounded down). For the 7b: T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
     w2 = int(5e12) // tokens // 2 + warmup // 2
     # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
     # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
@@ -461,7 +460,9 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]: a value spikes if it is more
     # than 6 std above the mean of the (up to) 128 before it, from the 64th value on. history
-    # [2, 128] is a ring of the last 128; this step's go to slot steps_done % 128.
+    # [2, 128] is a ring of the last 128; this step's go to slot steps_done % 128. At step 4
+    # (steps_done 3), slots 0-2 hold values and this one goes to slot 3; at step 200, all 128
+    # hold values, and this one overwrites slot 71, the oldest. Checking starts at step 64.
     n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
     filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
@@ -478,7 +479,15 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
 # ----------------------------------------------------------------------------- checkpoints
 # Orbax saves in the background under a temporary name and commits a step atomically, so a kill
 # at any moment loses only the steps since the last commit. A step holds params, train_state and
-# config. resume tries the steps newest first: restore compares the settings, read_item the layout.
+# config. What each function here does, and the failure it guards against:
+#   save                writes a step
+#   resume              the newest step every process reads; one some process cannot read (a
+#                       corrupt file) is renamed <step>.unreadable, and the one before is tried
+#   read_retrying       retries a read that may pass (a bucket's hiccup)
+#   restore             refuses a checkpoint made with other settings or data, then reads it
+#   read_item           refuses a layout this code does not make (another version's)
+#   refuse_fresh_start  refuses to start over where a run trained but left no checkpoint
+#   latest_checkpoint   --init-from's step, from a run directory or a converted checkpoint
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
 
@@ -523,7 +532,8 @@ def restore(step_dir, target, cfg, r=None, loader=None):
     saved = saved_config(step_dir)
     given = dataclasses.asdict(cfg)
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
-    # pairs: (a setting, its checkpoint value, this run's), as ("yarn_factor", 0.0, 8.0)
+    # pairs: (a setting, its checkpoint value, this run's), as ("yarn_factor", 0.0, 8.0), for
+    # every model setting either side has (saved["model"] | given: the keys of both)
     pairs = [(f, saved["model"].get(f), given.get(f)) for f in saved["model"] | given
              if not may_differ(f)]
     if r is not None:  # a resume
@@ -623,7 +633,7 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # gets yes, poll(10) reads that yes, and every process saves step 10 and exits 75.
 
     def __init__(self, stop_at, mesh):
-        self.stop_at, self.mesh, self.unread = stop_at, mesh, False  # unread: see poll
+        self.stop_at, self.mesh, self.pending = stop_at, mesh, False  # pending: see poll
 
     def poll(self, step):
         # per_device: one entry per device, its process's bool(SIGNALS); jnp.any over it is the
@@ -631,8 +641,9 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # answer: the last poll's (the step before's); self.unread: this one's, for the next poll
-        answer, self.unread = self.unread, jnp.any(per_device)
+        # answer: the one the last poll asked for (the previous step's), read now; self.pending:
+        # the one this poll asks for, on the devices until the next poll reads it
+        answer, self.pending = self.pending, jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
         if answer:  # a device array: this `if` is where the host waits for it
@@ -655,8 +666,12 @@ def start_jax(args):
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError) as e:
-        # No cluster found (ValueError), or JAX already runs (the tests): one process. Peers
-        # found but not reached (JaxRuntimeError), or --coordinator given: raise.
+        # What initialize raised, and what happens:
+        #   ValueError: no cluster found here                    -> one process: go on
+        #   RuntimeError: JAX already runs (the tests call main) -> one process: go on
+        #   JaxRuntimeError (a subclass of RuntimeError): peers
+        #     found, but not reached                             -> raise
+        #   either, with --coordinator (a cluster was asked for) -> raise
         if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
@@ -665,7 +680,8 @@ def start_jax(args):
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
     # Every process feeds only its own devices. On 2 processes of 2 devices with fsdp=4, process
-    # 1 holds rows 8-15 of 16. held: each device -> its (rows, columns) slices of the batch.
+    # 1 holds rows 8-15 of 16. held: each device -> its (rows, columns) slices of the batch. (The
+    # shape asks for a width of 1: only the rows are read, so any width would do.)
     held = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([np.arange(r.global_batch)[rows] for rows, _ in held.values()]))
 
@@ -678,15 +694,16 @@ def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the w
             for name, x in batch.items()}
 
 
-# A fresh number (the time) that process 0 writes: a host with another disk reads none, or an
-# old one.
-def run_mark(out):  # what process 0 writes into the run directory, as this process reads it
+def check_run_directory(out):  # every host must see the run directory that process 0 writes
+    # Process 0 writes a fresh number (the time) into it; a host with another disk reads none
+    # (-1), or an old one.
     mark = epath.Path(out) / "run-mark.txt"
     if jax.process_index() == 0:
         mark.parent.mkdir(parents=True, exist_ok=True)
         mark.write_text(str(time.time_ns()))
     multihost_utils.sync_global_devices("run mark written")
-    return int(mark.read_text()) if mark.exists() else -1
+    check_processes_agree(int(mark.read_text()) if mark.exists() else -1, f"do not see the run "
+                          f"directory {out} that process 0 writes; give every host the same one")
 
 
 def check_processes_agree(value, problem):  # on several hosts, checks every one has the same value
