@@ -218,8 +218,11 @@ def init_state(cfg, r, target):
 
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
-    # The run directory's newest readable checkpoint; else a fresh state, into which --init-from
-    # (stages 2 and 3) copies its weights and Adam state.
+    # Three ways to start:
+    #   resume       the run directory has a checkpoint: its newest readable one, the whole state
+    #   fresh        init_state's new weights and zeroed Adam
+    #   --init-from  fresh, then another checkpoint's params, and its Adam state if it is a run's
+    #                (stages 2 and 3); step, history and so the LR schedule start again from 0
     if manager.latest_step() is not None:
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
@@ -227,11 +230,10 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
-    # params alone from a converted checkpoint, the whole state from a run's; no recipe given:
-    # only the model's settings must match
+    # restore reads what the checkpoint has: params alone from a converted one, the whole state
+    # from a run's. Given no recipe (r), it checks only that the model's settings match.
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
-    # "Warm Adam": params and opt_state carry over; step and history start again, and so do the
-    # schedule and the spike guard.
+    # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
 
@@ -303,6 +305,27 @@ def split_micro(x, n_micro: int):
     return olmo3.constrain(x, None, "batch", "seq")
 
 
+# ----------------------------------------------------------------------------- the spike guard
+
+def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
+    # OLMo-core's SkipStepOptimizer on values [loss, grad norm]: a value spikes if it is more
+    # than 6 std above the mean of the (up to) 128 before it, from the 64th value on. history
+    # [2, 128] is a ring of the last 128; this step's go to slot steps_done % 128. At step 4
+    # (steps_done 3), slots 0-2 hold values and this one goes to slot 3; at step 200, all 128
+    # hold values, and this one overwrites slot 71, the oldest. Checking starts at step 64.
+    n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
+    filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
+    mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
+    square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
+    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
+    checking = n_filled + 1 >= HISTORY // 2  # 64 values, counting this one
+    # one-sided, as OLMo-core's: only a rise counts (False for NaN, +inf)
+    within = values - mean <= 6 * std
+    # A value not finite is kept out (the mean takes its slot), or every later step would spike
+    kept = jnp.where(jnp.isfinite(values), values, mean)
+    return checking & ~within, history.at[:, steps_done % HISTORY].set(kept)
+
+
 # ----------------------------------------------------------------------------- the optimizer
 
 def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
@@ -342,8 +365,8 @@ def adam(r):  # optax's Adam (adamw clips before it and decays after it)
 
 
 # =============================================================================
-# Second read: the progress line, and what the 7B on a pod needs: AI2's stage-1 schedule, the
-# spike guard, checkpoints, stopping, several hosts; then the command line.
+# Second read: the progress line, and what the 7B on a pod needs: AI2's stage-1 schedule,
+# checkpoints, stopping, several hosts; then the command line.
 # A preempted pod run, end to end (4 hosts, resuming from step 500): every host runs the same
 # command; start_jax joins them; each loader reads only its devices' rows (local_rows); every
 # host reads checkpoint 500 onto its own devices (resume); host 3 gets a SIGTERM at step 612,
@@ -384,8 +407,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # keeps this step's metrics, reads the previous step's (with wait, this step's too)
     def step(self, step, metrics, wait=False):
         self.pending[step] = metrics
-        for s in (step - 1, step) if wait else (step - 1,):
-            self.read(s)
+        self.read(step - 1)
+        if wait:
+            self.read(step)
 
     # rewrites each file whole, atomically (an object store cannot append); draws loss.png
     def flush(self):
@@ -404,24 +428,24 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     def read(self, step):  # waits for a step's metrics; logs them every log_every steps
         if step not in self.pending:  # before the first step, or read by a save already
             return
-        r = self.r
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
         self.skipped = self.skipped + [step] if m["skipped"] else []
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        if step % r.log_every and step != r.steps:  # a line every log_every steps, and the last
+        # a line every log_every steps, and at the last
+        if step % self.r.log_every and step != self.r.steps:
             return
-        now, tokens, rate = time.time(), r.global_batch * r.seq_len, None
-        line = [f"step {step:>6}/{r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
+        now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
+        line = [f"step {step:>6}/{self.r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
         # the rate, MFU and ETA, from the second line on
         if self.last:
             rate = (step - self.last[0]) * tokens / (now - self.last[1])
-            tflops = rate * olmo3.flops_per_token(self.cfg, r.seq_len) / self.mesh.size / 1e12
+            tflops = rate * olmo3.flops_per_token(self.cfg, self.r.seq_len) / self.mesh.size / 1e12
             mfu = f"{100 * tflops / self.peak:.1f}%" if self.peak else "n/a"
-            eta = datetime.timedelta(seconds=round((r.steps - step) * tokens / rate))
+            eta = datetime.timedelta(seconds=round((self.r.steps - step) * tokens / rate))
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
@@ -453,27 +477,6 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     part2 = lambda k: jnp.where(k < w2, (peak + floor) / 2 * k / w2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
     return lambda k: jnp.where(k < RESTART, cosine(t1)(k), part2(k))
-
-
-# ----------------------------------------------------------------------------- the spike guard
-
-def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
-    # OLMo-core's SkipStepOptimizer on values [loss, grad norm]: a value spikes if it is more
-    # than 6 std above the mean of the (up to) 128 before it, from the 64th value on. history
-    # [2, 128] is a ring of the last 128; this step's go to slot steps_done % 128. At step 4
-    # (steps_done 3), slots 0-2 hold values and this one goes to slot 3; at step 200, all 128
-    # hold values, and this one overwrites slot 71, the oldest. Checking starts at step 64.
-    n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
-    filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
-    mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
-    square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
-    std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    checking = n_filled + 1 >= HISTORY // 2  # 64 values, counting this one
-    # one-sided, as OLMo-core's: only a rise counts (False for NaN, +inf)
-    within = values - mean <= 6 * std
-    # A value not finite is kept out (the mean takes its slot), or every later step would spike
-    kept = jnp.where(jnp.isfinite(values), values, mean)
-    return checking & ~within, history.at[:, steps_done % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -627,17 +630,20 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
     # The rule: every process stops after the same step, within two steps of a signal to any.
-    # Each process may get a signal at its own moment, so poll asks all of them "has any process
-    # got a signal?" (an all-reduce) each step, and, like the loop with the metrics, reads the
-    # answer a step later, when it is ready. A SIGTERM just after poll(8) asked: poll(9) asks and
-    # gets yes, poll(10) reads that yes, and every process saves step 10 and exits 75.
+    # Each process may get a signal at its own moment, so each step poll asks all of them "has
+    # any process got a signal?" (an all-reduce on the devices), and reads the answer at the
+    # next step's poll, when it is ready (as the loop reads the metrics a step late). Say a
+    # SIGTERM comes just after poll(8) has asked:
+    #   poll(9)   reads step 8's answer: no      asks again: yes (the signal is here now)
+    #   poll(10)  reads step 9's answer: yes     -> every process saves step 10 and exits 75
 
     def __init__(self, stop_at, mesh):
         self.stop_at, self.mesh, self.pending = stop_at, mesh, False  # pending: see poll
 
     def poll(self, step):
-        # per_device: one entry per device, its process's bool(SIGNALS); jnp.any over it is the
-        # all-reduce. (JAX's preemption sync point misses a SIGTERM before the first step.)
+        # per_device: a 1-D array with one entry per device (P(MESH_AXES) cuts it over all of
+        # them), each its process's bool(SIGNALS). jnp.any over it makes XLA all-reduce across the
+        # hosts. (Not JAX's own preemption sync point, which misses a SIGTERM before step 1.)
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
