@@ -168,9 +168,13 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
     # That is `for l in range(32): x = block(...)`, the same math. On a first read, take `layer`
-    # as `block`: its jax.checkpoint only decides what the backward pass keeps. (Why groups: at
-    # the scan, the last line.) Below, in order: the groups (a reshape), the RoPE tables, each
-    # layer's window, `layer` (a checkpointed block), and the scan.
+    # as `block`: its jax.checkpoint only decides what the backward pass keeps.
+    # Why groups: scanning compiles one group instead of 32 layers (as MaxText does), and the
+    # scanned unit is a group, not a layer, because a layer's window is a Python value baked into
+    # its program, and every scan step runs the same program. (tiny is one group of 4; when
+    # global_every does not divide n_layers, all the layers are one group.)
+    # Below, in order: the groups (a reshape), the RoPE tables, each layer's window, `layer` (a
+    # checkpointed block), and the scan.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -191,9 +195,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments). Static: argument 2, window, and
-    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`). By number:
-    # jax.checkpoint accepts static_argnames too, but in JAX 0.10.2 its default path ignores
-    # them (a window named there stays traced, and its `if` fails).
+    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`). (By number,
+    # as JAX 0.10.2's jax.checkpoint ignores static_argnames on its default path.)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
@@ -201,10 +204,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
         return x, None
-    # Why groups: scanning compiles one group instead of 32 layers (as MaxText does), and the
-    # scanned unit is a group, not a layer, because a layer's window is a Python value baked into
-    # its program, and every scan step runs the same program. (tiny is one group of 4. When
-    # global_every does not divide n_layers, all layers are one group.)
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]
 
@@ -215,7 +214,8 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # Cast every weight to the compute dtype, the norms' too, as OLMo-core's bf16 FSDP and HF in
-    # bf16 run them. rms_norm then does its arithmetic in fp32.
+    # bf16 run them: a norm's weight is rounded to bf16 (to match HF's numbers), and rms_norm
+    # then does its arithmetic in fp32.
     p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)
     # QK-norm normalises the whole projection [B, T, H*E], before splitting heads and before RoPE
     # (OLMo-core's qk_norm with use_head_qk_norm=False).
@@ -397,9 +397,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048], one layer
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
-# - Rows. It holds rows 128*i to 128*i + 127 of the batch, 2 of them in each micro-batch (which
-#   two is train.split_micro's business: strided, so that no row moves between devices). Its
-#   tensor partner (same i) holds the same rows.
+# - Rows. It holds rows 128*i to 128*i + 127 of the batch, 2 of them in each micro-batch:
+#   micro-batch m gets its rows 128*i + m and 128*i + 64 + m (train.split_micro sends row r to
+#   micro-batch r % 64, so no row moves between devices). Its tensor partner (same i) holds the
+#   same rows.
 # - Activations keep D whole. What each mesh axis cuts:
 #     axis     in a weight                                    in an activation
 #     fsdp     D (stored in shards, gathered whole for use)   the batch's rows

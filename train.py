@@ -29,7 +29,8 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# Training settings: AI2's stage 1, with a plain cosine. RECIPES changes a few for each preset.
+# Training settings: AI2's stage 1, with a plain cosine as the default schedule. RECIPES changes a
+# few fields for each preset (7b: AI2's two-part schedule, "olmo3").
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -117,6 +118,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # once, and while the host waits for step s - 1's, step s keeps the devices busy. And a stop
     # (a signal, --stop-at) saves, then exits 75. Steps count from 1, as OLMo-core's do: step s
     # trains on batch s - 1, and state["step"] counts the steps done.
+    # What the calls into the second read give: device_batch, one array over all the devices;
+    # stopper.poll, why to stop after this step (or None); log.step, the progress line (and
+    # log.skipped, the steps of the updates skipped in a row); save, a write in the background.
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over all devices
@@ -176,6 +180,7 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
     # evaluation.py evaluates --eval-data and --eval-tasks, or else the corpus's held-out set.
     # Without the file, the held-out set is skipped, and the flags are an error (data.beside).
+    # nothing to evaluate: no flag, and no held-out set (or no evaluation.py to score it)
     if not (args.eval_data or args.eval_tasks or (heldout and data.have("evaluation"))):
         return None
     sets = args.eval_data if args.eval_data else heldout
@@ -283,15 +288,17 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
-    # The LR follows this run's step, not Adam's count, which --init-from carries over
+    # The LR of step k = state["step"] + 1 (1-based, as OLMo-core's k), not of Adam's count,
+    # which --init-from carries over
     lr = schedule(r)(state["step"] + 1)
     new = adamw(params, state["opt_state"], grads, grad_norm, lr, r)  # {params, opt_state}
     # The spike guard (OLMo-core's) may skip the update: params and opt_state stay as they were.
     # spikes [2]: did the loss, the grad norm spike
     spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)  # never apply a NaN
-    # where skip, keep the old ones ({k: state[k] for k in new}: params and opt_state before it)
-    new = jax.tree.map(lambda upd, old: jnp.where(skip, old, upd), new, {k: state[k] for k in new})
+    # A skip keeps the old params and Adam state (its count too), while step and history advance
+    old = {k: state[k] for k in new}  # params and opt_state before this step
+    new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     return new | {"step": state["step"] + 1, "history": history}, metrics
 
@@ -430,7 +437,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             return
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
-        self.skipped = self.skipped + [step] if m["skipped"] else []
+        self.skipped = (self.skipped + [step]) if m["skipped"] else []
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
@@ -454,10 +461,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 # ----------------------------------------------------------------------------- the 7b's schedule
 
-# the first step of stage 1's second part (AI2 restarted after step 596,047)
-RESTART = 596_048
-
-
 # -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
 def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
@@ -476,7 +479,8 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     angle = lambda k: jnp.pi * (jnp.minimum(k, t2) - w2 + t2 - w2) / (2 * (t2 - w2))
     part2 = lambda k: jnp.where(k < w2, (peak + floor) / 2 * k / w2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    return lambda k: jnp.where(k < RESTART, cosine(t1)(k), part2(k))
+    # AI2 restarted after step 596,047: from step 596,048 on, part 2
+    return lambda k: jnp.where(k < 596_048, cosine(t1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- checkpoints
