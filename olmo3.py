@@ -213,9 +213,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
 def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    # Cast every weight to the compute dtype, the norms' too, as OLMo-core's bf16 FSDP and HF in
-    # bf16 run them: a norm's weight is rounded to bf16 (to match HF's numbers), and rms_norm
-    # then does its arithmetic in fp32.
+    # Cast every weight to the compute dtype, the norms' too (rms_norm, below, says why)
     p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)
     # QK-norm normalises the whole projection [B, T, H*E], before splitting heads and before RoPE
     # (OLMo-core's qk_norm with use_head_qk_norm=False).
@@ -241,8 +239,9 @@ def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
 
-# The weight comes rounded to the compute dtype (block and unembed cast it), as HF's bf16 model
-# holds it; the multiply then runs in fp32.
+# Why block and unembed cast a norm's weight to the compute dtype first: OLMo-core's bf16 FSDP and
+# HF's bf16 model hold it so, and rounding it the same way keeps our numbers on theirs. The
+# statistics and the multiply then run in fp32.
 def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF do
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -317,8 +316,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
 
 
 def unembed(params, h, cfg: Config):  # the final norm, then lm_head: fp32 logits [B, T, V_padded]
-    # The norm's weight is cast to the compute dtype, as block casts its norms' weights. lm_head is
-    # an einsum, not dense: dense casts its result back to h's dtype, and the logits stay fp32.
+    # (The norm's weight is cast as in block.) lm_head is an einsum, not dense: dense casts its
+    # result back to h's dtype, and the logits stay fp32.
     h = rms_norm(h, params["final_norm"].astype(h.dtype), cfg.norm_eps)
     logits = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype),
                         preferred_element_type=jnp.float32)
