@@ -299,7 +299,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # --- The reference. Heads go first so that both products are plain batched matmuls.
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
     # sliding layer, i - j < window (and, with segments, both are in the same one).
-    (_, T, H, E), K = q.shape, k.shape[2]  # q is [B, T, H, E], k [B, T, K, E]
+    _, T, H, E = q.shape  # q is [B, T, H, E]
+    K = k.shape[2]  # k and v are [B, T, K, E]
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     # each kv head repeated H // K times, for the query heads that read it
     k_BHSE, v_BHSE = (jnp.repeat(x, H // K, axis=1) for x in (k_BKSE, v_BKSE))

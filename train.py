@@ -92,7 +92,10 @@ def main(argv=None):
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
-    catch_signals()  # from here on, Ctrl-C and SIGTERM checkpoint, then stop the run
+    # From here on, Ctrl-C and SIGTERM checkpoint, then stop the run (request_stop). This comes
+    # after start_jax, whose distributed start-up installs a SIGTERM handler that this replaces.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, request_stop)
     check_run_directory(args.out)  # makes it; on a pod, checks every host sees the same one
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
     # manager: Orbax's CheckpointManager: it lists the saved steps and saves in the background
@@ -119,20 +122,22 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # (a signal, --stop-at) saves, then exits 75. Steps count from 1, as OLMo-core's do: step s
     # trains on batch s - 1, and state["step"] counts the steps done.
     # What the calls into the second read give: device_batch, one array over all the devices;
-    # stopper.poll, why to stop after this step (or None); log.step, the progress line (and
-    # log.skipped, the steps of the updates skipped in a row); save, a write in the background.
+    # stopper.poll, why to stop after this step (or None); log.step, the progress line (and the
+    # metrics it read); save, a write in the background.
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
+    skipped = 0  # updates skipped in a row (by the spike guard, or as not finite)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over all devices
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         stop = stopper.poll(step)
         save_now = step % r.save_every == 0 or step == r.steps or stop
-        # Reads the previous step's metrics and prints them every log_every steps. Before a save it
-        # reads this step's too, so that the metrics.jsonl saved with it holds every step up to it.
-        log.step(step, metrics, wait=save_now)
-        if len(log.skipped) >= 10:  # the spike guard cannot rescue this run: stop before saving
+        # log.step reads the previous step's metrics and prints them every log_every steps. Before
+        # a save it reads this step's too, so the metrics.jsonl saved with it holds every step.
+        for m in log.step(step, metrics, wait=save_now):  # the metrics it read, on the host
+            skipped = skipped + 1 if m["skipped"] else 0
+        if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
             log.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {log.skipped[-1]}; "
+            raise SystemExit(f"error: {skipped} updates in a row skipped (each is logged above); "
                              "lower --lr or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -180,12 +185,11 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
     # evaluation.py evaluates --eval-data and --eval-tasks, or else the corpus's held-out set.
     # Without the file, the held-out set is skipped, and the flags are an error (data.beside).
-    # nothing to evaluate: no flag, and no held-out set (or no evaluation.py to score it)
-    if not (args.eval_data or args.eval_tasks or (heldout and data.have("evaluation"))):
-        return None
-    sets = args.eval_data if args.eval_data else heldout
-    evaluation = data.beside("evaluation")
-    return evaluation.evaluator(cfg, r, mesh, sets, args.eval_tasks, args.data_root, log)
+    if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
+        sets = args.eval_data if args.eval_data else heldout
+        return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks,
+                                                   args.data_root, log)
+    return None  # nothing to evaluate: no flag, and no held-out set (or no evaluation.py)
 
 
 # ----------------------------------------------------------------------------- the state
@@ -394,9 +398,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (step, time) of the last line; pending: step -> metrics not yet read;
-        # skipped: the steps of the updates skipped in a row
-        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, []
+        # last: (step, time) of the last line; pending: step -> metrics not yet read
+        self.started, self.last, self.pending = time.time(), None, {}
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -412,11 +415,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
     # keeps this step's metrics, reads the previous step's (with wait, this step's too)
-    def step(self, step, metrics, wait=False):
+    def step(self, step, metrics, wait=False):  # -> the metrics it read, on the host
         self.pending[step] = metrics
-        self.read(step - 1)
-        if wait:
-            self.read(step)
+        read = [self.read(step - 1), self.read(step) if wait else None]
+        return [m for m in read if m is not None]
 
     # rewrites each file whole, atomically (an object store cannot append); draws loss.png
     def flush(self):
@@ -432,18 +434,18 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    def read(self, step):  # waits for a step's metrics; logs them every log_every steps
+    # waits for a step's metrics, logs them every log_every steps, returns them (None: no step)
+    def read(self, step):
         if step not in self.pending:  # before the first step, or read by a save already
-            return
+            return None
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
-        self.skipped = (self.skipped + [step]) if m["skipped"] else []
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
         # a line every log_every steps, and at the last
         if step % self.r.log_every and step != self.r.steps:
-            return
+            return m
         now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
         line = [f"step {step:>6}/{self.r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -457,6 +459,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
+        return m
 
 
 # ----------------------------------------------------------------------------- the 7b's schedule
@@ -615,12 +618,6 @@ def refuse_fresh_start(out):
 
 
 # ----------------------------------------------------------------------------- stopping
-
-def catch_signals():  # Ctrl-C and SIGTERM ask for a checkpoint and a stop (request_stop)
-    # after start_jax, whose distributed start-up installs a SIGTERM handler that this replaces
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, request_stop)
-
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
