@@ -482,7 +482,8 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     angle = lambda k: jnp.pi * (jnp.minimum(k, t2) - w2 + t2 - w2) / (2 * (t2 - w2))
     part2 = lambda k: jnp.where(k < w2, (peak + floor) / 2 * k / w2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # AI2 restarted after step 596,047: from step 596,048 on, part 2
+    # Part 2 from step 596,048 on: AI2 restarted after step 596,047. That is a fact of their run,
+    # so it is written out, not derived from the tokens a step as T1, T2 and W2 are.
     return lambda k: jnp.where(k < 596_048, cosine(t1)(k), part2(k))
 
 
@@ -537,8 +538,10 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
 
 def restore(step_dir, target, cfg, r=None, loader=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
-    # whatever mesh wrote them. A resume (r given) must match the model, the data order and the
-    # data; --init-from (r None) only the model, and may turn YaRN on (stage 3).
+    # whatever mesh wrote them. What must match, as a list of pairs:
+    #   the model's settings   all but NUMERICS (and YaRN's, for --init-from: stage 3 turns it on)
+    #   the data order         DATA_ORDER's fields, for a resume (r given)
+    #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
     given = dataclasses.asdict(cfg)
     may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
@@ -642,8 +645,9 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         self.stop_at, self.mesh, self.pending = stop_at, mesh, False  # pending: see poll
 
     def poll(self, step):
-        # per_device: a 1-D array with one entry per device (P(MESH_AXES) cuts it over all of
-        # them), each its process's bool(SIGNALS). jnp.any over it makes XLA all-reduce across the
+        # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS).
+        # P(MESH_AXES) is P(("data", "fsdp", "tensor")): its one dimension cut over all three
+        # mesh axes, so one entry a device. jnp.any over it makes XLA all-reduce across the
         # hosts. (Not JAX's own preemption sync point, which misses a SIGTERM before step 1.)
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
