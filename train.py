@@ -78,6 +78,7 @@ RECIPES = {
 }
 # Stage 2 (OLMo-3-1025-7B-midtrain.py) starts from stage 1's weights *and* Adam state ("warm
 # Adam", --init-from) with a fresh schedule that decays linearly to 0, and another data seed.
+# It is a set of changes (--stage2), not a preset: it applies to 7b and 7b-wide alike.
 STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedule="linear",
               min_lr_ratio=0.0, steps=47_684, data_seed=1337)
 
@@ -130,7 +131,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # device_batch: this process's rows -> one array over all devices
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         stop = stopper.poll(step)
-        save_now = step % r.save_every == 0 or step == r.steps or stop
+        save_now = step % r.save_every == 0 or step == r.steps or stop is not None
         # log.step reads the previous step's metrics and prints them every log_every steps. Before
         # a save it reads this step's too, so the metrics.jsonl saved with it holds every step.
         for m in log.step(step, metrics, wait=save_now):  # the metrics it read, on the host
@@ -193,6 +194,10 @@ def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or N
 
 
 # ----------------------------------------------------------------------------- the state
+# The state is one pytree, {params, opt_state, step, history}. One description of it, target
+# (abstract_state: shapes and shardings, nothing allocated), drives the rest: init_state creates
+# a fresh state onto it, restore reads a checkpoint onto it, and compile_step compiles for it.
+# starting_state picks which: a resume, a fresh start, or --init-from.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
@@ -214,7 +219,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     replicated = NamedSharding(mesh, P())  # every device holds all of it
     whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-    # Adam's mu and nu are cut like params (ZeRO-3); a test compares this with adam(r).init's
+    # Adam's mu and nu are cut like params (ZeRO-3). adam(r).init returns this type; a test
+    # compares the two: test_abstract_state_describes_fresh_state_with_adam_cut_like_params
     opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
     return {"params": params, "opt_state": opt, "step": whole((), jnp.int32),
             "history": whole((2, HISTORY), jnp.float32)}
@@ -356,6 +362,30 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
 
 
+# (The 7b presets' schedule: skip it on a first read.) -> (step k -> its LR), for P, F, W and the
+# tokens a step; cosine(T) is schedule's CosWithWarmup, aimed at T steps.
+def olmo3_stage1(peak, floor, warmup, tokens, cosine):
+    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
+    # cosine(T1), aimed at 5T tokens; AI2 stopped it after step 596,047. Part 2 is OLMo-core's
+    # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step W2, then the
+    # second half of a cosine from P to F, reaching F at T2:
+    #   ((F + P) / 2) k / W2 for k < W2,
+    #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
+    t1, t2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # T1 and T2, rounded up
+    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2 (original_max_steps: T1
+    # rounded down). For the 7b: T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
+    w2 = int(5e12) // tokens // 2 + warmup // 2
+    # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
+    # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
+    # The angle runs from pi / 2 at W2 to pi at T2, and stays there.
+    angle = lambda k: jnp.pi * (jnp.minimum(k, t2) - w2 + t2 - w2) / (2 * (t2 - w2))
+    part2 = lambda k: jnp.where(k < w2, (peak + floor) / 2 * k / w2,
+                                floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
+    # Part 2 from step 596,048 on: AI2 restarted after step 596,047. That is a fact of their run,
+    # so it is written out, not derived from the tokens a step as T1, T2 and W2 are.
+    return lambda k: jnp.where(k < 596_048, cosine(t1)(k), part2(k))
+
+
 # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
 # embedding. Not optax.adamw: its schedule would count from Adam's count, which starts at 0 and
 # --init-from carries over.
@@ -376,8 +406,8 @@ def adam(r):  # optax's Adam (adamw clips before it and decays after it)
 
 
 # =============================================================================
-# Second read: the progress line, and what the 7B on a pod needs: AI2's stage-1 schedule,
-# checkpoints, stopping, several hosts; then the command line.
+# Second read: the progress line, and what the 7B on a pod needs: checkpoints, stopping, several
+# hosts; then the command line.
 # A preempted pod run, end to end (4 hosts, resuming from step 500): every host runs the same
 # command; start_jax joins them; each loader reads only its devices' rows (local_rows); every
 # host reads checkpoint 500 onto its own devices (resume); host 3 gets a SIGTERM at step 612,
@@ -460,31 +490,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
         return m
-
-
-# ----------------------------------------------------------------------------- the 7b's schedule
-
-# -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is CosWithWarmup
-def olmo3_stage1(peak, floor, warmup, tokens, cosine):
-    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
-    # cosine(T1), aimed at 5T tokens; AI2 stopped it after step 596,047. Part 2 is OLMo-core's
-    # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step W2, then the
-    # second half of a cosine from P to F, reaching F at T2:
-    #   ((F + P) / 2) k / W2 for k < W2,
-    #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
-    t1, t2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # T1 and T2, rounded up
-    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2 (original_max_steps: T1
-    # rounded down). For the 7b: T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
-    w2 = int(5e12) // tokens // 2 + warmup // 2
-    # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
-    # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
-    # The angle runs from pi / 2 at W2 to pi at T2, and stays there.
-    angle = lambda k: jnp.pi * (jnp.minimum(k, t2) - w2 + t2 - w2) / (2 * (t2 - w2))
-    part2 = lambda k: jnp.where(k < w2, (peak + floor) / 2 * k / w2,
-                                floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # Part 2 from step 596,048 on: AI2 restarted after step 596,047. That is a fact of their run,
-    # so it is written out, not derived from the tokens a step as T1, T2 and W2 are.
-    return lambda k: jnp.where(k < 596_048, cosine(t1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -600,7 +605,8 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
             return read()
         except jax.errors.JaxRuntimeError:  # a failing device, not the files
             raise
-        # Orbax and tensorstore raise many kinds (a mismatch's SystemExit passes through)
+        # Orbax and tensorstore raise many kinds. restore's one-line mismatch error is a
+        # SystemExit, which is not an Exception, so it passes through, never retried.
         except Exception as e:
             why = str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
@@ -610,7 +616,9 @@ def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
 
 def refuse_fresh_start(out):
     # A directory where a run trained never starts over silently. It may start fresh if nothing
-    # ran there, or if the first save was cut short (a "tmp" step).
+    # ran there (no metrics.jsonl), or if the first save was cut short: the loop writes
+    # metrics.jsonl just before it saves, so a kill during the first save leaves metrics.jsonl
+    # and a "tmp" step (Orbax's name for a step not yet committed).
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
