@@ -1,8 +1,8 @@
 """Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files."""
-# Usage: python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]
-# (--heldout 0.05 holds 5% of the documents out; the default is 0)
-# (prepare.py, beside the core, holds the command line and reads the documents, which keeps
-# the core's lines for training; tokenize, below, is the core's part)
+# `python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]` turns
+# text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). Its
+# command line is in prepare.py, beside the core, which keeps the core's lines for training;
+# `tokenize`, below, is the core's part.
 #
 # Read in this order:
 # 1. `Loader` cuts each token file into instances of seq_len tokens (it drops the tail, and
@@ -114,7 +114,7 @@ class Loader:
         return np.stack(inputs).astype(np.int32)
 
     def tokens(self, f, offset, count):  # reads `count` tokens of file f, from token `offset` on
-        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # in bytes
+        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # 4 B a token
         if self.vocab_size is not None and x.size and x.max() >= self.vocab_size:
             raise SystemExit(f"error: token id {x.max()} >= vocab_size {self.vocab_size} in "
                              f"{self.files[f]}: another tokenizer's; re-tokenize it")

@@ -146,7 +146,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             log.flush()  # writes metrics.jsonl and log.txt
             # copies the state to host memory, then writes it in the background
             save(manager, step, state, cfg, r, loader.fingerprint)
-        if stop and step < r.steps:  # (after the last step, the run ends anyway)
+        if stop is not None and step < r.steps:  # (after the last step, the run ends anyway)
             manager.wait_until_finished()  # the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
@@ -349,6 +349,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # OLMo-core's, for its step k, with peak P, floor F, warmup W and t_max T (a test checks):
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
+    # The tiny preset's cosine (P 3e-3, W 50, T 500): 6e-5 at step 1, the peak 3e-3 at 50, 1.65e-3
+    # at 275, halfway down, and F = 3e-4 at 500, the last.
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # (the max()es keep a run no longer than its warmup valid; optax's decay_steps is T)
