@@ -543,6 +543,8 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
+# Two modes, by whether r and loader are given: a resume (resume passes them: the run's own
+# checkpoint, whose data must match too) or --init-from (starting_state passes neither).
 def restore(step_dir, target, cfg, r=None, loader=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them. What must match, as a list of pairs:
@@ -587,6 +589,7 @@ def resume(manager, target, cfg, r, loader, log):
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
+        # restore with r and loader: a resume's checks (the model, the data order, the data)
         state = read_retrying(lambda: restore(step_dir, target, cfg, r, loader), step_dir)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
