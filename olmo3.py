@@ -213,7 +213,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
 def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    # Cast every weight to the compute dtype, the norms' too (rms_norm, below, says why)
+    # Cast every weight to the compute dtype, the norms' too: OLMo-core's bf16 FSDP and HF's bf16
+    # model round a norm's weight so, and rounding it the same way keeps our numbers on theirs.
+    # (rms_norm still does its arithmetic in fp32.)
     p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), p)
     # QK-norm normalises the whole projection [B, T, H*E], before splitting heads and before RoPE
     # (OLMo-core's qk_norm with use_head_qk_norm=False).
@@ -239,9 +241,8 @@ def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
 
-# Why block and unembed cast a norm's weight to the compute dtype first: OLMo-core's bf16 FSDP and
-# HF's bf16 model hold it so, and rounding it the same way keeps our numbers on theirs. The
-# statistics and the multiply then run in fp32.
+# The weight comes rounded to the compute dtype (block and unembed cast it, as block says why);
+# the statistics and the multiply run in fp32.
 def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF do
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
