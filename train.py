@@ -128,7 +128,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     skipped = 0  # updates skipped in a row (by the spike guard, or as not finite)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
-        # device_batch: this process's rows -> one array over all devices
+        # device_batch: this process's rows -> one array over all devices (one host: device_put)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         stop = stopper.poll(step)
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
@@ -646,6 +646,7 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
+    # On one host, simply: a signal or --stop-at stops the run, acted on a step late.
     # The rule: every process stops after the same step, within two steps of a signal to any.
     # Each process may get a signal at its own moment, so each step poll asks all of them "has
     # any process got a signal?" (an all-reduce on the devices), and reads the answer at the
