@@ -646,7 +646,7 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
-    # On one host, simply: a signal or --stop-at stops the run, acted on a step late.
+    # On one host, simply: --stop-at N stops after step N, and a signal within two steps.
     # The rule: every process stops after the same step, within two steps of a signal to any.
     # Each process may get a signal at its own moment, so each step poll asks all of them "has
     # any process got a signal?" (an all-reduce on the devices), and reads the answer at the
