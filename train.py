@@ -108,7 +108,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line; log(**record) adds a record to metrics.jsonl
     log = Log(cfg, r, args.out, mesh)
-    evals = evaluator(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
+    evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
@@ -183,7 +183,7 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     return loader, heldout
 
 
-def evaluator(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
+def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
     # evaluation.py evaluates --eval-data and --eval-tasks, or else the corpus's held-out set.
     # Without the file, the held-out set is skipped, and the flags are an error (data.beside).
     if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
