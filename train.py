@@ -246,8 +246,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restore reads what the checkpoint has: params alone from a converted one, the whole state
-    # from a run's. Given no recipe (r), it checks only that the model's settings match.
-    restored = restore(latest_checkpoint(args.init_from), target, cfg)
+    # from a run's. With resume=None, it checks only that the model's settings match.
+    restored = restore(latest_checkpoint(args.init_from), target, cfg, resume=None)
     # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
@@ -543,22 +543,23 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# Two modes, by whether r and loader are given: a resume (resume passes them: the run's own
-# checkpoint, whose data must match too) or --init-from (starting_state passes neither).
-def restore(step_dir, target, cfg, r=None, loader=None):
+# Two modes: resume=(r, loader) reads the run's own checkpoint (resume passes it); resume=None
+# reads another run's, or a converted one, for --init-from (starting_state).
+def restore(step_dir, target, cfg, resume=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them. What must match, as a list of pairs:
     #   the model's settings   all but NUMERICS (and YaRN's, for --init-from: stage 3 turns it on)
-    #   the data order         DATA_ORDER's fields, for a resume (r given)
+    #   the data order         DATA_ORDER's fields, for a resume
     #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
-    given = dataclasses.asdict(cfg)
-    may_differ = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
+    may_differ = lambda f: f in olmo3.NUMERICS or (resume is None and f.startswith("yarn_"))
     # pairs: (a setting, its checkpoint value, this run's), as ("yarn_factor", 0.0, 8.0), for
-    # every model setting either side has (saved["model"] | given: the keys of both)
-    pairs = [(f, saved["model"].get(f), given.get(f)) for f in saved["model"] | given
+    # every model setting either side has (vars(cfg): this run's settings, a dict; the | of the
+    # two dicts has the keys of both)
+    pairs = [(f, saved["model"].get(f), vars(cfg).get(f)) for f in saved["model"] | vars(cfg)
              if not may_differ(f)]
-    if r is not None:  # a resume
+    if resume is not None:
+        r, loader = resume
         pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
         pairs += [("data", saved.get("data"), loader.fingerprint)]
     diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
@@ -589,8 +590,8 @@ def resume(manager, target, cfg, r, loader, log):
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
-        # restore with r and loader: a resume's checks (the model, the data order, the data)
-        state = read_retrying(lambda: restore(step_dir, target, cfg, r, loader), step_dir)
+        # a resume's checks: the model, the data order and the data
+        state = read_retrying(lambda: restore(step_dir, target, cfg, resume=(r, loader)), step_dir)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state
