@@ -133,8 +133,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stopper.poll(step)
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
         # log.step reads the previous step's metrics and prints them every log_every steps. Before
-        # a save it reads this step's too, so the metrics.jsonl saved with it holds every step.
-        for m in log.step(step, metrics, wait=save_now):  # the metrics it read, on the host
+        # a save it reads this step's too, so the metrics.jsonl saved with it holds every step. It
+        # returns what it read, as host dicts: none at a run's first step, one, or two at a save.
+        for m in log.step(step, metrics, wait=save_now):
             skipped = skipped + 1 if m["skipped"] else 0
         if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
             log.flush()
@@ -657,7 +658,7 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     #   poll(10)  reads step 9's answer: yes     -> every process saves step 10 and exits 75
 
     def __init__(self, stop_at, mesh):
-        self.stop_at, self.mesh, self.pending = stop_at, mesh, False  # pending: see poll
+        self.stop_at, self.mesh, self.asked_last_poll = stop_at, mesh, False  # see poll
 
     def poll(self, step):
         # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS).
@@ -667,9 +668,9 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # answer: the one the last poll asked for (the previous step's), read now; self.pending:
-        # the one this poll asks for, on the devices until the next poll reads it
-        answer, self.pending = self.pending, jnp.any(per_device)
+        # answer: what the last poll asked (the previous step's), read now; this poll's question
+        # stays on the devices, as asked_last_poll, until the next poll reads it
+        answer, self.asked_last_poll = self.asked_last_poll, jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
         if answer:  # a device array: this `if` is where the host waits for it
