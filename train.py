@@ -124,9 +124,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # trains on batch s - 1, and state["step"] counts the steps done.
     # What the calls into the second read give: device_batch, one array over all the devices;
     # stopper.poll, why to stop after this step (or None); log.step, the progress line (and the
-    # metrics it read); save, a write in the background.
+    # count of updates skipped in a row); save, a write in the background.
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
-    skipped = 0  # updates skipped in a row (by the spike guard, or as not finite)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # device_batch: this process's rows -> one array over all devices (one host: device_put)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
@@ -134,9 +133,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
         # log.step reads the previous step's metrics and prints them every log_every steps. Before
         # a save it reads this step's too, so the metrics.jsonl saved with it holds every step. It
-        # returns what it read, as host dicts: none at a run's first step, one, or two at a save.
-        for m in log.step(step, metrics, wait=save_now):
-            skipped = skipped + 1 if m["skipped"] else 0
+        # returns how many updates in a row, up to the last step it read, were skipped (by the
+        # spike guard, or as not finite).
+        skipped = log.step(step, metrics, wait=save_now)
         if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
             log.flush()
             raise SystemExit(f"error: {skipped} updates in a row skipped (each is logged above); "
@@ -176,9 +175,10 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
     # The plain Loader first, even to pack: the hosts compare the token files before packing
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
+    # (pods) every host must read the same token files; on one host this checks nothing
     check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
                           "--data, --data-root and the mix file on every host")
-    if r.packing:  # process 0 packs the same files into the run directory once, then all read it
+    if r.packing:  # (stage 3) process 0 packs the files into the run directory once; all read it
         options |= dict(group_size=r.source_group_size, cache=args.out, rank=jax.process_index())
         loader = data.PackedLoader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     return loader, heldout
@@ -247,8 +247,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restore reads what the checkpoint has: params alone from a converted one, the whole state
-    # from a run's. With resume=None, it checks only that the model's settings match.
-    restored = restore(latest_checkpoint(args.init_from), target, cfg, resume=None)
+    # from a run's. With run=None, it checks only that the model's settings match.
+    restored = restore(latest_checkpoint(args.init_from), target, cfg, run=None)
     # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
@@ -431,8 +431,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (step, time) of the last line; pending: step -> metrics not yet read
-        self.started, self.last, self.pending = time.time(), None, {}
+        # last: (step, time) of the last line; pending: step -> metrics not yet read; skipped:
+        # the updates skipped in a row
+        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, 0
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -448,10 +449,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
     # keeps this step's metrics, reads the previous step's (with wait, this step's too)
-    def step(self, step, metrics, wait=False):  # -> the metrics it read, on the host
+    def step(self, step, metrics, wait=False):  # -> the updates skipped in a row so far
         self.pending[step] = metrics
-        read = [self.read(step - 1), self.read(step) if wait else None]
-        return [m for m in read if m is not None]
+        self.read(step - 1)
+        if wait:
+            self.read(step)
+        return self.skipped
 
     # rewrites each file whole, atomically (an object store cannot append); draws loss.png
     def flush(self):
@@ -467,18 +470,19 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    # waits for a step's metrics, logs them every log_every steps, returns them (None: no step)
+    # waits for a step's metrics, counts a skipped update, logs them every log_every steps
     def read(self, step):
         if step not in self.pending:  # before the first step, or read by a save already
-            return None
+            return
         # jax.device_get waits for the devices, as nanoGPT's loss.item() does
         m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
+        self.skipped = self.skipped + 1 if m["skipped"] else 0
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
         # a line every log_every steps, and at the last
         if step % self.r.log_every and step != self.r.steps:
-            return m
+            return
         now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
         line = [f"step {step:>6}/{self.r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
@@ -492,7 +496,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (step, now)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
-        return m
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -544,23 +547,23 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# Two modes: resume=(r, loader) reads the run's own checkpoint (resume passes it); resume=None
-# reads another run's, or a converted one, for --init-from (starting_state).
-def restore(step_dir, target, cfg, resume=None):
+# Two modes: run=(r, loader), this run's recipe and loader, reads its own checkpoint (resume passes
+# it); run=None reads another run's, or a converted one, for --init-from (starting_state).
+def restore(step_dir, target, cfg, run=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them. What must match, as a list of pairs:
     #   the model's settings   all but NUMERICS (and YaRN's, for --init-from: stage 3 turns it on)
     #   the data order         DATA_ORDER's fields, for a resume
     #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
-    may_differ = lambda f: f in olmo3.NUMERICS or (resume is None and f.startswith("yarn_"))
+    may_differ = lambda f: f in olmo3.NUMERICS or (run is None and f.startswith("yarn_"))
     # pairs: (a setting, its checkpoint value, this run's), as ("yarn_factor", 0.0, 8.0), for
     # every model setting either side has (vars(cfg): this run's settings, a dict; the | of the
     # two dicts has the keys of both)
     pairs = [(f, saved["model"].get(f), vars(cfg).get(f)) for f in saved["model"] | vars(cfg)
              if not may_differ(f)]
-    if resume is not None:
-        r, loader = resume
+    if run is not None:
+        r, loader = run
         pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
         pairs += [("data", saved.get("data"), loader.fingerprint)]
     diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
@@ -592,7 +595,7 @@ def resume(manager, target, cfg, r, loader, log):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
         # a resume's checks: the model, the data order and the data
-        state = read_retrying(lambda: restore(step_dir, target, cfg, resume=(r, loader)), step_dir)
+        state = read_retrying(lambda: restore(step_dir, target, cfg, run=(r, loader)), step_dir)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state
