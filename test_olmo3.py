@@ -1744,7 +1744,7 @@ def test_non_finite_gradients_skip_the_update_and_never_reach_a_checkpoint(
     target = {"params": train.abstract_state(cfg, r, olmo3.make_mesh())["params"]}
     good = train.restore(train.latest_checkpoint(out), target, cfg)["params"]
     monkeypatch.setattr(olmo3, "loss_terms", nan_gradient)
-    with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped \(each is"):
+    with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped, up to step 12"):
         run_train(out, token_files, "--steps", "20", "--save-every", "1")
     records = records_of(out)
     assert [r["step"] for r in records if "spikes" in r] == list(range(3, 13))

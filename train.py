@@ -138,8 +138,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         skipped = log.step(step, metrics, wait=save_now)
         if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
             log.flush()
-            raise SystemExit(f"error: {skipped} updates in a row skipped (each is logged above); "
-                             "lower --lr or check the data")
+            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step "
+                             f"{step if save_now else step - 1}; lower --lr or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         if save_now:
