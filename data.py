@@ -50,7 +50,7 @@ TOKEN_DTYPE = np.dtype("<u4")  # OLMo token files are raw little-endian uint32, 
 # ----------------------------------------------------------------------------- the loader
 
 class Loader:
-    """OLMo-core's fixed-length instances; batch(i), the i-th batch, is a pure function of i."""
+    # OLMo-core's fixed-length instances; batch(i), the i-th batch, is a pure function of i.
 
     def __init__(self, source, seq_len, global_batch, seed, rows=None, tokenizer="dolma2",
                  root=None, vocab_size=None, permutation_seed=-1):
@@ -85,7 +85,7 @@ class Loader:
                              f"tokens, fewer than a global batch of {self.global_batch}; add data")
 
     def epoch_order(self, epoch):
-        """OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] ids."""
+        # OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] ids.
         if self.shuffled[0] != epoch:  # shuffle once per epoch
             ids = np.arange(self.num_instances, dtype=np.uint32)
             np.random.Generator(np.random.PCG64(self.seed + epoch)).shuffle(ids)
@@ -99,7 +99,7 @@ class Loader:
         return self.epoch_order(epoch + 1)[index, self.rows]  # epochs count from 1
 
     def batch(self, i):
-        """This process's rows of batch i (from 0): inputs, labels (-100: none), int32 [rows, T]."""
+        # This process's rows of batch i (from 0): inputs, labels (-100: none), int32 [rows, T].
         inputs = self.read(self.ids(i))
         labels = np.full_like(inputs, -100)  # the last position has no target
         labels[:, :-1] = inputs[:, 1:]  # position t predicts token t + 1
@@ -132,7 +132,7 @@ class Loader:
 
 
 class PackedLoader(Loader):
-    """OLMo-core's NumpyPackedFSLDataset (stage 3): whole documents packed into instances."""
+    # OLMo-core's NumpyPackedFSLDataset (stage 3): whole documents packed into instances.
     # The instances are then ordered as the fixed-length ones are. Process 0 packs the mix once
     # into `cache` (the run directory). A restart, and every other process, reads what it wrote.
     # batch() masks the padding's labels, and adds segments, which give each token's document,
@@ -153,16 +153,15 @@ class PackedLoader(Loader):
         while not path.exists():
             time.sleep(5)
         # docs is [4, documents]. Rows 0-3 hold each document's file, offset, length and
-        # instance (docs[3]), instance after instance. bounds[i] is instance i's first document,
-        # so its documents are bounds[i] to bounds[i + 1]: with instances [0, 0, 1, 2, 2, 2],
-        # bounds is [0, 2, 3, 6]. lengths[i] sums its documents' lengths (reduceat sums each run
-        # bounds[i] to bounds[i + 1] of docs[2]): the tokens before the instance's padding.
+        # instance (docs[3]), instance after instance.
         self.docs = np.load(path.open("rb"))
-        instance = self.docs[3]  # each document's instance, in order
-        # (arange(instance[-1] + 2): instances 0 to the last, plus one past it for the last's end)
-        self.bounds = np.searchsorted(instance, np.arange(instance[-1] + 2))
-        self.lengths = np.add.reduceat(self.docs[2], self.bounds[:-1])
-        self.set_instances(int(instance[-1]) + 1)
+        instance = self.docs[3]  # each document's instance, sorted: [0, 0, 1, 2, 2, 2]
+        self.set_instances(int(instance[-1]) + 1)  # instances are numbered from 0
+        # bounds[i]: instance i's first document, so its documents are bounds[i] to bounds[i + 1]
+        # ([0, 2, 3, 6] for the instances above; the last entry is one past the last document)
+        self.bounds = np.searchsorted(instance, np.arange(self.num_instances + 1))
+        # lengths[i]: the sum of instance i's document lengths, its tokens before padding
+        self.lengths = np.bincount(instance, weights=self.docs[2]).astype(np.int64)
 
     def read(self, ids):  # -> each instance's documents, then padding: [len(ids), seq_len] int32
         inputs = np.full((len(ids), self.seq_len), self.pad, np.int32)
@@ -183,8 +182,9 @@ class PackedLoader(Loader):
         # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
         #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(i)
-        # the padding mask: positions past each row's end (self.lengths[ids, None] is [rows, 1])
-        batch["labels"][np.arange(self.seq_len) + 1 >= self.lengths[self.ids(i), None]] = -100
+        lengths = self.lengths[self.ids(i), None]  # [rows, 1]: each row's tokens before padding
+        padding = np.arange(self.seq_len) + 1 >= lengths  # [rows, seq_len]: no label here
+        batch["labels"][padding] = -100
         eos = batch["inputs"] == self.eos
         return batch | {"segments": (np.cumsum(eos, axis=1) - eos).astype(np.int32)}
 
@@ -257,7 +257,7 @@ def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of doc
 # ----------------------------------------------------------------------------- sources and mixes
 
 def resolve_source(source, tokenizer="dolma2", root=None):
-    """Token files, in order, from paths, a mix file (.txt), a folder with train.txt or a glob."""
+    # Token files, in order, from paths, a mix file (.txt), a folder with train.txt or a glob.
     named = {}  # each path's mix file line, for errors
     if isinstance(source, list | tuple):
         paths = [os.fspath(p) for p in source]
@@ -280,7 +280,7 @@ def resolve_source(source, tokenizer="dolma2", root=None):
 
 
 def read_mix(path, root=None, tokenizer="dolma2"):
-    """[(label, token file, "mix line N")] of an OLMo mix file: `label,relative/path` lines."""
+    # [(label, token file, "mix line N")] of an OLMo mix file: `label,relative/path` lines.
     # Paths are relative to `root`, by default the mix file's folder. {TOKENIZER} becomes the
     # name AI2 stored that mix under (as OLMo-core's DataMix.build does).
     if not os.path.isfile(path):
@@ -322,7 +322,7 @@ Tokenizer = collections.namedtuple("Tokenizer", "name vocab_size eos_id pad_id e
 
 @cache
 def get_tokenizer(name):
-    """The tokenizer "dolma2" (OLMo 3's) or "bytes" (UTF-8 bytes; tiny and offline)."""
+    # The tokenizer "dolma2" (OLMo 3's) or "bytes" (UTF-8 bytes; tiny and offline).
     if name == "bytes":  # a token per byte, plus 256 and 257 for <|endoftext|> and <|pad|>
         as_bytes = {256: b"<|endoftext|>", 257: b"<|pad|>"} | {i: bytes([i]) for i in range(256)}
         decode = lambda ids: b"".join(as_bytes[i] for i in ids).decode(errors="replace")
@@ -344,7 +344,7 @@ def get_tokenizer(name):
 # ----------------------------------------------------------------------------- tokenize
 
 def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
-    """Documents -> DIR/train.npy, train.txt (its mix), heldout.npy; heldout.txt if any is."""
+    # Documents -> DIR/train.npy, train.txt (its mix), heldout.npy; heldout.txt if any is.
     # total is the input's size in bytes, for the ETA.
     # For corpora of many GB, AI2's `dolma tokens --dtype uint32` writes the same kind of files,
     # in parallel (its default dtype, uint16, cannot hold dolma2's ids).
@@ -394,7 +394,7 @@ cache_dir = lambda: os.path.expanduser(os.environ.get("OLMO3_CACHE", "~/.cache/o
 
 
 def corpus(name, tokenizer):
-    """A default corpus, tokenized once into OLMO3_CACHE -> (train mix, held-out mix)."""
+    # A default corpus, tokenized once into OLMO3_CACHE -> (train mix, held-out mix).
     if name == "stdlib":  # each .py file of this Python's standard library is one document
         files = stdlib_files()
         texts = filter(None, map(read_text, files))  # an empty file is no document

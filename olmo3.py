@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)  # frozen: hashable, so jit can take it as a static argument
 class Config:
-    """The model (OLMo 3 7B by default). The training recipe is train.Recipe."""
+    # The model (OLMo 3 7B by default). The training recipe is train.Recipe.
     d_model: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -149,7 +149,7 @@ def init(cfg: Config, key) -> dict:
 # each, and F = mlp_hidden. A name without a suffix (q, k, h, attn, mlp) is [B, T, ...].
 
 def forward(params, tokens, cfg: Config, segments=None):
-    """tokens [B, T] int -> logits [B, T, padded_vocab] in fp32."""
+    # tokens [B, T] int -> logits [B, T, padded_vocab] in fp32.
     # segments [B, T] int marks packed documents (stage 3). A token sees only its own segment.
     return unembed(params, decoder(params, embed(params, tokens, cfg), cfg, segments), cfg)
 
@@ -285,7 +285,7 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
 
 
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
-    """q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]."""
+    # q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E].
     # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens). A TPU
     # runs the splash kernel, an NVIDIA GPU in bf16 or fp16 cuDNN's; both compute what the
     # reference below computes, and the reference itself runs everywhere else (a CPU, a GPU in
@@ -327,7 +327,7 @@ def unembed(params, h, cfg: Config):  # the final norm, then lm_head: fp32 logit
 
 
 def loss_terms(logits, labels, z_loss: float, axis=None):
-    """(cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows)."""
+    # (cross-entropy, z-loss, count), summed over the labels that are not -100 (axis=-1: rows).
     # axis=None sums over everything (training). axis=-1 gives one sum per row, as
     # evaluation.logprobs uses it. It returns sums, not means, so micro-batches and
     # data-parallel shards combine exactly. The z-loss is PaLM's, added as OLMo-core adds it,
@@ -438,23 +438,20 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices."""
-    # The sizes are valid when at most one is -1 and the others are positive. Without a -1,
-    # the mesh takes the first data x fsdp x tensor devices, which may be fewer than there are
-    # (to resume on fewer). With a -1 it takes all of them, and the other sizes' product must
-    # divide that count. On 8 devices: (1, -1, 1) is 1 x 8 x 1; (1, 2, 2) takes the first 4;
-    # (1, -1, 3) and (1, 4, 4) are errors.
+    # A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices.
+    # Without a -1, the mesh takes the first data x fsdp x tensor devices, which may be fewer
+    # than there are (to resume on fewer). With a -1 it takes all of them. On 8 devices:
+    # (1, -1, 1) is 1 x 8 x 1; (1, 2, 2) takes the first 4; (1, -1, 3) and (1, 4, 4) are errors.
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
-    valid = sizes.count(-1) <= 1 and all(s > 0 or s == -1 for s in sizes)
-    n = len(devices) if -1 in sizes else math.prod(sizes)  # numpy's reshape works out the -1
-    # The `if` below refuses, in order:
-    #   a size neither positive nor -1, or two -1s          -> not valid
-    #   more devices than there are                         -> n > len(devices)
-    #   with a -1, sizes that do not divide the device count -> n % (their product) (always 0
-    #                                                           without a -1: n is the product)
-    if not valid or n > len(devices) or n % math.prod(s for s in sizes if s > 0):
-        raise SystemExit(f"error: mesh data={data},fsdp={fsdp},tensor={tensor} does not fit "
-                         f"{len(devices)} devices: sizes multiply to at most that (a -1: divides)")
+    mesh = f"mesh data={data},fsdp={fsdp},tensor={tensor}"  # for the errors
+    if sizes.count(-1) > 1 or any(s < 1 and s != -1 for s in sizes):
+        raise SystemExit(f"error: {mesh}: give each axis a size > 0, or -1 (one axis at most)")
+    fixed = math.prod(s for s in sizes if s > 0)  # the devices the sizes given take
+    if fixed > len(devices):
+        raise SystemExit(f"error: {mesh} does not fit {len(devices)} devices: it needs {fixed}")
+    if -1 in sizes and len(devices) % fixed:  # -1 takes all the rest, so fixed must divide them
+        raise SystemExit(f"error: {mesh} does not fit {len(devices)} devices: {fixed} must divide")
+    n = len(devices) if -1 in sizes else fixed  # numpy's reshape works out the -1
     # The Mesh constructor's axes are Auto: XLA picks every sharding the code does not set
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)
 
@@ -512,7 +509,7 @@ def attention_cudnn(q, k, v, window, segments):  # cuDNN's flash attention, for 
 
 
 def attention_splash(q, k, v, window: int | None, segments=None):
-    """TPU: the Pallas splash kernel, per device under shard_map (interpreted on other backends)."""
+    # TPU: the Pallas splash kernel, per device under shard_map (interpreted on other backends).
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
     # The kernel's blocks are multiples of 128 tokens, so the sequence is padded to one. Padded
     # keys come after every real query, so the causal mask hides them. Padded queries are cut

@@ -122,14 +122,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # once, and while the host waits for step s - 1's, step s keeps the devices busy. And a stop
     # (a signal, --stop-at) saves, then exits 75. Steps count from 1, as OLMo-core's do: step s
     # trains on batch s - 1, and state["step"] counts the steps done.
-    # What the calls into the second read give: device_batch, one array over all the devices;
-    # stopper.poll, why to stop after this step (or None); log.step, the progress line (and the
-    # count of updates skipped in a row); save, a write in the background.
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
-    for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
+    batches = loader.iterate(done, r.steps)  # batches done to r.steps - 1 (this process's rows)
+    for step in range(done + 1, r.steps + 1):
+        batch = next(batches)  # batch step - 1
         # device_batch: this process's rows -> one array over all devices (one host: device_put)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        stop = stopper.poll(step)
+        stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
         # log.step reads the previous step's metrics and prints them every log_every steps. Before
         # a save it reads this step's too, so the metrics.jsonl saved with it holds every step. It
@@ -336,7 +335,7 @@ def spike_guard(history, steps_done, values):  # -> (is each a spike, the histor
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    checking = n_filled + 1 >= HISTORY // 2  # 64 values, counting this one
+    checking = steps_done + 1 >= HISTORY // 2  # from the 64th value on (step 64)
     # one-sided, as OLMo-core's: only a rise counts (False for NaN, +inf)
     within = values - mean <= 6 * std
     # A value not finite is kept out (the mean takes its slot), or every later step would spike
@@ -374,19 +373,20 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # second half of a cosine from P to F, reaching F at T2:
     #   ((F + P) / 2) k / W2 for k < W2,
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
-    t1, t2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # T1 and T2, rounded up
+    # T1, T2: the steps of 5T and of 7T tokens, rounded up (part 1 aims at T1, part 2 at T2)
+    T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2 (original_max_steps: T1
     # rounded down). For the 7b: T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
-    w2 = int(5e12) // tokens // 2 + warmup // 2
+    W2 = int(5e12) // tokens // 2 + warmup // 2
     # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
     # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
     # The angle runs from pi / 2 at W2 to pi at T2, and stays there.
-    angle = lambda k: jnp.pi * (jnp.minimum(k, t2) - w2 + t2 - w2) / (2 * (t2 - w2))
-    part2 = lambda k: jnp.where(k < w2, (peak + floor) / 2 * k / w2,
+    angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
+    part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
     # Part 2 from step 596,048 on: AI2 restarted after step 596,047. That is a fact of their run,
     # so it is written out, not derived from the tokens a step as T1, T2 and W2 are.
-    return lambda k: jnp.where(k < 596_048, cosine(t1)(k), part2(k))
+    return lambda k: jnp.where(k < 596_048, cosine(T1)(k), part2(k))
 
 
 # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
@@ -427,13 +427,16 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
-    # In the run directory, because a spot slice's disks go with the slice.
+    # Its jobs: read each step's metrics (a step late), count the updates skipped in a row, print
+    # the progress line, and keep both files (in the run directory: a spot slice's disks go with
+    # the slice).
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (step, time) of the last line; pending: step -> metrics not yet read; skipped:
-        # the updates skipped in a row
-        self.started, self.last, self.pending, self.skipped = time.time(), None, {}, 0
+        self.started = time.time()
+        self.last = None  # (step, time) of the last progress line
+        self.pending = {}  # step -> its metrics, still on the devices
+        self.skipped = 0  # the updates skipped in a row, up to the last step read
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -556,21 +559,23 @@ def restore(step_dir, target, cfg, run=None):
     #   the data order         DATA_ORDER's fields, for a resume
     #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
-    may_differ = lambda f: f in olmo3.NUMERICS or (run is None and f.startswith("yarn_"))
-    # pairs: (a setting, its checkpoint value, this run's), as ("yarn_factor", 0.0, 8.0), for
-    # every model setting either side has (vars(cfg): this run's settings, a dict; the | of the
-    # two dicts has the keys of both)
-    pairs = [(f, saved["model"].get(f), vars(cfg).get(f)) for f in saved["model"] | vars(cfg)
-             if not may_differ(f)]
-    if run is not None:
+    exempt = lambda f: f in olmo3.NUMERICS or (run is None and f.startswith("yarn_"))
+    # theirs: the checkpoint's settings that must match; ours: this run's (as {"d_model": 4096})
+    theirs = {f: v for f, v in saved["model"].items() if not exempt(f)}
+    ours = {f: v for f, v in dataclasses.asdict(cfg).items() if not exempt(f)}
+    if run is not None:  # a resume: the data order and the data too
         r, loader = run
-        pairs += [(f, saved.get("recipe", {}).get(f), getattr(r, f)) for f in DATA_ORDER]
-        pairs += [("data", saved.get("data"), loader.fingerprint)]
-    diff = [f"{k}={a!r} (command line: {b!r})" for k, a, b in pairs if a != b]
+        recipe = saved.get("recipe", {})  # (a converted checkpoint has none)
+        theirs |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": saved.get("data")}
+        ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": loader.fingerprint}
+    # every setting either side has (theirs | ours has the keys of both) whose values differ
+    diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
+            if theirs.get(f) != ours.get(f)]
     if diff:
         raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
                          "or the settings and data it was made with")
     state = {"params": read_item(step_dir / "params", target["params"])}
+    # A converted checkpoint holds params alone, and evaluation.py's target asks for them alone
     if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
         state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
     return state
@@ -631,8 +636,9 @@ def refuse_fresh_start(out):
     # and a "tmp" step (Orbax's name for a step not yet committed).
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
-    interrupted = any("tmp" in n for n in names)  # Orbax's name for a step not yet committed
-    if unreadable or (epath.Path(out, "metrics.jsonl").exists() and not interrupted):
+    trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
+    first_save_cut_short = any("tmp" in n for n in names)  # Orbax's name for a step not committed
+    if unreadable or (trained and not first_save_cut_short):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
                          "restore its checkpoints, or use a new --out")
@@ -671,9 +677,10 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # answer: what the last poll asked (the previous step's), read now; this poll's question
-        # stays on the devices, as asked_last_poll, until the next poll reads it
-        answer, self.asked_last_poll = self.asked_last_poll, jnp.any(per_device)
+        # The last poll's question is answered by now: read it. This poll's stays on the devices
+        # until the next poll. (A host all-gather, multihost_utils', would wait here every step.)
+        answer = self.asked_last_poll
+        self.asked_last_poll = jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
         if answer:  # a device array: this `if` is where the host waits for it
@@ -710,7 +717,8 @@ def start_jax(args):
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
     # Every process feeds only its own devices. On 2 processes of 2 devices with fsdp=4, process
-    # 1 holds rows 8-15 of 16. held: each device -> its (rows, columns) slices of the batch. (The
+    # 1 holds rows 8-15 of 16. held: each device -> its (rows, columns) slices of the batch, as
+    # {device 2: (slice(8, 12), slice(None)), device 3: (slice(12, 16), slice(None))}. (The
     # shape asks for a width of 1: only the rows are read, so any width would do.)
     held = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([np.arange(r.global_batch)[rows] for rows, _ in held.values()]))
