@@ -121,7 +121,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # nanoGPT's loop, with two changes. The metrics are read a step late: step_fn returns at
     # once, and while the host waits for step s - 1's, step s keeps the devices busy. And a stop
     # (a signal, --stop-at) saves, then exits 75. Steps count from 1, as OLMo-core's do: step s
-    # trains on batch s - 1, and state["step"] counts the steps done.
+    # trains on batch s - 1, and state["step"] counts the steps done. (The README's "A step's
+    # life" follows one step through this loop.)
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     batches = loader.iterate(done, r.steps)  # batches done to r.steps - 1 (this process's rows)
     for step in range(done + 1, r.steps + 1):
@@ -246,8 +247,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restore reads what the checkpoint has: params alone from a converted one, the whole state
-    # from a run's. With run=None, it checks only that the model's settings match.
-    restored = restore(latest_checkpoint(args.init_from), target, cfg, run=None)
+    # from a run's. It checks only that the model's settings match (no check_data: another run's).
+    restored = restore(latest_checkpoint(args.init_from), target, cfg)
     # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
@@ -266,7 +267,9 @@ def compile_step(cfg, r, mesh, target):
                                   sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
     # The lambda bakes cfg and r in, as static arguments would. donate_argnums=0: the new state
-    # reuses the old one's buffers, so memory holds one copy. The new state keeps its shardings.
+    # reuses the old one's buffers, so memory holds one copy. The new state keeps its shardings
+    # (out_shardings; the metrics' None lets XLA choose); the inputs' come from the
+    # ShapeDtypeStructs given to lower (target's and tokens'), so jit needs no in_shardings.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -326,16 +329,16 @@ def split_micro(x, n_micro: int):
 
 def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]: a value spikes if it is more
-    # than 6 std above the mean of the (up to) 128 before it, from the 64th value on. history
-    # [2, 128] is a ring of the last 128; this step's go to slot steps_done % 128. At step 4
-    # (steps_done 3), slots 0-2 hold values and this one goes to slot 3; at step 200, all 128
-    # hold values, and this one overwrites slot 71, the oldest. Checking starts at step 64.
+    # than 6 std above the mean of the (up to) 128 before it, from step 64 on. This is step
+    # steps_done + 1, one value a step. history [2, 128] is a ring of the last 128 values; this
+    # step's go to slot steps_done % 128. At step 4, slots 0-2 hold values and this one goes to
+    # slot 3; at step 200, all 128 hold values, and this one overwrites slot 71, the oldest.
     n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
     filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    checking = steps_done + 1 >= HISTORY // 2  # from the 64th value on (step 64)
+    checking = steps_done + 1 >= HISTORY // 2  # this step is 64 or later
     # one-sided, as OLMo-core's: only a rise counts (False for NaN, +inf)
     within = values - mean <= 6 * std
     # A value not finite is kept out (the mean takes its slot), or every later step would spike
@@ -375,8 +378,9 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
     # T1, T2: the steps of 5T and of 7T tokens, rounded up (part 1 aims at T1, part 2 at T2)
     T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
-    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2 (original_max_steps: T1
-    # rounded down). For the 7b: T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
+    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
+    # is the steps of 5T tokens rounded down (an integer division, unlike T1). For the 7b:
+    # T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
     W2 = int(5e12) // tokens // 2 + warmup // 2
     # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
     # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
@@ -395,7 +399,7 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
 def adamw(params, opt_state, grads, grad_norm, lr, r):  # -> the updated {params, opt_state}
     # clip to a global norm of grad_clip (optax's clip_by_global_norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # Adam's direction m^ / (sqrt(v^) + eps), bias-corrected by Adam's count (no LR, no sign)
+    # Adam's direction m^ / (sqrt(v^) + eps), bias-corrected by Adam's count (before -lr)
     updates, opt_state = adam(r).update(jax.tree.map(clip, grads), opt_state)
     # + wd * p on every weight but the embedding (norms and lm_head too, as OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
@@ -550,21 +554,22 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# Two modes: run=(r, loader), this run's recipe and loader, reads its own checkpoint (resume passes
-# it); run=None reads another run's, or a converted one, for --init-from (starting_state).
-def restore(step_dir, target, cfg, run=None):
+# check_data=(r, loader), this run's recipe and loader, for a resume of its own checkpoint; None
+# (the default) for --init-from, which reads another run's, or a converted one (starting_state).
+def restore(step_dir, target, cfg, check_data=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
-    # whatever mesh wrote them. What must match, as a list of pairs:
+    # whatever mesh wrote them. What must match:
     #   the model's settings   all but NUMERICS (and YaRN's, for --init-from: stage 3 turns it on)
-    #   the data order         DATA_ORDER's fields, for a resume
+    #   the data order         DATA_ORDER's fields, for a resume (check_data given)
     #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
-    exempt = lambda f: f in olmo3.NUMERICS or (run is None and f.startswith("yarn_"))
+    # the model's settings that need not match (above)
+    exempt = lambda f: f in olmo3.NUMERICS or (check_data is None and f.startswith("yarn_"))
     # theirs: the checkpoint's settings that must match; ours: this run's (as {"d_model": 4096})
     theirs = {f: v for f, v in saved["model"].items() if not exempt(f)}
     ours = {f: v for f, v in dataclasses.asdict(cfg).items() if not exempt(f)}
-    if run is not None:  # a resume: the data order and the data too
-        r, loader = run
+    if check_data is not None:  # a resume: the data order and the data too
+        r, loader = check_data
         recipe = saved.get("recipe", {})  # (a converted checkpoint has none)
         theirs |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": saved.get("data")}
         ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": loader.fingerprint}
@@ -600,7 +605,7 @@ def resume(manager, target, cfg, r, loader, log):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
         # a resume's checks: the model, the data order and the data
-        state = read_retrying(lambda: restore(step_dir, target, cfg, run=(r, loader)), step_dir)
+        state = read_retrying(restore, step_dir, target, cfg, check_data=(r, loader))
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state
@@ -614,10 +619,10 @@ def resume(manager, target, cfg, r, loader, log):
                      "restore one from a copy, or move them away to start again")
 
 
-def read_retrying(read, step_dir, tries=4):  # None if reading keeps failing
+def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, ...), or None
     for attempt in range(tries):
         try:
-            return read()
+            return read(step_dir, *args, **kwargs)
         except jax.errors.JaxRuntimeError:  # a failing device, not the files
             raise
         # Orbax and tensorstore raise many kinds. restore's one-line mismatch error is a
@@ -633,7 +638,8 @@ def refuse_fresh_start(out):
     # A directory where a run trained never starts over silently. It may start fresh if nothing
     # ran there (no metrics.jsonl), or if the first save was cut short: the loop writes
     # metrics.jsonl just before it saves, so a kill during the first save leaves metrics.jsonl
-    # and a "tmp" step (Orbax's name for a step not yet committed).
+    # and a "tmp" step (Orbax's name for a step not yet committed). A step renamed .unreadable
+    # also refuses: with all of them renamed, none is left to resume, yet a run trained here.
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
