@@ -1,8 +1,9 @@
 """Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files."""
 # `python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]` turns
-# text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). Its
-# command line is in prepare.py, beside the core, which keeps the core's lines for training;
-# `tokenize`, below, is the core's part.
+# text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). The
+# command line's code is in prepare.py, beside the core, so that the core (olmo3.py, data.py,
+# train.py) stays within its 1,000 lines; `tokenize`, below, is what training needs of it
+# (`corpus` calls it to prepare the tiny run's data).
 #
 # Read in this order:
 # 1. `Loader` cuts each token file into instances of seq_len tokens (it drops the tail, and
@@ -178,13 +179,13 @@ class PackedLoader(Loader):
         # So a document's EOS is labelled with the next document's first token: each EOS but the
         # row's last (padding follows it, so it has no target) learns to predict an unrelated
         # document's first token, while seeing only its own document, as in OLMo-core.
-        # Segments: a document's runs up to and including its EOS, and the padding is a segment
-        # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
-        #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         batch = super().batch(i)
         lengths = self.lengths[self.ids(i), None]  # [rows, 1]: each row's tokens before padding
         padding = np.arange(self.seq_len) + 1 >= lengths  # [rows, seq_len]: no label here
         batch["labels"][padding] = -100
+        # Segments: a document's runs up to and including its EOS, and the padding is a segment
+        # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
+        #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.
         eos = batch["inputs"] == self.eos
         return batch | {"segments": (np.cumsum(eos, axis=1) - eos).astype(np.int32)}
 
@@ -300,6 +301,8 @@ def read_mix(path, root=None, tokenizer="dolma2"):
 
 
 def mix_tokenizer(mix, tokenizer):  # what {TOKENIZER} stands for, as in OLMo-core's DataMix.build
+    # AI2's bucket keeps each mix's token files under the tokenizer's name when it was made, so
+    # the same ids sit under three names
     if tokenizer != "dolma2":
         return tokenizer
     if mix in ("v3-small-ppl-validation", "c4-ppl-validation", "code-fresh-ppl-validation"):

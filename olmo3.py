@@ -173,8 +173,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # scanned unit is a group, not a layer, because a layer's window is a Python value baked into
     # its program, and every scan step runs the same program. (tiny is one group of 4; when
     # global_every does not divide n_layers, all the layers are one group.)
-    # Below, in order: the groups (a reshape), the RoPE tables, each layer's window, `layer` (a
-    # checkpointed block), and the scan.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -241,9 +239,9 @@ def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
 
-# The weight comes rounded to the compute dtype (block and unembed cast it, as block says why);
-# the statistics and the multiply run in fp32.
-def rms_norm(x, weight, eps):  # statistics and the weight multiply in fp32, as OLMo-core and HF do
+# The statistics and the multiply by the weight run in fp32, as OLMo-core's and HF's do. The
+# weight arrives already rounded to the compute dtype (block and unembed cast it; block says why).
+def rms_norm(x, weight, eps):  # -> x's dtype
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * x32).astype(x.dtype)
@@ -398,20 +396,18 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048], one layer
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
-# - Rows. It holds rows 128*i to 128*i + 127 of the batch, 2 of them in each micro-batch:
-#   micro-batch m gets its rows 128*i + m and 128*i + 64 + m (train.split_micro sends row r to
-#   micro-batch r % 64, so no row moves between devices). Its tensor partner (same i) holds the
-#   same rows.
+# - Rows. It holds rows 128*i to 128*i + 127 of the batch. train.split_micro sends row r to
+#   micro-batch r % 64, so each micro-batch takes 2 of the device's rows, and no row moves between
+#   devices (split_micro shows it on 8 rows). Its tensor partner (same i) holds the same rows.
 # - Activations keep D whole. What each mesh axis cuts:
 #     axis     in a weight                                    in an activation
 #     fsdp     D (stored in shards, gathered whole for use)   the batch's rows
 #     tensor   heads, MLP or vocab                            heads, MLP or vocab
 #   So D is never cut in an activation: fsdp cuts its rows instead, and tensor partners hold the
-#   same rows. The matmuls that make q and the logits
-#   need no communication beyond the weights' gather: each device computes its own heads' or
-#   vocab's columns for its rows. What follows them does: QK-norm's statistics and the loss's
-#   logsumexp sum across tensor partners (part three). constrain pins the cuts of x_BTD and the
-#   logits; XLA chooses q's, normally the table's.
+#   same rows. The matmuls that make q and the logits need no communication beyond the weights'
+#   gather: each device computes its own heads' or vocab's columns for its rows. What follows
+#   them does: QK-norm's statistics and the loss's logsumexp sum across tensor partners (part
+#   three). constrain pins the cuts of x_BTD and the logits; XLA chooses q's, normally the table's.
 #
 # Third, what XLA communicates (the README's "Seeing the communication" counts it in a dump). It
 # inserts the communication itself, and typically chooses:
@@ -443,14 +439,14 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     # than there are (to resume on fewer). With a -1 it takes all of them. On 8 devices:
     # (1, -1, 1) is 1 x 8 x 1; (1, 2, 2) takes the first 4; (1, -1, 3) and (1, 4, 4) are errors.
     devices, sizes = np.array(jax.devices() if devices is None else devices), (data, fsdp, tensor)
-    mesh = f"mesh data={data},fsdp={fsdp},tensor={tensor}"  # for the errors
+    given = f"mesh data={data},fsdp={fsdp},tensor={tensor}"  # for the errors
     if sizes.count(-1) > 1 or any(s < 1 and s != -1 for s in sizes):
-        raise SystemExit(f"error: {mesh}: give each axis a size > 0, or -1 (one axis at most)")
+        raise SystemExit(f"error: {given}: give each axis a size > 0, or -1 (one axis at most)")
     fixed = math.prod(s for s in sizes if s > 0)  # the devices the sizes given take
     if fixed > len(devices):
-        raise SystemExit(f"error: {mesh} does not fit {len(devices)} devices: it needs {fixed}")
+        raise SystemExit(f"error: {given} does not fit {len(devices)} devices: it needs {fixed}")
     if -1 in sizes and len(devices) % fixed:  # -1 takes all the rest, so fixed must divide them
-        raise SystemExit(f"error: {mesh} does not fit {len(devices)} devices: {fixed} must divide")
+        raise SystemExit(f"error: {given} does not fit {len(devices)} devices: {fixed} must divide")
     n = len(devices) if -1 in sizes else fixed  # numpy's reshape works out the -1
     # The Mesh constructor's axes are Auto: XLA picks every sharding the code does not set
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)
