@@ -41,7 +41,7 @@ def hf_view(params, kind, layer, cfg):  # our array for `kind` (and layer) as HF
 
 
 def from_hf(path):
-    """A HF checkpoint folder (safetensors, sharded or not) -> (Config, params as fp32 numpy)."""
+    # A HF checkpoint folder (safetensors, sharded or not) -> (Config, params as fp32 numpy).
     # framework="np" reads bf16 tensors as numpy's bfloat16, which exists because importing jax
     # registered ml_dtypes' types with numpy (safetensors alone raises a TypeError for them)
     from safetensors import safe_open
@@ -67,18 +67,19 @@ def from_hf(path):
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
         view[...] = tensor
     # The lm_head's padding columns, absent from HF files, get the mean of its real columns, so the
-    # padded softmax adds at most 0.00074 nats to HF's loss. Why: a padded logit is then the mean
-    # real logit, so the 74 padding columns add at most ln(1 + 74 / 100,278) (Jensen: the mean of
-    # exp >= exp of the mean). Zero columns would add 74 logits of 0: ln(75) nats at a logsumexp of
-    # 0 (where z-loss pushes it), more below it. (OLMo-core's load_hf_model draws them around the
-    # mean instead, with transformers' mean_resizing.)
+    # padded softmax adds at most 0.00074 nats to HF's loss: a padded logit is then the mean real
+    # logit, and exp(mean) <= mean(exp) (Jensen), so each padding column adds at most 1 / 100,278
+    # of the real columns' sum of exps, and all 74 together ln(1 + 74 / 100,278) nats. Zero
+    # columns would add 74 logits of 0: ln(75) nats at a logsumexp of 0 (where z-loss pushes it).
+    # (OLMo-core's load_hf_model draws them around the mean instead, with transformers'
+    # mean_resizing.)
     # lm_head is [D, V]; its .T is a [V, D] view, so this writes the padding columns in place
     params["lm_head"].T[cfg.vocab_size:] = params["lm_head"].T[:cfg.vocab_size].mean(0)
     return cfg, params
 
 
 def to_hf(params, cfg, out):
-    """A folder from_pretrained loads: safetensors and their index, config.json and more."""
+    # A folder from_pretrained loads: safetensors and their index, config.json and more.
     # It writes one safetensors file per weight kind (at most 5.8 GB for the 7B) and
     # generation_config.json.
     from safetensors.numpy import save_file
@@ -112,18 +113,14 @@ def config_from_hf(hf: dict) -> olmo3.Config:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
-    # RoPE (it matters only for a YaRN model: skim it on a first read). A config gives it in one
-    # of two forms, shown with AI2's stage-3 values (... is YaRN's other keys):
-    #   legacy, AI2's released config:
-    #     rope_theta: 500000, rope_scaling: {rope_type: yarn, factor: 8, ...}
-    #   newer:
-    #     rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
-    #                       sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # Both give full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, the full-attention
-    # layers' RoPE: the merge below takes each key from the last of these that has it: the
-    # top-level rope_theta, rope_parameters' full_attention, rope_scaling. (Without YaRN, as in
-    # stages 1 and 2, full has no yarn rope_type, and factor is 0.) The sliding layers must have
-    # plain RoPE with full's theta, and any other RoPE is refused.
+    # RoPE (only a YaRN model needs it: skip it on a first read). config.json gives it in one of
+    # two forms, here with AI2's stage-3 values (... is YaRN's other keys):
+    #   legacy:  rope_theta: 500000, rope_scaling: {rope_type: yarn, factor: 8, ...}
+    #   newer:   rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
+    #                              sliding_attention: {rope_type: default, rope_theta: 500000}}
+    # Either gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, the full-attention
+    # layers' RoPE. In `full`, a later dict's key wins: rope_theta, then full_attention, then
+    # rope_scaling. Without YaRN (stages 1 and 2), factor is 0.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}
@@ -156,14 +153,16 @@ def layer_types(cfg):
 
 
 def config_to_hf(cfg) -> dict:
-    # The sliding layers get plain RoPE. The full-attention layers get `sliding | full`: plain
-    # RoPE, with YaRN's keys over it when YaRN is on, so that they keep the same theta (a YaRN
-    # dict without rope_theta would take Olmo3Config.default_theta, 500,000 in transformers 5.24).
-    sliding = full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    # The sliding layers get plain RoPE. The full-attention layers get plain RoPE too, or, with
+    # YaRN, YaRN's keys over it, so that they keep the same theta (a YaRN dict without rope_theta
+    # would take Olmo3Config.default_theta, 500,000 in transformers 5.24).
+    plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    full = plain
     if cfg.yarn_factor:  # YaRN's keys, for the full-attention layers only
-        full = {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast": cfg.yarn_beta_fast,
-                "beta_slow": cfg.yarn_beta_slow, "original_max_position_embeddings":
-                cfg.yarn_original_context, "attention_factor": 0.1 * math.log(cfg.yarn_factor) + 1}
+        full = plain | {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast":
+                        cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+                        "original_max_position_embeddings": cfg.yarn_original_context,
+                        "attention_factor": 0.1 * math.log(cfg.yarn_factor) + 1}
     specials = (256, 257) if cfg.tokenizer == "bytes" else (100257, 100277)
     eos, pad = [i if i < cfg.vocab_size else None for i in specials]  # None in small test models
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_act": "silu",
@@ -172,7 +171,7 @@ def config_to_hf(cfg) -> dict:
             "max_position_embeddings": int(cfg.yarn_original_context * max(cfg.yarn_factor, 1)),
             "layer_types": layer_types(cfg), "attention_bias": False,
             "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": pad,
-            "rope_parameters": {"full_attention": sliding | full, "sliding_attention": sliding}}
+            "rope_parameters": {"full_attention": full, "sliding_attention": plain}}
 
 
 def main(argv=None):
