@@ -105,6 +105,8 @@ def main(argv=None):
 
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
+    # args: the flags that are not Config or Recipe fields (parse_args). The first read meets
+    # --out, --data, --data-root, --init-from, --eval-data, --eval-tasks, --stop-at, --samples.
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
     # log(text) prints a line; log(**record) adds a record to metrics.jsonl
     log = Log(cfg, r, args.out, mesh)
@@ -125,21 +127,27 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # life" follows one step through this loop.)
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     batches = loader.iterate(done, r.steps)  # batches done to r.steps - 1 (this process's rows)
+    unread = {}  # step -> its metrics, still on the devices
+    skipped = 0  # the updates skipped in a row (by the spike guard, or as not finite)
     for step in range(done + 1, r.steps + 1):
         batch = next(batches)  # batch step - 1
         # device_batch: this process's rows -> one array over all devices (one host: device_put)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
+        unread[step] = metrics
         stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
-        # log.step reads the previous step's metrics and prints them every log_every steps. Before
-        # a save it reads this step's too, so the metrics.jsonl saved with it holds every step. It
-        # returns how many updates in a row, up to the last step it read, were skipped (by the
-        # spike guard, or as not finite).
-        skipped = log.step(step, metrics, wait=save_now)
+        # Read the metrics a step late: the host waits for step - 1's while this step runs. Before
+        # a save, this step's too (the save waits for it anyway), so that the metrics.jsonl saved
+        # with it holds every step.
+        for s in [step - 1, step] if save_now else [step - 1]:
+            if s in unread:  # (none before the first step, and a save read its own already)
+                m = jax.device_get(unread.pop(s))  # waits for step s, as nanoGPT's loss.item()
+                skipped = skipped + 1 if m["skipped"] else 0
+                log.metrics(s, m)  # a line every log_every steps, and one per skipped update
         if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
             log.flush()
-            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step "
-                             f"{step if save_now else step - 1}; lower --lr or check the data")
+            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {s}; "
+                             "lower --lr or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
         if save_now:
@@ -266,10 +274,12 @@ def compile_step(cfg, r, mesh, target):
     tokens = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                   sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
-    # The lambda bakes cfg and r in, as static arguments would. donate_argnums=0: the new state
-    # reuses the old one's buffers, so memory holds one copy. The new state keeps its shardings
-    # (out_shardings; the metrics' None lets XLA choose); the inputs' come from the
-    # ShapeDtypeStructs given to lower (target's and tokens'), so jit needs no in_shardings.
+    # On one device, this would be jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
+    # with no shardings. Here the lambda bakes cfg and r in, as static arguments would.
+    # donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy.
+    # The new state keeps its shardings (out_shardings; the metrics' None lets XLA choose); the
+    # inputs' come from the ShapeDtypeStructs given to lower (target's and tokens'), so jit needs
+    # no in_shardings.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -431,16 +441,14 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
-    # Its jobs: read each step's metrics (a step late), count the updates skipped in a row, print
-    # the progress line, and keep both files (in the run directory: a spot slice's disks go with
+    # Its jobs: print the progress line (log.metrics, with the metrics the loop read) and other
+    # lines (log(text)), and keep both files (in the run directory: a spot slice's disks go with
     # the slice).
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         self.started = time.time()
         self.last = None  # (step, time) of the last progress line
-        self.pending = {}  # step -> its metrics, still on the devices
-        self.skipped = 0  # the updates skipped in a row, up to the last step read
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
@@ -454,14 +462,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             self.lines["log.txt"].append(text + "\n")
         if record and jax.process_index() == 0:  # process 0 writes them
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
-
-    # keeps this step's metrics, reads the previous step's (with wait, this step's too)
-    def step(self, step, metrics, wait=False):  # -> the updates skipped in a row so far
-        self.pending[step] = metrics
-        self.read(step - 1)
-        if wait:
-            self.read(step)
-        return self.skipped
 
     # rewrites each file whole, atomically (an object store cannot append); draws loss.png
     def flush(self):
@@ -477,13 +477,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    # waits for a step's metrics, counts a skipped update, logs them every log_every steps
-    def read(self, step):
-        if step not in self.pending:  # before the first step, or read by a save already
-            return
-        # jax.device_get waits for the devices, as nanoGPT's loss.item() does
-        m = {k: v.tolist() for k, v in jax.device_get(self.pending.pop(step)).items()}
-        self.skipped = self.skipped + 1 if m["skipped"] else 0
+    # a step's metrics, read to the host: a line for a skipped update, and one every log_every steps
+    def metrics(self, step, m):
+        m = {k: v.tolist() for k, v in m.items()}  # numpy -> Python numbers, for JSON
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
@@ -573,7 +569,8 @@ def restore(step_dir, target, cfg, check_data=None):
         recipe = saved.get("recipe", {})  # (a converted checkpoint has none)
         theirs |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": saved.get("data")}
         ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": loader.fingerprint}
-    # every setting either side has (theirs | ours has the keys of both) whose values differ
+    # every setting either side has (theirs | ours has the keys of both) whose values differ, as
+    # ['seq_len=8192 (command line: 4096)']
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
             if theirs.get(f) != ours.get(f)]
     if diff:
@@ -635,11 +632,15 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 
 
 def refuse_fresh_start(out):
-    # A directory where a run trained never starts over silently. It may start fresh if nothing
-    # ran there (no metrics.jsonl), or if the first save was cut short: the loop writes
-    # metrics.jsonl just before it saves, so a kill during the first save leaves metrics.jsonl
-    # and a "tmp" step (Orbax's name for a step not yet committed). A step renamed .unreadable
-    # also refuses: with all of them renamed, none is left to resume, yet a run trained here.
+    # A directory where a run trained never starts over silently. starting_state calls this when
+    # no checkpoint can be resumed. What the run directory holds, and what happens:
+    #   no metrics.jsonl (nothing ran here)                     -> start fresh
+    #   metrics.jsonl and a "tmp" step (the first save was cut
+    #     short: the loop writes metrics.jsonl just before it
+    #     saves; "tmp" is Orbax's name for a step not committed) -> start fresh
+    #   metrics.jsonl, no "tmp" step (a run trained, and its
+    #     checkpoints are gone)                                 -> refuse
+    #   a step renamed .unreadable (resume renamed them all)    -> refuse
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
@@ -673,7 +674,9 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     #   poll(10)  reads step 9's answer: yes     -> every process saves step 10 and exits 75
 
     def __init__(self, stop_at, mesh):
-        self.stop_at, self.mesh, self.asked_last_poll = stop_at, mesh, False  # see poll
+        self.stop_at = stop_at
+        self.mesh = mesh
+        self.asked_last_poll = False  # then each poll's question: a device bool, read next poll
 
     def poll(self, step):
         # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS).
@@ -685,11 +688,11 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
                                                   lambda _: np.array([bool(SIGNALS)]))
         # The last poll's question is answered by now: read it. This poll's stays on the devices
         # until the next poll. (A host all-gather, multihost_utils', would wait here every step.)
-        answer = self.asked_last_poll
+        previous_answer = self.asked_last_poll
         self.asked_last_poll = jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
-        if answer:  # a device array: this `if` is where the host waits for it
+        if previous_answer:  # a device array: this `if` is where the host waits for it
             return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
@@ -702,7 +705,8 @@ def start_jax(args):
     if args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # so CPU processes can talk
+    # so that CPU processes can talk (it sets the CPU backend's only: TPUs and GPUs have their own)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # cached, so a restart does not compile the 7B step again
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
