@@ -193,8 +193,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     policies = jax.checkpoint_policies
     policy = policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
     # layer(...) calls block(p, x, window, rope, cfg, segments). Static: argument 2, window, and
-    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`). (By number,
-    # as JAX 0.10.2's jax.checkpoint ignores static_argnames on its default path.)
+    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`). (By number:
+    # JAX 0.10.2's jax.checkpoint ignores static_argnames.)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
@@ -232,9 +232,8 @@ def block(p, x_BTD, window, rope, cfg: Config, segments=None):
 
 
 def dense(x, w):  # x [..., in] @ w [in, out] in x's dtype, accumulating in fp32
-    # Use one 2-D matmul, because XLA:CPU runs the 3-D form ([B, T, D] @ [D, F]) slower: for tiny's
-    # [16, 256, 256] @ [256, 768], the 3-D form takes the same time forward, and 2.3x as long
-    # with the backward (JAX 0.10.2, 2 EPYC cores).
+    # One 2-D matmul: with the backward, XLA:CPU runs the 3-D form ([B, T, D] @ [D, F]) 2.3x
+    # slower (tiny's, JAX 0.10.2, 2 EPYC cores)
     y = jnp.dot(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 

@@ -1192,7 +1192,7 @@ def test_spike_guard_follows_olmo_core():
             loss += 1.0  # a loss spike: ignored before 64 steps of history, skipped after
         if i == 90:
             gn += 1.0  # a grad-norm spike alone also skips (OLMo-core needs both within 6 sigma)
-        spikes, history = train.spike_guard(history, i, jnp.array([loss, gn], jnp.float32))
+        spikes, history = train.spike_guard(history, i + 1, jnp.array([loss, gn], jnp.float32))
         skips.append(tuple(np.asarray(spikes).tolist()))
     assert [(i, s) for i, s in enumerate(skips) if any(s)] == [
         (80, (True, False)),
@@ -1208,7 +1208,7 @@ def test_spike_guard_keeps_a_non_finite_value_out_of_its_history():
         values = [3 + 0.01 * rng.standard_normal(), 1 + 0.01 * rng.standard_normal()]
         if i == 100:
             values[1] = np.nan
-        spikes, history = train.spike_guard(history, i, jnp.array(values, jnp.float32))
+        spikes, history = train.spike_guard(history, i + 1, jnp.array(values, jnp.float32))
         if np.asarray(spikes).any():
             spiked.append(i)
     assert spiked == [100]

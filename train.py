@@ -3,8 +3,9 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
-# the optimizer. On a first read, take each call into the "second read" (the progress line and
-# what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's olmo3.Config.
+# the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
+# progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
+# olmo3.Config.
 import argparse
 import dataclasses
 import datetime
@@ -128,7 +129,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
     batches = loader.iterate(done, r.steps)  # batches done to r.steps - 1 (this process's rows)
     unread = {}  # step -> its metrics, still on the devices
-    skipped = 0  # the updates skipped in a row (by the spike guard, or as not finite)
+    skipped = 0  # the updates skipped in a row, up to the last step read
     for step in range(done + 1, r.steps + 1):
         batch = next(batches)  # batch step - 1
         # device_batch: this process's rows -> one array over all devices (one host: device_put)
@@ -139,14 +140,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # Read the metrics a step late: the host waits for step - 1's while this step runs. Before
         # a save, this step's too (the save waits for it anyway), so that the metrics.jsonl saved
         # with it holds every step.
-        for s in [step - 1, step] if save_now else [step - 1]:
-            if s in unread:  # (none before the first step, and a save read its own already)
-                m = jax.device_get(unread.pop(s))  # waits for step s, as nanoGPT's loss.item()
-                skipped = skipped + 1 if m["skipped"] else 0
-                log.metrics(s, m)  # a line every log_every steps, and one per skipped update
+        read_to = step if save_now else step - 1
+        skipped = read_metrics(unread, read_to, skipped, log)
         if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
             log.flush()
-            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {s}; "
+            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {read_to}; "
                              "lower --lr or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):
             evals(state["params"], step)  # the results are logged
@@ -165,6 +163,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
+
+
+def read_metrics(unread, read_to, skipped, log):  # -> the updates skipped in a row, up to read_to
+    # Reads the metrics of each step in unread up to step read_to, and takes them out of unread.
+    # Counts the updates skipped in a row (by the spike guard, or as not finite); log.metrics
+    # prints a line every log_every steps, and one for each skipped update.
+    for step in [s for s in unread if s <= read_to]:  # in order: the loop adds them so
+        m = jax.device_get(unread.pop(step))  # waits for the devices, as nanoGPT's loss.item()
+        skipped = skipped + 1 if m["skipped"] else 0
+        log.metrics(step, m)
+    return skipped
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -317,7 +326,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     new = adamw(params, state["opt_state"], grads, grad_norm, lr, r)  # {params, opt_state}
     # The spike guard (OLMo-core's) may skip the update: params and opt_state stay as they were.
     # spikes [2]: did the loss, the grad norm spike
-    spikes, history = spike_guard(state["history"], state["step"], jnp.stack([ce, grad_norm]))
+    spikes, history = spike_guard(state["history"], state["step"] + 1, jnp.stack([ce, grad_norm]))
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)  # never apply a NaN
     # A skip keeps the old params and Adam state (its count too), while step and history advance
     old = {k: state[k] for k in new}  # params and opt_state before this step
@@ -337,23 +346,23 @@ def split_micro(x, n_micro: int):
 
 # ----------------------------------------------------------------------------- the spike guard
 
-def spike_guard(history, steps_done, values):  # -> (is each a spike, the history with them)
+def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer on values [loss, grad norm]: a value spikes if it is more
-    # than 6 std above the mean of the (up to) 128 before it, from step 64 on. This is step
-    # steps_done + 1, one value a step. history [2, 128] is a ring of the last 128 values; this
-    # step's go to slot steps_done % 128. At step 4, slots 0-2 hold values and this one goes to
-    # slot 3; at step 200, all 128 hold values, and this one overwrites slot 71, the oldest.
-    n_filled = jnp.minimum(steps_done, HISTORY)  # how many values the history holds
-    filled = jnp.arange(HISTORY) < steps_done  # [128]: which slots hold one (all, from step 129 on)
+    # than 6 std above the mean of the (up to) 128 before it, from step 64 on. history [2, 128]
+    # is a ring of the last 128 values, one a step: step k's go to slot (k - 1) % 128. At step 4,
+    # slots 0-2 hold steps 1-3's and this one goes to slot 3; at step 200, all 128 hold values,
+    # and this one overwrites slot 71 (step 72's, the oldest).
+    n_filled = jnp.minimum(step - 1, HISTORY)  # how many values the history holds
+    filled = jnp.arange(HISTORY) < step - 1  # [128]: which slots hold one (all, from step 129 on)
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    checking = steps_done + 1 >= HISTORY // 2  # this step is 64 or later
+    checking = step >= HISTORY // 2  # from step 64 on
     # one-sided, as OLMo-core's: only a rise counts (False for NaN, +inf)
     within = values - mean <= 6 * std
     # A value not finite is kept out (the mean takes its slot), or every later step would spike
     kept = jnp.where(jnp.isfinite(values), values, mean)
-    return checking & ~within, history.at[:, steps_done % HISTORY].set(kept)
+    return checking & ~within, history.at[:, (step - 1) % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -373,34 +382,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
         return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                      optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                     [warmup])
-    # "olmo3": AI2's stage 1 in two parts (the 7b presets)
+    # "olmo3": AI2's stage 1 in two parts (the 7b presets; olmo3_stage1, in the second read)
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
-
-
-# (The 7b presets' schedule: skip it on a first read.) -> (step k -> its LR), for P, F, W and the
-# tokens a step; cosine(T) is schedule's CosWithWarmup, aimed at T steps.
-def olmo3_stage1(peak, floor, warmup, tokens, cosine):
-    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
-    # cosine(T1), aimed at 5T tokens; AI2 stopped it after step 596,047. Part 2 is OLMo-core's
-    # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step W2, then the
-    # second half of a cosine from P to F, reaching F at T2:
-    #   ((F + P) / 2) k / W2 for k < W2,
-    #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
-    # T1, T2: the steps of 5T and of 7T tokens, rounded up (part 1 aims at T1, part 2 at T2)
-    T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
-    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
-    # is the steps of 5T tokens rounded down (an integer division, unlike T1). For the 7b:
-    # T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
-    W2 = int(5e12) // tokens // 2 + warmup // 2
-    # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
-    # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
-    # The angle runs from pi / 2 at W2 to pi at T2, and stays there.
-    angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
-    part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
-                                floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # Part 2 from step 596,048 on: AI2 restarted after step 596,047. That is a fact of their run,
-    # so it is written out, not derived from the tokens a step as T1, T2 and W2 are.
-    return lambda k: jnp.where(k < 596_048, cosine(T1)(k), part2(k))
 
 
 # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
@@ -423,13 +406,41 @@ def adam(r):  # optax's Adam (adamw clips before it and decays after it)
 
 
 # =============================================================================
-# Second read: the progress line, and what the 7B on a pod needs: checkpoints, stopping, several
-# hosts; then the command line.
+# Second read: the 7B's schedule, the progress line, and what the 7B on a pod needs:
+# checkpoints, stopping, several hosts; then the command line.
 # A preempted pod run, end to end (4 hosts, resuming from step 500): every host runs the same
 # command; start_jax joins them; each loader reads only its devices' rows (local_rows); every
 # host reads checkpoint 500 onto its own devices (resume); host 3 gets a SIGTERM at step 612,
 # and every host saves the same step and exits 75 (Stopper); the same command resumes.
 # =============================================================================
+
+
+# ----------------------------------------------------------------------------- the 7B's schedule
+
+# -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is schedule's CosWithWarmup,
+# aimed at T steps.
+def olmo3_stage1(peak, floor, warmup, tokens, cosine):
+    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
+    # cosine(T1), aimed at 5T tokens; AI2 stopped it after step 596,047. Part 2 is OLMo-core's
+    # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step W2, then the
+    # second half of a cosine from P to F, reaching F at T2:
+    #   ((F + P) / 2) k / W2 for k < W2,
+    #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
+    # T1, T2: the steps of 5T and of 7T tokens, rounded up (part 1 aims at T1, part 2 at T2)
+    T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
+    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
+    # is the steps of 5T tokens rounded down (an integer division, unlike T1). For the 7b:
+    # T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
+    W2 = int(5e12) // tokens // 2 + warmup // 2
+    # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
+    # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
+    # The angle runs from pi / 2 at W2 to pi at T2, and stays there.
+    angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
+    part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
+                                floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
+    # Part 2 from step 596,048 on: AI2 restarted after step 596,047. That is a fact of their run,
+    # so it is written out, not derived from the tokens a step as T1, T2 and W2 are.
+    return lambda k: jnp.where(k < 596_048, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -674,9 +685,8 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     #   poll(10)  reads step 9's answer: yes     -> every process saves step 10 and exits 75
 
     def __init__(self, stop_at, mesh):
-        self.stop_at = stop_at
-        self.mesh = mesh
-        self.asked_last_poll = False  # then each poll's question: a device bool, read next poll
+        self.stop_at, self.mesh = stop_at, mesh
+        self.asked_last_poll = jnp.array(False)  # each poll's question, a device bool (see poll)
 
     def poll(self, step):
         # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS).
