@@ -1,4 +1,6 @@
 """What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
+# Its jobs share one thing, running the model on given text, and none is needed to train: so they
+# sit here together, beside the core, which trains without them (the README's line budget).
 # Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
 # score (perplexity, tasks) comes down to (the summed log-probability of each row's labelled
 # positions, sharded over the mesh as training is); then the perplexity sets, the commands

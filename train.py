@@ -109,25 +109,36 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # args: the flags that are not Config or Recipe fields (parse_args). The first read meets
     # --out, --data, --data-root, --init-from, --eval-data, --eval-tasks, --stop-at, --samples.
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
-    # log(text) prints a line; log(**record) adds a record to metrics.jsonl
+    # Log (second read) is print, plus log.txt and metrics.jsonl: log(text) prints a line;
+    # log(**record) adds a record to metrics.jsonl; log.flush() writes both files
     log = Log(cfg, r, args.out, mesh)
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # drops metrics.jsonl's records past the checkpoint (a kill can leave some)
+    # drops metrics.jsonl's records past the checkpoint (a kill after a flush, before its save
+    # was committed, leaves some)
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # nanoGPT's loop, with two changes. The metrics are read a step late: step_fn returns at
-    # once, and while the host waits for step s - 1's, step s keeps the devices busy. And a stop
-    # (a signal, --stop-at) saves, then exits 75. Steps count from 1, as OLMo-core's do: step s
-    # trains on batch s - 1, and state["step"] counts the steps done. (The README's "A step's
-    # life" follows one step through this loop.)
-    stopper = Stopper(args.stop_at, mesh)  # on a signal or --stop-at, every process stops
-    batches = loader.iterate(done, r.steps)  # batches done to r.steps - 1 (this process's rows)
+    # The loop below, as nanoGPT would write it on one device:
+    #   for step in range(done + 1, r.steps + 1):
+    #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))
+    #       log.metrics(step, jax.device_get(metrics))  # waits for this step
+    #       if step % r.eval_every == 0: evals(state["params"], step)
+    #       if step % r.save_every == 0: manager.save(step, state)
+    # Two changes. The metrics are read a step late: step_fn returns at once, and while the host
+    # waits for step s - 1's, step s keeps the devices busy:
+    #   host:     dispatch step 4 | read step 3's metrics | dispatch step 5 | read step 4's ...
+    #   devices:  ... step 3 ...  | step 4 .............................. | step 5 .........
+    # And a stop (a signal, --stop-at) saves, then exits 75. Steps count from 1, as OLMo-core's
+    # do: step s trains on batch s - 1, and state["step"] counts the steps done.
+    # Stopper (second read): on one host, --stop-at or a signal's flag; on a pod, every process
+    # stops after the same step
+    stopper = Stopper(args.stop_at, mesh)
+    batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     unread = {}  # step -> its metrics, still on the devices
     skipped = 0  # the updates skipped in a row, up to the last step read
     for step in range(done + 1, r.steps + 1):
@@ -150,7 +161,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             evals(state["params"], step)  # the results are logged
         if save_now:
             log.flush()  # writes metrics.jsonl and log.txt
-            # copies the state to host memory, then writes it in the background
+            # manager.save(step, state), with the settings (second read): it copies the state to
+            # host memory, then writes it in the background
             save(manager, step, state, cfg, r, loader.fingerprint)
         if stop is not None and step < r.steps:  # (after the last step, the run ends anyway)
             manager.wait_until_finished()  # the save is committed
@@ -257,14 +269,17 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     #   --init-from  fresh, then another checkpoint's params, and its Adam state if it is a run's
     #                (stages 2 and 3); step, history and so the LR schedule start again from 0
     if manager.latest_step() is not None:
+        # resume (second read): on one host, restore of the newest step; on a pod, the newest
+        # step every host can read
         state = resume(manager, target, cfg, r, loader, log)
         return state, f"resumed from step {int(state['step'])}"
-    refuse_fresh_start(args.out)  # stops if a run already trained in args.out
+    refuse_fresh_start(args.out)  # (second read) stops if a run already trained in args.out
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
     # restore reads what the checkpoint has: params alone from a converted one, the whole state
-    # from a run's. It checks only that the model's settings match (no check_data: another run's).
+    # from a run's (second read). It checks only that the model's settings match (no check_data:
+    # another run's).
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
     # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
     carried = [k for k in ("params", "opt_state") if k in restored]
@@ -280,14 +295,15 @@ def compile_step(cfg, r, mesh, target):
     if r.global_batch % micro or micro % dp:
         raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
                          "data-parallel devices do not divide; pick multiples of each other")
-    tokens = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
-                                  sharding=olmo3.batch_sharding(mesh))
-    batch = dict(inputs=tokens, labels=tokens) | (dict(segments=tokens) if r.packing else {})
+    # each of the batch's arrays, described: [global_batch, seq_len] int32, rows over the devices
+    rows = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
+                                sharding=olmo3.batch_sharding(mesh))
+    batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
     # On one device, this would be jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
     # with no shardings. Here the lambda bakes cfg and r in, as static arguments would.
     # donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy.
     # The new state keeps its shardings (out_shardings; the metrics' None lets XLA choose); the
-    # inputs' come from the ShapeDtypeStructs given to lower (target's and tokens'), so jit needs
+    # inputs' come from the ShapeDtypeStructs given to lower (target's and rows'), so jit needs
     # no in_shardings.
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
@@ -358,7 +374,7 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
     checking = step >= HISTORY // 2  # from step 64 on
-    # one-sided, as OLMo-core's: only a rise counts (False for NaN, +inf)
+    # Only a rise counts, as in OLMo-core. NaN and +inf make `within` False, so they spike.
     within = values - mean <= 6 * std
     # A value not finite is kept out (the mean takes its slot), or every later step would spike
     kept = jnp.where(jnp.isfinite(values), values, mean)
@@ -375,7 +391,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # at 275, halfway down, and F = 3e-4 at 500, the last.
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
-    # (the max()es keep a run no longer than its warmup valid; optax's decay_steps is T)
+    # optax's decay_steps counts the warmup in, as OLMo-core's T does; the max()es keep a run
+    # no longer than its warmup valid (optax needs decay_steps > warmup)
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
     if r.schedule == "linear":  # join_schedules counts its second part's steps from W
@@ -420,26 +437,24 @@ def adam(r):  # optax's Adam (adamw clips before it and decays after it)
 # -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is schedule's CosWithWarmup,
 # aimed at T steps.
 def olmo3_stage1(peak, floor, warmup, tokens, cosine):
-    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py). Part 1 is
-    # cosine(T1), aimed at 5T tokens; AI2 stopped it after step 596,047. Part 2 is OLMo-core's
-    # HalfCosWithWarmup aimed at 7T tokens (T2): a warmup to (F + P) / 2 at step W2, then the
-    # second half of a cosine from P to F, reaching F at T2:
+    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; the
+    # README's Training section tells it). Part 1, to step 596,047, is cosine(T1), aimed at 5T
+    # tokens. Part 2, from step 596,048, where AI2 restarted, is OLMo-core's HalfCosWithWarmup
+    # aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then the second half of a cosine
+    # from P to F, reaching F at T2:
     #   ((F + P) / 2) k / W2 for k < W2,
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
-    # T1, T2: the steps of 5T and of 7T tokens, rounded up (part 1 aims at T1, part 2 at T2)
-    T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)
+    # For the 7b, T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts just inside
+    # its warmup: 1.647e-4 at step 596,048, against part 1's 1.654e-4 at 596,047.
+    T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # 5T and 7T tokens' steps, rounded up
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
-    # is the steps of 5T tokens rounded down (an integer division, unlike T1). For the 7b:
-    # T1 = 1,192,093, T2 = 1,668,931, W2 = 597,046.
+    # is 5T tokens' steps rounded down (an integer division, unlike T1)
     W2 = int(5e12) // tokens // 2 + warmup // 2
-    # The 7b's LR: 3.0e-4 at step 2,000; 1.654e-4 at 596,047 (part 1's last); 1.647e-4 at
-    # 596,048 (part 2's first, in its warmup); 3.93e-5 at 1,413,814, the last.
-    # The angle runs from pi / 2 at W2 to pi at T2, and stays there.
+    # the angle runs from pi / 2 at W2 to pi at T2, and stays there
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # Part 2 from step 596,048 on: AI2 restarted after step 596,047. That is a fact of their run,
-    # so it is written out, not derived from the tokens a step as T1, T2 and W2 are.
+    # 596,048, the restart, is a fact of AI2's run, so it is written out, not derived
     return lambda k: jnp.where(k < 596_048, cosine(T1)(k), part2(k))
 
 
