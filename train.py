@@ -299,12 +299,14 @@ def compile_step(cfg, r, mesh, target):
     rows = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
-    # On one device, this would be jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
-    # with no shardings. Here the lambda bakes cfg and r in, as static arguments would.
-    # donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy.
-    # The new state keeps its shardings (out_shardings; the metrics' None lets XLA choose); the
-    # inputs' come from the ShapeDtypeStructs given to lower (target's and rows'), so jit needs
-    # no in_shardings.
+    # On one device, this would be:
+    #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
+    # Here, in the same way:
+    # - the lambda bakes cfg, r and the micro-batch count in, as static arguments would;
+    # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy;
+    # - out_shardings: the new state keeps its shardings (the metrics' None lets XLA choose);
+    # - lower(target, batch).compile() compiles for these shapes and shardings before any data
+    #   exists (so jit needs no in_shardings).
     step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
     return step.lower(target, batch).compile()
@@ -691,11 +693,10 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
     # On one host, simply: --stop-at N stops after step N, and a signal within two steps.
-    # The rule: every process stops after the same step, within two steps of a signal to any.
-    # Each process may get a signal at its own moment, so each step poll asks all of them "has
-    # any process got a signal?" (an all-reduce on the devices), and reads the answer at the
-    # next step's poll, when it is ready (as the loop reads the metrics a step late). Say a
-    # SIGTERM comes just after poll(8) has asked:
+    # On a pod, every process must stop after the same step, but a signal reaches one process at
+    # its own moment. So at each step, every process asks "has any process got a signal?" (an
+    # all-reduce on the devices), and reads the answer at the next step, when it is ready (as
+    # the loop reads the metrics a step late). Say a SIGTERM comes just after poll(8) has asked:
     #   poll(9)   reads step 8's answer: no      asks again: yes (the signal is here now)
     #   poll(10)  reads step 9's answer: yes     -> every process saves step 10 and exits 75
 
@@ -711,13 +712,14 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
         sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
         per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
-        # The last poll's question is answered by now: read it. This poll's stays on the devices
-        # until the next poll. (A host all-gather, multihost_utils', would wait here every step.)
-        previous_answer = self.asked_last_poll
+        # Ask: the answer stays on the devices until the next poll reads it. (A host all-gather,
+        # multihost_utils', would wait here, every step.)
+        previous = self.asked_last_poll
         self.asked_last_poll = jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
-        if previous_answer:  # a device array: this `if` is where the host waits for it
+        # read the last poll's answer: the host waits for it, ready by now (or nearly)
+        if jax.device_get(previous):
             return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
