@@ -26,8 +26,8 @@
 #    NumPy's .npy format), plus mix files that list them. A hash of each document's text picks
 #    train or held-out, so no text is in both (exact copies; a near-copy hashes otherwise).
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
-# (`have` and `beside`, at the end: is a module beside the core here, and importing one where a
-# flag needs it; train.py uses both.)
+# (`have` and `beside`, at the end, are for train.py: `have` asks whether a module beside the core
+# is here, and `beside` imports one where a flag needs it.)
 import bisect
 import collections
 import concurrent.futures
@@ -178,7 +178,8 @@ class PackedLoader(Loader):
         # label_mask gives (with length 3 and T = 6, positions 2 to 4 lose theirs; 5 has none).
         # So a document's EOS is labelled with the next document's first token: each EOS but the
         # row's last (padding follows it, so it has no target) learns to predict an unrelated
-        # document's first token, while seeing only its own document, as in OLMo-core.
+        # document's first token, while seeing only its own document, as in OLMo-core. In the row
+        # a b E c E pad pad (length 5), the first E's label is c, and the second E has none.
         batch = super().batch(i)
         lengths = self.lengths[self.ids(i), None]  # [rows, 1]: each row's tokens before padding
         padding = np.arange(self.seq_len) + 1 >= lengths  # [rows, seq_len]: no label here

@@ -30,8 +30,9 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# Training settings: AI2's stage 1, with a plain cosine as the default schedule. RECIPES changes a
-# few fields for each preset (7b: AI2's two-part schedule, "olmo3").
+# Training settings: AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike guard), but for
+# the schedule: the default is a plain cosine (MaxText's simplification), and the 7b presets set
+# AI2's own two-part one ("olmo3"). RECIPES changes a few fields for each preset.
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -125,16 +126,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     step_fn = compile_step(cfg, r, mesh, target)
     # The loop below, as nanoGPT would write it on one device:
     #   for step in range(done + 1, r.steps + 1):
-    #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))
-    #       log.metrics(step, jax.device_get(metrics))  # waits for this step
-    #       if step % r.eval_every == 0: evals(state["params"], step)
-    #       if step % r.save_every == 0: manager.save(step, state)
+    #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
+    #       log.metrics(step, jax.device_get(metrics))  # (2) waits for this step
+    #       if step % r.eval_every == 0: evals(state["params"], step)  # (3)
+    #       if step % r.save_every == 0: manager.save(step, state)  # (4)
     # Two changes. The metrics are read a step late: step_fn returns at once, and while the host
     # waits for step s - 1's, step s keeps the devices busy:
     #   host:     dispatch step 4 | read step 3's metrics | dispatch step 5 | read step 4's ...
     #   devices:  ... step 3 ...  | step 4 .............................. | step 5 .........
-    # And a stop (a signal, --stop-at) saves, then exits 75. Steps count from 1, as OLMo-core's
-    # do: step s trains on batch s - 1, and state["step"] counts the steps done.
+    # And a stop (a signal, --stop-at) saves, then exits 75 (5). Steps count from 1, as
+    # OLMo-core's do: step s trains on batch s - 1, and state["step"] counts the steps done.
     # Stopper (second read): on one host, --stop-at or a signal's flag; on a pod, every process
     # stops after the same step
     stopper = Stopper(args.stop_at, mesh)
@@ -142,29 +143,30 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     unread = {}  # step -> its metrics, still on the devices
     skipped = 0  # the updates skipped in a row, up to the last step read
     for step in range(done + 1, r.steps + 1):
+        # (1) the step. device_batch: this process's rows -> one array over all devices (one
+        # host: device_put)
         batch = next(batches)  # batch step - 1
-        # device_batch: this process's rows -> one array over all devices (one host: device_put)
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
         unread[step] = metrics
         stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
-        # Read the metrics a step late: the host waits for step - 1's while this step runs. Before
-        # a save, this step's too (the save waits for it anyway), so that the metrics.jsonl saved
-        # with it holds every step.
+        # (2) the metrics, a step late: the host waits for step - 1's while this step runs.
+        # Before a save, this step's too (the save waits for it anyway), so that the
+        # metrics.jsonl saved with it holds every step.
         read_to = step if save_now else step - 1
         skipped = read_metrics(unread, read_to, skipped, log)
         if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
             log.flush()
             raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {read_to}; "
                              "lower --lr or check the data")
-        if evals and (step % r.eval_every == 0 or step == r.steps):
+        if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
-        if save_now:
+        if save_now:  # (4)
             log.flush()  # writes metrics.jsonl and log.txt
             # manager.save(step, state), with the settings (second read): it copies the state to
             # host memory, then writes it in the background
             save(manager, step, state, cfg, r, loader.fingerprint)
-        if stop is not None and step < r.steps:  # (after the last step, the run ends anyway)
+        if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
             manager.wait_until_finished()  # the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
@@ -672,8 +674,9 @@ def refuse_fresh_start(out):
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
-    first_save_cut_short = any("tmp" in n for n in names)  # Orbax's name for a step not committed
-    if unreadable or (trained and not first_save_cut_short):
+    # Orbax's name for a step not committed; with no checkpoint, the first save was cut short
+    save_cut_short = any("tmp" in n for n in names)
+    if unreadable or (trained and not save_cut_short):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
                          "restore its checkpoints, or use a new --out")
