@@ -2,6 +2,10 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
+# Steps, once for all: they count from 1, as OLMo-core's do. Step s trains on batch s - 1 (the
+# loader counts batches from 0), state["step"] is the steps done, so step s is state["step"] + 1
+# inside train_step (its LR and spike guard take that), and Adam's own count is separate (it
+# carries over with --init-from).
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
 # progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
@@ -155,7 +159,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # metrics.jsonl saved with it holds every step.
         read_to = step if save_now else step - 1
         skipped = read_metrics(unread, read_to, skipped, log)
-        if skipped >= 10:  # the spike guard cannot rescue this run: stop before saving
+        # 10 in a row: the spike guard cannot rescue this run. Stop before saving, so that its
+        # last checkpoint is from before the trouble (a rerun resumes there, with a lower --lr)
+        if skipped >= 10:
             log.flush()
             raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {read_to}; "
                              "lower --lr or check the data")
@@ -340,10 +346,12 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
+    # clips to a global norm of grad_clip (optax's clip_by_global_norm)
+    clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
     # The LR of step k = state["step"] + 1 (1-based, as OLMo-core's k), not of Adam's count,
     # which --init-from carries over
     lr = schedule(r)(state["step"] + 1)
-    new = adamw(params, state["opt_state"], grads, grad_norm, lr, r)  # {params, opt_state}
+    new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # The spike guard (OLMo-core's) may skip the update: params and opt_state stay as they were.
     # spikes [2]: did the loss, the grad norm spike
     spikes, history = spike_guard(state["history"], state["step"] + 1, jnp.stack([ce, grad_norm]))
@@ -393,6 +401,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
     # The tiny preset's cosine (P 3e-3, W 50, T 500): 6e-5 at step 1, the peak 3e-3 at 50, 1.65e-3
     # at 275, halfway down, and F = 3e-4 at 500, the last.
+    # optax's schedules count from 0; they are given OLMo-core's 1-based k, so step 1's LR is
+    # P / W, as OLMo-core's (test_schedule_matches_olmo_core_off_by_one)
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # optax's decay_steps counts the warmup in, as OLMo-core's T does; the max()es keep a run
@@ -410,11 +420,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
 # embedding. Not optax.adamw: its schedule would count from Adam's count, which starts at 0 and
 # --init-from carries over.
-def adamw(params, opt_state, grads, grad_norm, lr, r):  # -> the updated {params, opt_state}
-    # clip to a global norm of grad_clip (optax's clip_by_global_norm)
-    clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
+def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction m^ / (sqrt(v^) + eps), bias-corrected by Adam's count (before -lr)
-    updates, opt_state = adam(r).update(jax.tree.map(clip, grads), opt_state)
+    updates, opt_state = adam(r).update(grads, opt_state)
     # + wd * p on every weight but the embedding (norms and lm_head too, as OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
     updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
@@ -422,7 +430,7 @@ def adamw(params, opt_state, grads, grad_norm, lr, r):  # -> the updated {params
     return {"params": new_params, "opt_state": opt_state}
 
 
-def adam(r):  # optax's Adam (adamw clips before it and decays after it)
+def adam(r):  # optax's Adam (train_step clips before it, adamw decays after it)
     return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
