@@ -2,10 +2,12 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
-# Steps, once for all: they count from 1, as OLMo-core's do. Step s trains on batch s - 1 (the
-# loader counts batches from 0), state["step"] is the steps done, so step s is state["step"] + 1
-# inside train_step (its LR and spike guard take that), and Adam's own count is separate (it
-# carries over with --init-from).
+# Steps, defined once here (OLMo-core's numbering):
+#   step s          1, 2, ..., r.steps, the loop's counter
+#   batch s - 1     the batch step s trains on (the loader counts batches from 0)
+#   state["step"]   the steps done: s - 1 while step s runs, so train_step's step is
+#                   state["step"] + 1 (the schedule's k and the spike guard's step)
+#   Adam's count    optax's own, apart from these: --init-from carries it over
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
 # progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
@@ -113,9 +115,16 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args: the flags that are not Config or Recipe fields (parse_args). The first read meets
     # --out, --data, --data-root, --init-from, --eval-data, --eval-tasks, --stop-at, --samples.
+    # The second-read helpers this calls are, on one host:
+    #   Log             print, plus the files log.txt and metrics.jsonl
+    #   starting_state  init_state on an empty run directory (then --init-from's weights, if
+    #                   given); else Orbax's restore of its newest checkpoint (resume)
+    #   Stopper         --stop-at, or a signal's flag
+    #   device_batch    jax.device_put
+    #   save            manager.save(step, state), in the background
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
-    # Log (second read) is print, plus log.txt and metrics.jsonl: log(text) prints a line;
-    # log(**record) adds a record to metrics.jsonl; log.flush() writes both files
+    # log(text) prints a line; log(**record) adds a record to metrics.jsonl; log.flush() writes
+    # both files
     log = Log(cfg, r, args.out, mesh)
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target: the state's shapes and shardings, with nothing allocated
@@ -123,7 +132,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     # drops metrics.jsonl's records past the checkpoint (a kill after a flush, before its save
-    # was committed, leaves some)
+    # was committed, leaves some; all of them on a fresh start after a first save cut short)
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
@@ -138,11 +147,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # waits for step s - 1's, step s keeps the devices busy:
     #   host:     dispatch step 4 | read step 3's metrics | dispatch step 5 | read step 4's ...
     #   devices:  ... step 3 ...  | step 4 .............................. | step 5 .........
-    # And a stop (a signal, --stop-at) saves, then exits 75 (5). Steps count from 1, as
-    # OLMo-core's do: step s trains on batch s - 1, and state["step"] counts the steps done.
-    # Stopper (second read): on one host, --stop-at or a signal's flag; on a pod, every process
-    # stops after the same step
-    stopper = Stopper(args.stop_at, mesh)
+    # And a stop (a signal, --stop-at) saves, then exits 75 (5). (Steps: the table at the top.)
+    stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     unread = {}  # step -> its metrics, still on the devices
     skipped = 0  # the updates skipped in a row, up to the last step read
@@ -168,9 +174,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
         if save_now:  # (4)
-            log.flush()  # writes metrics.jsonl and log.txt
-            # manager.save(step, state), with the settings (second read): it copies the state to
-            # host memory, then writes it in the background
+            log.flush()  # writes metrics.jsonl and log.txt, and redraws loss.png
+            # manager.save(step, state), with the settings: it copies the state to host memory,
+            # then writes it in the background
             save(manager, step, state, cfg, r, loader.fingerprint)
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
             manager.wait_until_finished()  # the save is committed
@@ -348,7 +354,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
     # clips to a global norm of grad_clip (optax's clip_by_global_norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # The LR of step k = state["step"] + 1 (1-based, as OLMo-core's k), not of Adam's count,
+    # The LR of this step, k = state["step"] + 1 (the table at the top), not of Adam's count,
     # which --init-from carries over
     lr = schedule(r)(state["step"] + 1)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
@@ -570,6 +576,7 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
+# r and data_fingerprint are optional: convert.py saves a converted model's params alone
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
