@@ -2,12 +2,8 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
-# Steps, defined once here (OLMo-core's numbering):
-#   step s          1, 2, ..., r.steps, the loop's counter
-#   batch s - 1     the batch step s trains on (the loader counts batches from 0)
-#   state["step"]   the steps done: s - 1 while step s runs, so train_step's step is
-#                   state["step"] + 1 (the schedule's k and the spike guard's step)
-#   Adam's count    optax's own, apart from these: --init-from carries it over
+# Steps count from 1, as OLMo-core's do: step s trains on batch s - 1 (the loader counts batches
+# from 0), and state["step"] counts the steps done (Adam keeps its own count).
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
 # progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
@@ -37,8 +33,9 @@ logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on e
 
 
 # Training settings: AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike guard), but for
-# the schedule: the default is a plain cosine (MaxText's simplification), and the 7b presets set
-# AI2's own two-part one ("olmo3"). RECIPES changes a few fields for each preset.
+# the schedule: the default is a plain cosine (MaxText's simplification), 7b and 7b-wide set
+# AI2's own two-part one ("olmo3"), and 7b-long stage 3's linear one. RECIPES changes a few fields
+# for each preset.
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -147,7 +144,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # waits for step s - 1's, step s keeps the devices busy:
     #   host:     dispatch step 4 | read step 3's metrics | dispatch step 5 | read step 4's ...
     #   devices:  ... step 3 ...  | step 4 .............................. | step 5 .........
-    # And a stop (a signal, --stop-at) saves, then exits 75 (5). (Steps: the table at the top.)
+    # And a stop (a signal, --stop-at) saves, then exits 75 (5).
     stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     unread = {}  # step -> its metrics, still on the devices
@@ -261,8 +258,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
     # is never whole on one device. (jax.eval_shape(fresh_state) gives the shapes, but no
     # shardings: it would not cut Adam's moments like their weights.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    replicated = NamedSharding(mesh, P())  # every device holds all of it
-    whole = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    # whole: an array every device holds all of (P(): no dimension cut)
+    whole = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
     # Adam's mu and nu are cut like params (ZeRO-3). adam(r).init returns this type; a test
     # compares the two: test_abstract_state_describes_fresh_state_with_adam_cut_like_params
     opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
@@ -329,6 +326,7 @@ def compile_step(cfg, r, mesh, target):
 def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len]
     params = state["params"]
+    step = state["step"] + 1  # this step (1-based; state["step"] counts the steps done)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
     n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
@@ -354,19 +352,18 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
     # clips to a global norm of grad_clip (optax's clip_by_global_norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # The LR of this step, k = state["step"] + 1 (the table at the top), not of Adam's count,
-    # which --init-from carries over
-    lr = schedule(r)(state["step"] + 1)
+    # The LR of this step (OLMo-core's k), not of Adam's count, which --init-from carries over
+    lr = schedule(r)(step)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # The spike guard (OLMo-core's) may skip the update: params and opt_state stay as they were.
     # spikes [2]: did the loss, the grad norm spike
-    spikes, history = spike_guard(state["history"], state["step"] + 1, jnp.stack([ce, grad_norm]))
+    spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)  # never apply a NaN
     # A skip keeps the old params and Adam state (its count too), while step and history advance
     old = {k: state[k] for k in new}  # params and opt_state before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
-    return new | {"step": state["step"] + 1, "history": history}, metrics
+    return new | {"step": step, "history": history}, metrics
 
 
 def split_micro(x, n_micro: int):
@@ -468,7 +465,8 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
     # is 5T tokens' steps rounded down (an integer division, unlike T1)
     W2 = int(5e12) // tokens // 2 + warmup // 2
-    # the angle runs from pi / 2 at W2 to pi at T2, and stays there
+    # the angle, pi / 2 + (pi / 2) (k - W2) / (T2 - W2): from pi / 2 at W2 to pi at T2, and there
+    # it stays
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
