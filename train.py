@@ -161,13 +161,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # Before a save, this step's too (the save waits for it anyway), so that the
         # metrics.jsonl saved with it holds every step.
         read_to = step if save_now else step - 1
-        skipped = read_metrics(unread, read_to, skipped, log)
-        # 10 in a row: the spike guard cannot rescue this run. Stop before saving, so that its
-        # last checkpoint is from before the trouble (a rerun resumes there, with a lower --lr)
-        if skipped >= 10:
-            log.flush()
-            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {read_to}; "
-                             "lower --lr or check the data")
+        skipped = read_metrics(unread, read_to, skipped, log)  # it stops the run at 10 in a row
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
         if save_now:  # (4)
@@ -196,6 +190,13 @@ def read_metrics(unread, read_to, skipped, log):  # -> the updates skipped in a 
         m = jax.device_get(unread.pop(step))  # waits for the devices, as nanoGPT's loss.item()
         skipped = skipped + 1 if m["skipped"] else 0
         log.metrics(step, m)
+        # 10 in a row: the spike guard cannot rescue this run, so it stops here, before the loop
+        # saves again. Every checkpoint holds good weights (a skipped update changes none), and a
+        # rerun resumes from the last one (with a lower --lr, which a resume may change).
+        if skipped >= 10:
+            log.flush()
+            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {step}; "
+                             "lower --lr or check the data")
     return skipped
 
 
