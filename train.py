@@ -144,7 +144,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # waits for step s - 1's, step s keeps the devices busy:
     #   host:     dispatch step 4 | read step 3's metrics | dispatch step 5 | read step 4's ...
     #   devices:  ... step 3 ...  | step 4 .............................. | step 5 .........
-    # And a stop (a signal, --stop-at) saves, then exits 75 (5).
+    # And a stop (a signal, --stop-at) saves, then exits 75 (5). A trace, with save_every 100 and
+    # a SIGTERM during step 150 (the stop, too, is seen a step late: Stopper):
+    #   step 150  dispatch; poll: no stop yet; read 149's metrics
+    #   step 151  dispatch; poll: stop; save_now, so read 150's and 151's; flush; save 151; exit 75
+    # A rerun resumes at step 152. Without the signal, step 200 reads 199's and 200's, then saves.
     stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     unread = {}  # step -> its metrics, still on the devices
@@ -351,7 +355,8 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
-    # clips to a global norm of grad_clip (optax's clip_by_global_norm)
+    # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (written out, as
+    # the spike guard watches the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
     # The LR of this step (OLMo-core's k), not of Adam's count, which --init-from carries over
     lr = schedule(r)(step)
@@ -422,8 +427,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
-# embedding. Not optax.adamw: its schedule would count from Adam's count, which starts at 0 and
-# --init-from carries over.
+# embedding. Not optax.adamw: its schedule would count from Adam's count, which --init-from
+# carries over. Stage 2 would start at stage 1's count, 1,413,814, past the end of its own
+# 47,684-step schedule: an LR of 0 throughout.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction m^ / (sqrt(v^) + eps), bias-corrected by Adam's count (before -lr)
     updates, opt_state = adam(r).update(grads, opt_state)
