@@ -145,10 +145,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   host:     dispatch step 4 | read step 3's metrics | dispatch step 5 | read step 4's ...
     #   devices:  ... step 3 ...  | step 4 .............................. | step 5 .........
     # And a stop (a signal, --stop-at) saves, then exits 75 (5). A trace, with save_every 100 and
-    # a SIGTERM during step 150 (the stop, too, is seen a step late: Stopper):
-    #   step 150  dispatch; poll: no stop yet; read 149's metrics
+    # a SIGTERM just before step 150's poll (the stop, too, is seen a step late: Stopper):
+    #   step 150  dispatch; poll asks, but reads step 149's answer: no; read 149's metrics
     #   step 151  dispatch; poll: stop; save_now, so read 150's and 151's; flush; save 151; exit 75
-    # A rerun resumes at step 152. Without the signal, step 200 reads 199's and 200's, then saves.
+    # A rerun resumes at step 152. (A signal just after step 150's poll is seen a poll later: the
+    # run stops after step 152, as in Stopper's trace.) Without a signal, step 200 reads 199's and
+    # 200's metrics, then saves.
     stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     unread = {}  # step -> its metrics, still on the devices
