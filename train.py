@@ -726,16 +726,16 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     #   poll(10)  reads step 9's answer: yes     -> every process saves step 10 and exits 75
 
     def __init__(self, stop_at, mesh):
-        self.stop_at, self.mesh = stop_at, mesh
+        # one entry a device: P(MESH_AXES) cuts a 1-D array's one dimension over all three axes
+        self.stop_at, self.sharding = stop_at, NamedSharding(mesh, P(olmo3.MESH_AXES))
         self.asked_last_poll = jnp.array(False)  # each poll's question, a device bool (see poll)
 
     def poll(self, step):
-        # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS).
-        # P(MESH_AXES) is P(("data", "fsdp", "tensor")): its one dimension cut over all three
-        # mesh axes, so one entry a device. jnp.any over it makes XLA all-reduce across the
-        # hosts. (Not JAX's own preemption sync point, which misses a SIGTERM before step 1.)
-        sharding = NamedSharding(self.mesh, P(olmo3.MESH_AXES))
-        per_device = jax.make_array_from_callback((self.mesh.size,), sharding,
+        # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS)
+        # (self.sharding: P(("data", "fsdp", "tensor")), one entry a device). jnp.any over it
+        # makes XLA all-reduce across the hosts. (Not JAX's own preemption sync point, which
+        # misses a SIGTERM before step 1.)
+        per_device = jax.make_array_from_callback((self.sharding.mesh.size,), self.sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
         # Ask: the answer stays on the devices until the next poll reads it. (A host all-gather,
         # multihost_utils', would wait here, every step.)
