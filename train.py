@@ -2,8 +2,11 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
-# Steps count from 1, as OLMo-core's do: step s trains on batch s - 1 (the loader counts batches
-# from 0), and state["step"] counts the steps done (Adam keeps its own count).
+# Steps count from 1, as OLMo-core's do. The counters, at step s:
+#   the batch       s - 1 (the loader counts batches from 0)
+#   the LR          schedule(r)(s) (OLMo-core's k)
+#   state["step"]   the steps done: s - 1 before the step, s after (a checkpoint's step)
+#   Adam's count    its own: --init-from carries it over (stages 2 and 3), a skipped update keeps it
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
 # progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
@@ -33,9 +36,10 @@ logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on e
 
 
 # Training settings: AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike guard), but for
-# the schedule: the default is a plain cosine (MaxText's simplification), 7b and 7b-wide set
-# AI2's own two-part one ("olmo3"), and 7b-long stage 3's linear one. RECIPES changes a few fields
-# for each preset.
+# the schedule. The default is a plain cosine, which any run length fits (the tiny preset's 500
+# steps; MaxText's reproduction used it too); AI2's own two-part one ("olmo3") is aimed at the
+# 7B's 1.4M steps, so only 7b and 7b-wide set it, and 7b-long sets stage 3's linear one. RECIPES
+# changes a few fields for each preset.
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -128,8 +132,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # drops metrics.jsonl's records past the checkpoint (a kill after a flush, before its save
-    # was committed, leaves some; all of them on a fresh start after a first save cut short)
+    # drops metrics.jsonl's records past the checkpoint's step (a kill can leave some: Log.rewind)
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
@@ -142,32 +145,29 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       if step % r.save_every == 0: manager.save(step, state)  # (4)
     # Two changes. The metrics are read a step late: step_fn returns at once, and while the host
     # waits for step s - 1's, step s keeps the devices busy:
-    #   host:     dispatch step 4 | read step 3's metrics | dispatch step 5 | read step 4's ...
-    #   devices:  ... step 3 ...  | step 4 .............................. | step 5 .........
-    # And a stop (a signal, --stop-at) saves, then exits 75 (5). A trace, with save_every 100 and
-    # a SIGTERM just before step 150's poll (the stop, too, is seen a step late: Stopper):
-    #   step 150  dispatch; poll asks, but reads step 149's answer: no; read 149's metrics
-    #   step 151  dispatch; poll: stop; save_now, so read 150's and 151's; flush; save 151; exit 75
-    # A rerun resumes at step 152. (A signal just after step 150's poll is seen a poll later: the
-    # run stops after step 152, as in Stopper's trace.) Without a signal, step 200 reads 199's and
-    # 200's metrics, then saves.
+    #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
+    #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
+    # And a stop (a signal, --stop-at) saves, then exits 75 (5). A signal, too, is seen a step
+    # late (Stopper). A trace, with save_every 100 and a SIGTERM during step 150, after its poll:
+    #   step 150  dispatch; poll: no signal (yet); read 149's metrics        <- SIGTERM arrives
+    #   step 151  dispatch; poll: reads 150's answer, no; asks again, yes; read 150's metrics
+    #   step 152  dispatch; poll: reads 151's answer, yes: stop; save_now, so read 151's and
+    #             152's metrics; flush; save 152; exit 75
+    # A rerun resumes at step 153. (A SIGTERM before step 150's poll stops the run after 151.)
+    # Without a signal, step 200 reads 199's and 200's metrics, then saves.
     stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
-    unread = {}  # step -> its metrics, still on the devices
-    skipped = 0  # the updates skipped in a row, up to the last step read
+    late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         # (1) the step. device_batch: this process's rows -> one array over all devices (one
         # host: device_put)
         batch = next(batches)  # batch step - 1
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        unread[step] = metrics
         stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
-        # (2) the metrics, a step late: the host waits for step - 1's while this step runs.
-        # Before a save, this step's too (the save waits for it anyway), so that the
-        # metrics.jsonl saved with it holds every step.
-        read_to = step if save_now else step - 1
-        skipped = read_metrics(unread, read_to, skipped, log)  # it stops the run at 10 in a row
+        # (2) the metrics: step - 1's (the host waits for them while this step runs); before a
+        # save, this step's too. 10 updates skipped in a row stop the run here.
+        late_metrics.read(step, metrics, save_now)
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
         if save_now:  # (4)
@@ -188,22 +188,32 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     return 0
 
 
-def read_metrics(unread, read_to, skipped, log):  # -> the updates skipped in a row, up to read_to
-    # Reads the metrics of each step in unread up to step read_to, and takes them out of unread.
-    # Counts the updates skipped in a row (by the spike guard, or as not finite); log.metrics
-    # prints a line every log_every steps, and one for each skipped update.
-    for step in [s for s in unread if s <= read_to]:  # in order: the loop adds them so
-        m = jax.device_get(unread.pop(step))  # waits for the devices, as nanoGPT's loss.item()
-        skipped = skipped + 1 if m["skipped"] else 0
-        log.metrics(step, m)
-        # 10 in a row: the spike guard cannot rescue this run, so it stops here, before the loop
-        # saves again. Every checkpoint holds good weights (a skipped update changes none), and a
-        # rerun resumes from the last one (with a lower --lr, which a resume may change).
-        if skipped >= 10:
-            log.flush()
-            raise SystemExit(f"error: {skipped} updates in a row skipped, up to step {step}; "
-                             "lower --lr or check the data")
-    return skipped
+class LateMetrics:  # late_metrics.read(step, metrics, save_now), once after each step
+    # Keeps each step's metrics on the devices until the next step is dispatched, then reads
+    # them (the timeline above the loop). Before a save, it reads this step's too, so that the
+    # metrics.jsonl saved with the step holds every step. log.metrics prints a line every
+    # log_every steps, and one for each skipped update.
+
+    def __init__(self, log):
+        self.log = log
+        # unread: step -> its metrics, still on the devices; skipped: the updates skipped in a
+        # row (by the spike guard, or as not finite), up to the last step read
+        self.unread, self.skipped = {}, 0
+
+    def read(self, step, metrics, save_now):
+        self.unread[step] = metrics
+        for s in [s for s in self.unread if s < step or save_now]:  # in order: added so
+            m = jax.device_get(self.unread.pop(s))  # waits for the devices (nanoGPT's loss.item())
+            self.skipped = self.skipped + 1 if m["skipped"] else 0
+            self.log.metrics(s, m)
+            # 10 in a row: the spike guard cannot rescue this run, so it stops here, before the
+            # loop saves again. Every checkpoint holds good weights (a skipped update changes
+            # none), and a rerun resumes from the last one (with a lower --lr, which a resume may
+            # change).
+            if self.skipped >= 10:
+                self.log.flush()
+                raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step {s}; "
+                                 "lower --lr or check the data")
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -296,8 +306,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restore reads what the checkpoint has: params alone from a converted one, the whole state
-    # from a run's (second read). It checks only that the model's settings match (no check_data:
-    # another run's).
+    # from a run's (second read). It checks only that the model's settings match (no r: another
+    # run's).
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
     # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
     carried = [k for k in ("params", "opt_state") if k in restored]
@@ -602,25 +612,24 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# check_data=(r, loader), this run's recipe and loader, for a resume of its own checkpoint; None
-# (the default) for --init-from, which reads another run's, or a converted one (starting_state).
-def restore(step_dir, target, cfg, check_data=None):
+# As save writes them: r and data_fingerprint (this run's) for a resume of its own checkpoint;
+# neither for --init-from, which reads another run's, or a converted one (starting_state).
+def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them. What must match:
     #   the model's settings   all but NUMERICS (and YaRN's, for --init-from: stage 3 turns it on)
-    #   the data order         DATA_ORDER's fields, for a resume (check_data given)
+    #   the data order         DATA_ORDER's fields, for a resume (r given)
     #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
     # the model's settings that need not match (above)
-    exempt = lambda f: f in olmo3.NUMERICS or (check_data is None and f.startswith("yarn_"))
+    exempt = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
     # theirs: the checkpoint's settings that must match; ours: this run's (as {"d_model": 4096})
     theirs = {f: v for f, v in saved["model"].items() if not exempt(f)}
     ours = {f: v for f, v in dataclasses.asdict(cfg).items() if not exempt(f)}
-    if check_data is not None:  # a resume: the data order and the data too
-        r, loader = check_data
+    if r is not None:  # a resume: the data order and the data too
         recipe = saved.get("recipe", {})  # (a converted checkpoint has none)
         theirs |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": saved.get("data")}
-        ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": loader.fingerprint}
+        ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": data_fingerprint}
     # every setting either side has (theirs | ours has the keys of both) whose values differ, as
     # ['seq_len=8192 (command line: 4096)']
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
@@ -654,7 +663,7 @@ def resume(manager, target, cfg, r, loader, log):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
         # a resume's checks: the model, the data order and the data
-        state = read_retrying(restore, step_dir, target, cfg, check_data=(r, loader))
+        state = read_retrying(restore, step_dir, target, cfg, r, loader.fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state
@@ -668,10 +677,10 @@ def resume(manager, target, cfg, r, loader, log):
                      "restore one from a copy, or move them away to start again")
 
 
-def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, ...), or None
+def read_retrying(read, step_dir, *args, tries=4):  # read(step_dir, *args), or None
     for attempt in range(tries):
         try:
-            return read(step_dir, *args, **kwargs)
+            return read(step_dir, *args)
         except jax.errors.JaxRuntimeError:  # a failing device, not the files
             raise
         # Orbax and tensorstore raise many kinds. restore's one-line mismatch error is a
@@ -721,9 +730,10 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # On a pod, every process must stop after the same step, but a signal reaches one process at
     # its own moment. So at each step, every process asks "has any process got a signal?" (an
     # all-reduce on the devices), and reads the answer at the next step, when it is ready (as
-    # the loop reads the metrics a step late). Say a SIGTERM comes just after poll(8) has asked:
-    #   poll(9)   reads step 8's answer: no      asks again: yes (the signal is here now)
-    #   poll(10)  reads step 9's answer: yes     -> every process saves step 10 and exits 75
+    # the loop reads the metrics a step late). The trace above train's loop, from here: a
+    # SIGTERM reaches one process during step 150, after poll(150) has asked:
+    #   poll(151)  reads step 150's answer: no     asks again: yes (the signal is here now)
+    #   poll(152)  reads step 151's answer: yes    -> every process saves step 152 and exits 75
 
     def __init__(self, stop_at, mesh):
         # one entry a device: P(MESH_AXES) cuts a 1-D array's one dimension over all three axes
