@@ -395,11 +395,9 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048], one layer
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
-# - Rows. It holds rows 128*i to 128*i + 127 of the batch. train.split_micro sends row r to
-#   micro-batch r % 64, so each micro-batch takes 2 of the device's rows, and no row moves between
-#   devices. (Smaller: 8 rows, 2 devices, 2 micro-batches. Device 0 holds rows 0-3 and gives rows 0
-#   and 2 to micro-batch 0, rows 1 and 3 to micro-batch 1.) Its tensor partner (same i) holds the
-#   same rows.
+# - Rows. It holds rows 128*i to 128*i + 127 of the batch, and each micro-batch takes 2 of them,
+#   so no row moves between devices (train.split_micro, at stop 5, says how). Its tensor partner
+#   (same i) holds the same rows.
 # - Activations keep D whole. What each mesh axis cuts:
 #     axis     in a weight                                    in an activation
 #     fsdp     D (stored in shards, gathered whole for use)   the batch's rows

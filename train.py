@@ -2,11 +2,8 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
-# Steps count from 1, as OLMo-core's do. The counters, at step s:
-#   the batch       s - 1 (the loader counts batches from 0)
-#   the LR          schedule(r)(s) (OLMo-core's k)
-#   state["step"]   the steps done: s - 1 before the step, s after (a checkpoint's step)
-#   Adam's count    its own: --init-from carries it over (stages 2 and 3), a skipped update keeps it
+# Steps count from 1, as OLMo-core's do: step s trains on batch s - 1 (train_step's comment has
+# every counter).
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
 # progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
@@ -148,13 +145,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # And a stop (a signal, --stop-at) saves, then exits 75 (5). A signal, too, is seen a step
-    # late (Stopper). A trace, with save_every 100 and a SIGTERM during step 150, after its poll:
-    #   step 150  dispatch; poll: no signal (yet); read 149's metrics        <- SIGTERM arrives
-    #   step 151  dispatch; poll: reads 150's answer, no; asks again, yes; read 150's metrics
-    #   step 152  dispatch; poll: reads 151's answer, yes: stop; save_now, so read 151's and
-    #             152's metrics; flush; save 152; exit 75
-    # A rerun resumes at step 153. (A SIGTERM before step 150's poll stops the run after 151.)
-    # Without a signal, step 200 reads 199's and 200's metrics, then saves.
+    # or two late (Stopper's trace). Before a save, the step's own metrics are read too: step 200
+    # reads 199's and 200's, then saves.
     stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
@@ -201,8 +193,9 @@ class LateMetrics:  # late_metrics.read(step, metrics, save_now), once after eac
         self.unread, self.skipped = {}, 0
 
     def read(self, step, metrics, save_now):
-        self.unread[step] = metrics
-        for s in [s for s in self.unread if s < step or save_now]:  # in order: added so
+        self.unread[step] = metrics  # unread: this step's, and the step before's (unless saved)
+        # read the step before's, and this step's too before a save (oldest first: dict order)
+        for s in [s for s in self.unread if s < step or save_now]:
             m = jax.device_get(self.unread.pop(s))  # waits for the devices (nanoGPT's loss.item())
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.log.metrics(s, m)
@@ -306,8 +299,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restore reads what the checkpoint has: params alone from a converted one, the whole state
-    # from a run's (second read). It checks only that the model's settings match (no r: another
-    # run's).
+    # from a run's (second read). Given no r, it checks only that the model's settings match:
+    # the data and its order are another run's, so they may differ.
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
     # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
     carried = [k for k in ("params", "opt_state") if k in restored]
@@ -342,8 +335,16 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len]
+    # Written as for one device: batch and params are global arrays cut over the mesh, and XLA
+    # turns the sums over the batch (n_tokens, the gradients) into all-reduces and
+    # reduce-scatters (olmo3.py's sharding comment, part three).
+    # The counters, at step s (1-based, as OLMo-core's):
+    #   the batch       s - 1 (the loader counts batches from 0)
+    #   the LR          schedule(r)(s), OLMo-core's k
+    #   state["step"]   the steps done: s - 1 before this step, s after (a checkpoint's step)
+    #   Adam's count    its own: --init-from carries it over (stages 2, 3); a skip leaves it
     params = state["params"]
-    step = state["step"] + 1  # this step (1-based; state["step"] counts the steps done)
+    step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
     n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
@@ -463,6 +464,8 @@ def adam(r):  # optax's Adam (train_step clips before it, adamw decays after it)
 # command; start_jax joins them; each loader reads only its devices' rows (local_rows); every
 # host reads checkpoint 500 onto its own devices (resume); host 3 gets a SIGTERM at step 612,
 # and every host saves the same step and exits 75 (Stopper); the same command resumes.
+# JAX's terms for several hosts (process_allgather, make_array_from_callback, ...) are in the
+# README's "The JAX glossary, continued".
 # =============================================================================
 
 
@@ -612,8 +615,9 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# As save writes them: r and data_fingerprint (this run's) for a resume of its own checkpoint;
-# neither for --init-from, which reads another run's, or a converted one (starting_state).
+# A resume passes this run's r and data_fingerprint (as save wrote them): the data order and the
+# data must match too. --init-from passes neither: it reads another run's checkpoint (or a
+# converted one), whose data may differ.
 def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them. What must match:
@@ -694,18 +698,17 @@ def read_retrying(read, step_dir, *args, tries=4):  # read(step_dir, *args), or 
 
 def refuse_fresh_start(out):
     # A directory where a run trained never starts over silently. starting_state calls this when
-    # no checkpoint can be resumed. What the run directory holds, and what happens:
-    #   no metrics.jsonl (nothing ran here)                     -> start fresh
-    #   metrics.jsonl and a "tmp" step (the first save was cut
-    #     short: the loop writes metrics.jsonl just before it
-    #     saves; "tmp" is Orbax's name for a step not committed) -> start fresh
-    #   metrics.jsonl, no "tmp" step (a run trained, and its
-    #     checkpoints are gone)                                 -> refuse
-    #   a step renamed .unreadable (resume renamed them all)    -> refuse
+    # it found no checkpoint to resume. The loop writes metrics.jsonl just before each save, and
+    # Orbax names a step it has not committed yet "<step>.orbax-checkpoint-tmp-...". So:
+    #   the directory holds                   which means                       so it
+    #   no metrics.jsonl                      nothing trained here              starts fresh
+    #   metrics.jsonl and a "tmp" step        the first save was cut short      starts fresh
+    #   metrics.jsonl, no "tmp" step          a run trained; its checkpoints    refuses
+    #                                         are gone
+    #   a step renamed .unreadable            resume could read none of them    refuses
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
-    # Orbax's name for a step not committed; with no checkpoint, the first save was cut short
     save_cut_short = any("tmp" in n for n in names)
     if unreadable or (trained and not save_cut_short):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
@@ -730,27 +733,29 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # On a pod, every process must stop after the same step, but a signal reaches one process at
     # its own moment. So at each step, every process asks "has any process got a signal?" (an
     # all-reduce on the devices), and reads the answer at the next step, when it is ready (as
-    # the loop reads the metrics a step late). The trace above train's loop, from here: a
-    # SIGTERM reaches one process during step 150, after poll(150) has asked:
+    # the loop reads the metrics a step late). A trace: a SIGTERM reaches one process during
+    # step 150, after poll(150) has asked:
     #   poll(151)  reads step 150's answer: no     asks again: yes (the signal is here now)
     #   poll(152)  reads step 151's answer: yes    -> every process saves step 152 and exits 75
+    # A rerun resumes at step 153. (A SIGTERM before poll(150) asks stops the run after 151.)
 
     def __init__(self, stop_at, mesh):
         # one entry a device: P(MESH_AXES) cuts a 1-D array's one dimension over all three axes
         self.stop_at, self.sharding = stop_at, NamedSharding(mesh, P(olmo3.MESH_AXES))
-        self.asked_last_poll = jnp.array(False)  # each poll's question, a device bool (see poll)
+        # a device bool: did any process have a signal at the last poll? (read at the next one)
+        self.any_signal_last_poll = jnp.array(False)
 
     def poll(self, step):
         # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS)
-        # (self.sharding: P(("data", "fsdp", "tensor")), one entry a device). jnp.any over it
+        # (the callback's argument, the device's index, is not needed). jnp.any over it
         # makes XLA all-reduce across the hosts. (Not JAX's own preemption sync point, which
         # misses a SIGTERM before step 1.)
         per_device = jax.make_array_from_callback((self.sharding.mesh.size,), self.sharding,
                                                   lambda _: np.array([bool(SIGNALS)]))
         # Ask: the answer stays on the devices until the next poll reads it. (A host all-gather,
         # multihost_utils', would wait here, every step.)
-        previous = self.asked_last_poll
-        self.asked_last_poll = jnp.any(per_device)
+        previous = self.any_signal_last_poll
+        self.any_signal_last_poll = jnp.any(per_device)
         if step == self.stop_at:
             return "--stop-at"
         # read the last poll's answer: the host waits for it, ready by now (or nearly)
