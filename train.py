@@ -32,7 +32,7 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# Training settings: AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike guard), but for
+# Training settings: AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike guard), except
 # the schedule. The default is a plain cosine, which any run length fits (the tiny preset's 500
 # steps; MaxText's reproduction used it too); AI2's own two-part one ("olmo3") is aimed at the
 # 7B's 1.4M steps, so only 7b and 7b-wide set it, and 7b-long sets stage 3's linear one. RECIPES
@@ -155,6 +155,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # host: device_put)
         batch = next(batches)  # batch step - 1
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))
+        # polled after the dispatch, so that its small all-reduce queues behind this step
         stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
         # (2) the metrics: step - 1's (the host waits for them while this step runs); before a
@@ -187,16 +188,18 @@ class LateMetrics:  # late_metrics.read(step, metrics, save_now), once after eac
     # log_every steps, and one for each skipped update.
 
     def __init__(self, log):
-        self.log = log
-        # unread: step -> its metrics, still on the devices; skipped: the updates skipped in a
-        # row (by the spike guard, or as not finite), up to the last step read
-        self.unread, self.skipped = {}, 0
+        # unread: [(step, metrics)] still on the devices: the last step's (unless a save read
+        # it), then this step's. skipped: the updates skipped in a row (by the spike guard, or
+        # as not finite), up to the last step read.
+        self.log, self.unread, self.skipped = log, [], 0
 
     def read(self, step, metrics, save_now):
-        self.unread[step] = metrics  # unread: this step's, and the step before's (unless saved)
-        # read the step before's, and this step's too before a save (oldest first: dict order)
-        for s in [s for s in self.unread if s < step or save_now]:
-            m = jax.device_get(self.unread.pop(s))  # waits for the devices (nanoGPT's loss.item())
+        self.unread.append((step, metrics))
+        # the steps before this one; before a save, this one's too (the save waits for it anyway)
+        ready = self.unread if save_now else self.unread[:-1]
+        self.unread = [] if save_now else self.unread[-1:]  # this step's waits for the next call
+        for s, m in ready:
+            m = jax.device_get(m)  # waits for the devices (nanoGPT's loss.item())
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.log.metrics(s, m)
             # 10 in a row: the spike guard cannot rescue this run, so it stops here, before the
@@ -386,7 +389,8 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
 
 
 def split_micro(x, n_micro: int):
-    # [global, ...] -> [n_micro, global/n_micro, ...], row i to micro-batch i % n_micro (8 rows,
+    # [global, ...] -> [n_micro, global/n_micro, ...]: row i goes to micro-batch i % n_micro, at
+    # place i // n_micro, as the reshape to [global/n_micro, n_micro] puts it (8 rows,
     # 2 micro-batches: [[0 2 4 6], [1 3 5 7]]). Strided, so no row moves: with 2 devices, device 0
     # holds rows 0-3 and gives rows 0 and 2 to micro-batch 0, rows 1 and 3 to micro-batch 1. (A
     # plain reshape would put all of micro-batch 0 on device 0.)
