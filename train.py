@@ -185,19 +185,21 @@ class LateMetrics:  # late_metrics.read(step, metrics, save_now), once after eac
     # Keeps each step's metrics on the devices until the next step is dispatched, then reads
     # them (the timeline above the loop). Before a save, it reads this step's too, so that the
     # metrics.jsonl saved with the step holds every step. log.metrics prints a line every
-    # log_every steps, and one for each skipped update.
+    # log_every steps, and one for each skipped update. With save_every 100:
+    #   read(199)             reads 198's; 199's waits
+    #   read(200, save_now)   reads 199's and 200's; none waits
+    #   read(201)             reads none; 201's waits
 
     def __init__(self, log):
-        # unread: [(step, metrics)] still on the devices: the last step's (unless a save read
-        # it), then this step's. skipped: the updates skipped in a row (by the spike guard, or
-        # as not finite), up to the last step read.
-        self.log, self.unread, self.skipped = log, [], 0
+        # pending: (step, metrics) of the last step, still on the devices, or None. skipped: the
+        # updates skipped in a row (by the spike guard, or as not finite), up to the last read.
+        self.log, self.pending, self.skipped = log, None, 0
 
     def read(self, step, metrics, save_now):
-        self.unread.append((step, metrics))
-        # the steps before this one; before a save, this one's too (the save waits for it anyway)
-        ready = self.unread if save_now else self.unread[:-1]
-        self.unread = [] if save_now else self.unread[-1:]  # this step's waits for the next call
+        ready = [self.pending] if self.pending else []  # the last step's (unless a save read it)
+        if save_now:  # and this step's: the save waits for the step anyway
+            ready.append((step, metrics))
+        self.pending = None if save_now else (step, metrics)  # else it waits for the next call
         for s, m in ready:
             m = jax.device_get(m)  # waits for the devices (nanoGPT's loss.item())
             self.skipped = self.skipped + 1 if m["skipped"] else 0
@@ -374,13 +376,16 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (written out, as
     # the spike guard watches the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # The LR of this step (OLMo-core's k), not of Adam's count, which --init-from carries over
+    # The LR of this step (OLMo-core's k), not of Adam's count: --init-from carries that over
+    # (stage 2 would start at 1,413,814; adamw says more)
     lr = schedule(r)(step)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # The spike guard (OLMo-core's) may skip the update: params and opt_state stay as they were.
     # spikes [2]: did the loss, the grad norm spike
     spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
-    skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)  # never apply a NaN
+    # A NaN or inf is skipped here, at every step, even with --spike-guard false or before step
+    # 64, when the spike guard does not check yet
+    skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)
     # A skip keeps the old params and Adam state (its count too), while step and history advance
     old = {k: state[k] for k in new}  # params and opt_state before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
@@ -515,8 +520,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        self.started = time.time()
-        self.last = None  # (step, time) of the last progress line
+        # last: (step, time) of the last progress line
+        self.started, self.last = time.time(), None
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
