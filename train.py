@@ -3,7 +3,8 @@
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
 # Steps count from 1, as OLMo-core's do: step s trains on batch s - 1 (train_step's comment has
-# every counter).
+# every counter). Every log_every steps, a progress line (tiny on a CPU, spaces trimmed):
+# step 50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a | ETA 0:04:15
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
 # progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
@@ -146,28 +147,23 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # And a stop (a signal, --stop-at) saves, then exits 75 (5). A signal, too, is seen a step
     # or two late (Stopper's trace). Before a save, the step's own metrics are read too: step 200
-    # reads 199's and 200's, then saves.
+    # reads 199's and 200's, then saves. Reading them, late_metrics also stops the run after 10
+    # skipped updates in a row, and prints the progress line (the file's header shows one).
     stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
-        # (1) the step. device_batch: this process's rows -> one array over all devices (one
-        # host: device_put)
-        batch = next(batches)  # batch step - 1
-        state, metrics = step_fn(state, device_batch(batch, loader, mesh))
-        # polled after the dispatch, so that its small all-reduce queues behind this step
+        batch = next(batches)  # (1) batch step - 1
+        state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # (one host: device_put)
+        # after the dispatch: poll waits for the last step's answer while the devices run this one
         stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
         save_now = step % r.save_every == 0 or step == r.steps or stop is not None
-        # (2) the metrics: step - 1's (the host waits for them while this step runs); before a
-        # save, this step's too. 10 updates skipped in a row stop the run here.
-        late_metrics.read(step, metrics, save_now)
+        late_metrics.read(step, metrics, save_now)  # (2) step - 1's (and, to save, this step's)
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
         if save_now:  # (4)
             log.flush()  # writes metrics.jsonl and log.txt, and redraws loss.png
-            # manager.save(step, state), with the settings: it copies the state to host memory,
-            # then writes it in the background
-            save(manager, step, state, cfg, r, loader.fingerprint)
+            save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
             manager.wait_until_finished()  # the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -376,8 +372,8 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (written out, as
     # the spike guard watches the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # The LR of this step (OLMo-core's k), not of Adam's count: --init-from carries that over
-    # (stage 2 would start at 1,413,814; adamw says more)
+    # The LR comes from this step's number, not from Adam's count, which --init-from carries
+    # over from the stage before (adamw says why that matters)
     lr = schedule(r)(step)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # The spike guard (OLMo-core's) may skip the update: params and opt_state stay as they were.
@@ -712,6 +708,7 @@ def refuse_fresh_start(out):
     #   the directory holds                   which means                       so it
     #   no metrics.jsonl                      nothing trained here              starts fresh
     #   metrics.jsonl and a "tmp" step        the first save was cut short      starts fresh
+    #                                         (no step was ever committed)
     #   metrics.jsonl, no "tmp" step          a run trained; its checkpoints    refuses
     #                                         are gone
     #   a step renamed .unreadable            resume could read none of them    refuses
@@ -749,8 +746,8 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # A rerun resumes at step 153. (A SIGTERM before poll(150) asks stops the run after 151.)
 
     def __init__(self, stop_at, mesh):
-        # one entry a device: P(MESH_AXES) cuts a 1-D array's one dimension over all three axes
-        self.stop_at, self.sharding = stop_at, NamedSharding(mesh, P(olmo3.MESH_AXES))
+        # one entry a device: a 1-D array's one dimension cut over all three axes
+        self.stop_at, self.sharding = stop_at, NamedSharding(mesh, P(("data", "fsdp", "tensor")))
         # a device bool: did any process have a signal at the last poll? (read at the next one)
         self.any_signal_last_poll = jnp.array(False)
 
@@ -773,7 +770,13 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
 
 
 # ----------------------------------------------------------------------------- across hosts
-# On one host, these are simple: no cluster, every row, the batch cut over its devices.
+# What each function does on a pod, and what it comes to on one host:
+#   start_jax              joins every host's process into one JAX run      one process
+#   local_rows             the batch rows this process's devices hold       every row
+#   device_batch           one global array from each process's own rows    jax.device_put
+#   check_run_directory    every host sees the run directory process 0      makes the directory
+#                          writes (else the first save hangs, an hour in)
+#   check_processes_agree  every host holds the same value (token files)    checks nothing
 
 def start_jax(args):
     # JAX finds its peers itself on a TPU slice, under SLURM, Open MPI or Kubernetes; elsewhere,
