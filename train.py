@@ -157,11 +157,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # (one host: device_put)
         # after the dispatch: poll waits for the last step's answer while the devices run this one
         stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
-        save_now = step % r.save_every == 0 or step == r.steps or stop is not None
-        late_metrics.read(step, metrics, save_now)  # (2) step - 1's (and, to save, this step's)
+        late_metrics.add(step, metrics)  # (2) reads step - 1's metrics; this step's wait
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
-        if save_now:  # (4)
+        if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
+            late_metrics.read_pending()  # this step's too: the save waits for the step anyway
             log.flush()  # writes metrics.jsonl and log.txt, and redraws loss.png
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
@@ -177,37 +177,38 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     return 0
 
 
-class LateMetrics:  # late_metrics.read(step, metrics, save_now), once after each step
+class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
     # Keeps each step's metrics on the devices until the next step is dispatched, then reads
-    # them (the timeline above the loop). Before a save, it reads this step's too, so that the
-    # metrics.jsonl saved with the step holds every step. log.metrics prints a line every
-    # log_every steps, and one for each skipped update. With save_every 100:
-    #   read(199)             reads 198's; 199's waits
-    #   read(200, save_now)   reads 199's and 200's; none waits
-    #   read(201)             reads none; 201's waits
+    # them (the timeline above the loop). Before a save, read_pending reads the step's own, so
+    # that the metrics.jsonl saved with the step holds every step. log.metrics prints a line
+    # every log_every steps, and one for each skipped update. With save_every 100:
+    #   add(199)                    reads 198's; keeps 199's
+    #   add(200), read_pending()    reads 199's, then 200's; keeps none
+    #   add(201)                    reads none; keeps 201's
 
     def __init__(self, log):
         # pending: (step, metrics) of the last step, still on the devices, or None. skipped: the
         # updates skipped in a row (by the spike guard, or as not finite), up to the last read.
         self.log, self.pending, self.skipped = log, None, 0
 
-    def read(self, step, metrics, save_now):
-        ready = [self.pending] if self.pending else []  # the last step's (unless a save read it)
-        if save_now:  # and this step's: the save waits for the step anyway
-            ready.append((step, metrics))
-        self.pending = None if save_now else (step, metrics)  # else it waits for the next call
-        for s, m in ready:
-            m = jax.device_get(m)  # waits for the devices (nanoGPT's loss.item())
+    def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
+        self.read_pending()
+        self.pending = (step, metrics)
+
+    def read_pending(self):  # reads the kept step's metrics, if any
+        if self.pending is not None:
+            step, m = jax.device_get(self.pending)  # waits for the devices (nanoGPT's loss.item())
+            self.pending = None
             self.skipped = self.skipped + 1 if m["skipped"] else 0
-            self.log.metrics(s, m)
+            self.log.metrics(step, m)
             # 10 in a row: the spike guard cannot rescue this run, so it stops here, before the
             # loop saves again. Every checkpoint holds good weights (a skipped update changes
             # none), and a rerun resumes from the last one (with a lower --lr, which a resume may
             # change).
             if self.skipped >= 10:
                 self.log.flush()
-                raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step {s}; "
-                                 "lower --lr or check the data")
+                raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step "
+                                 f"{step}; lower --lr or check the data")
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -486,13 +487,19 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # from P to F, reaching F at T2:
     #   ((F + P) / 2) k / W2 for k < W2,
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
-    # For the 7b, T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, so part 2 starts just inside
-    # its warmup: 1.647e-4 at step 596,048, against part 1's 1.654e-4 at 596,047.
+    # For the 7b, T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, and the LR (P 3e-4, F 3e-5):
+    #   step 1            1.5e-7     part 1's warmup, P k / W
+    #   step 2,000        3.0e-4     the peak, P
+    #   step 596,047      1.654e-4   part 1's last step, on its cosine
+    #   step 596,048      1.647e-4   part 2's first, just inside its warmup
+    #   step 597,046      1.650e-4   W2: part 2's warmup ends at (F + P) / 2, then it decays
+    #   step 1,413,814    3.93e-5    the last step, 0.131 P
     T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # 5T and 7T tokens' steps, rounded up
     # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
     # is 5T tokens' steps rounded down (an integer division, unlike T1)
     W2 = int(5e12) // tokens // 2 + warmup // 2
-    # the angle, pi / 2 + (pi / 2) (k - W2) / (T2 - W2): from pi / 2 at W2 to pi at T2, and there
+    # the cosine's angle, pi (k - W2 + T2 - W2) / (2 (T2 - W2)) as the formula above has it (the
+    # same as pi / 2 + (pi / 2) (k - W2) / (T2 - W2)): from pi / 2 at W2 to pi at T2, and there
     # it stays
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
@@ -740,9 +747,10 @@ class Stopper:  # stopper.poll(step): why the run stops after step (None: it goe
     # its own moment. So at each step, every process asks "has any process got a signal?" (an
     # all-reduce on the devices), and reads the answer at the next step, when it is ready (as
     # the loop reads the metrics a step late). A trace: a SIGTERM reaches one process during
-    # step 150, after poll(150) has asked:
-    #   poll(151)  reads step 150's answer: no     asks again: yes (the signal is here now)
-    #   poll(152)  reads step 151's answer: yes    -> every process saves step 152 and exits 75
+    # step 150, just after poll(150) has asked:
+    #   poll(150)  asks: no
+    #   poll(151)  reads poll(150)'s answer: no      asks again: yes (the signal is here now)
+    #   poll(152)  reads poll(151)'s answer: yes     -> every process saves step 152, exits 75
     # A rerun resumes at step 153. (A SIGTERM before poll(150) asks stops the run after 151.)
 
     def __init__(self, stop_at, mesh):
@@ -862,6 +870,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     add("--max-new-tokens", type=int, default=256)
     add("--temperature", type=float, default=0.0, help="for --generate (0: greedy)")
     add("--init-from", help="start from a checkpoint's weights (and Adam moments if it has them)")
+    # (argparse runs type on a string default too, so args.mesh is always parse_mesh's dict)
     add("--mesh", default="fsdp=-1", type=parse_mesh, help="data=N,fsdp=N,tensor=N (-1: the rest)")
     add("--samples", type=int, default=3, help="prompts to continue at the end")
     add("--stop-at", type=int, help="checkpoint and exit after this step, as if preempted")
