@@ -201,7 +201,9 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         per_file, last = [], min(first + group_size, len(files))  # the group: files first to last
         for i in range(first, last):  # per_file gets [file, offset, length] of each document
             ends = np.flatnonzero(np.fromfile(files[i], TOKEN_DTYPE) == loader.eos) + 1
-            begins = np.concatenate([[0], ends])[:-1]  # no document after a file's last EOS
+            # tokens after a file's last EOS are no document, and are dropped (as OLMo-core's
+            # iter_document_indices yields only documents that end with an EOS)
+            begins = np.concatenate([[0], ends])[:-1]
             lengths = np.minimum(ends - begins, loader.seq_len)  # longer ones are cut to seq_len
             per_file.append(np.stack([np.full_like(ends, i), begins, lengths]))
         docs = np.concatenate(per_file, axis=1)

@@ -114,10 +114,9 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args: the flags that are not Config or Recipe fields (parse_args). The first read meets
     # --out, --data, --data-root, --init-from, --eval-data, --eval-tasks, --stop-at, --samples.
-    # The second-read helpers this calls are, on one host:
+    # What the helpers below the "second read" banner come to on one host:
     #   Log             print, plus the files log.txt and metrics.jsonl
-    #   starting_state  init_state on an empty run directory (then --init-from's weights, if
-    #                   given); else Orbax's restore of its newest checkpoint (resume)
+    #   resume          (in starting_state) Orbax's restore of the run's newest checkpoint
     #   Stopper         --stop-at, or a signal's flag
     #   device_batch    jax.device_put
     #   save            manager.save(step, state), in the background
@@ -155,9 +154,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     for step in range(done + 1, r.steps + 1):
         batch = next(batches)  # (1) batch step - 1
         state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # (one host: device_put)
-        # after the dispatch: poll waits for the last step's answer while the devices run this one
+        # after the dispatch: poll waits for the last step's answer (so for the last step to
+        # finish) while the devices run this one
         stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
-        late_metrics.add(step, metrics)  # (2) reads step - 1's metrics; this step's wait
+        late_metrics.add(step, metrics)  # (2) reads step - 1's metrics (ready by now), keeps this
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
@@ -294,7 +294,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if manager.latest_step() is not None:
         # resume (second read): on one host, restore of the newest step; on a pod, the newest
         # step every host can read
-        state = resume(manager, target, cfg, r, loader, log)
+        state = resume(cfg, r, manager, target, loader, log)
         return state, f"resumed from step {int(state['step'])}"
     refuse_fresh_start(args.out)  # (second read) stops if a run already trained in args.out
     state = init_state(cfg, r, target)
@@ -464,12 +464,14 @@ def adam(r):  # optax's Adam (train_step clips before it, adamw decays after it)
 
 
 # =============================================================================
-# Second read: the 7B's schedule, the progress line, and what the 7B on a pod needs:
-# checkpoints, stopping, several hosts; then the command line.
-# A preempted pod run, end to end (4 hosts, resuming from step 500): every host runs the same
-# command; start_jax joins them; each loader reads only its devices' rows (local_rows); every
-# host reads checkpoint 500 onto its own devices (resume); host 3 gets a SIGTERM at step 612,
-# and every host saves the same step and exits 75 (Stopper); the same command resumes.
+# Second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B on a
+# pod needs (checkpoints, stopping, several hosts), then the command line.
+# A preempted pod run (4 hosts, resuming from step 500) meets the pod sections in this order:
+#   checkpoints   every host reads checkpoint 500 onto its own devices (resume)
+#   stopping      host 3 gets a SIGTERM at step 612; every host saves the same step and exits
+#                 75 (Stopper); the same command resumes
+#   across hosts  (all along) start_jax joined the hosts' processes at start-up, and each
+#                 loader reads only its devices' rows (local_rows)
 # JAX's terms for several hosts (process_allgather, make_array_from_callback, ...) are in the
 # README's "The JAX glossary, continued".
 # =============================================================================
@@ -671,7 +673,7 @@ def read_item(path, tree):  # reads one item of a checkpoint step onto tree's sh
     return handler.restore(path, args=ocp.args.StandardRestore(tree))
 
 
-def resume(manager, target, cfg, r, loader, log):
+def resume(cfg, r, manager, target, loader, log):
     # The newest checkpoint every process can read. Each reads it itself, with retries, and an
     # all-gather decides for all (Orbax's restore would hang at a barrier on one that failed). A
     # step some process cannot read is renamed <step>.unreadable, and the one before is tried.
