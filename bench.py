@@ -68,6 +68,8 @@ def jax_worker(conn, name, dtype, code=HERE):
         labels = np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1)
         x, y = (jax.device_put(a, olmo3.batch_sharding(mesh)) for a in (tokens, labels))
         batch = (dict(inputs=x, labels=y),) if hasattr(train, "device_batch") else (x, y)
+        if hasattr(train, "signal_flags"):  # the step also takes each process's stop flag
+            batch += (train.signal_flags(mesh),)
         state, metrics = step(state, *batch)
         jax.block_until_ready(metrics)
         conn.send("ready")
@@ -378,12 +380,13 @@ def bench_7b_step(layers=8, batch=8, micro=2, seq_len=8192):
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len + 1))
         put = lambda x: jax.device_put(x.astype(np.int32), olmo3.batch_sharding(mesh))
         data = {"inputs": put(tokens[:, :-1]), "labels": put(tokens[:, 1:])}
+        flags = train.signal_flags(mesh)  # no process has received a signal
         for _ in range(2):  # compiles nothing more: warms up
-            state, metrics = step(state, data)
+            state, metrics = step(state, data, flags)
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for _ in range(5):
-            state, metrics = step(state, data)
+            state, metrics = step(state, data, flags)
         jax.block_until_ready((state, metrics))
     seconds = (time.perf_counter() - start) / 5
     rate = batch * seq_len / seconds

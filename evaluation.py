@@ -84,7 +84,7 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # logprobs over padded batches [step_rows, width]: one shape, so one compile for each vocab.
     # On one host, put(a) is jax.device_put(a, sharding) and process_allgather is np.asarray (on
-    # a pod: the README's pod glossary).
+    # a pod: the README's JAX glossary, last table).
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])

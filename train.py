@@ -117,7 +117,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # What the helpers below the "second read" banner come to on one host:
     #   Log             print, plus the files log.txt and metrics.jsonl
     #   resume          (in starting_state) Orbax's restore of the run's newest checkpoint
-    #   Stopper         --stop-at, or a signal's flag
+    #   signal_flags    bool(SIGNALS), on the one device
     #   device_batch    jax.device_put
     #   save            manager.save(step, state), in the background
     loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
@@ -144,20 +144,20 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # waits for step s - 1's, step s keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # And a stop (a signal, --stop-at) saves, then exits 75 (5). A signal, too, is seen a step
-    # or two late (Stopper's trace). Before a save, the step's own metrics are read too: step 200
-    # reads 199's and 200's, then saves. Reading them, late_metrics also stops the run after 10
-    # skipped updates in a row, and prints the progress line (the file's header shows one).
-    stopper = Stopper(args.stop_at, mesh)  # on a pod, every process stops after the same step
+    # And a stop saves, then exits 75 (5): --stop-at's at once, a signal's a step or two late, as
+    # the step returns whether any process has received one with its metrics (signal_flags' trace).
+    # Before a save, the step's own metrics are read too: step 200 reads 199's and 200's, then
+    # saves. Reading them, late_metrics also stops the run after 10 skipped updates in a row, and
+    # prints the progress line (the file's header shows one).
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = next(batches)  # (1) batch step - 1
-        state, metrics = step_fn(state, device_batch(batch, loader, mesh))  # (one host: device_put)
-        # after the dispatch: poll waits for the last step's answer (so for the last step to
-        # finish) while the devices run this one
-        stop = stopper.poll(step)  # why to stop after this step (a signal, --stop-at), or None
-        late_metrics.add(step, metrics)  # (2) reads step - 1's metrics (ready by now), keeps this
+        # device_batch: (one host) device_put. signal_flags: whether each process has received
+        # a signal, which comes back, all-reduced, with the metrics
+        state, metrics = step_fn(state, device_batch(batch, loader, mesh), signal_flags(mesh))
+        late_metrics.add(step, metrics)  # (2) reads step - 1's metrics (the host waits), keeps this
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (5) None: go on
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
@@ -188,8 +188,10 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def __init__(self, log):
         # pending: (step, metrics) of the last step, still on the devices, or None. skipped: the
-        # updates skipped in a row (by the spike guard, or as not finite), up to the last read.
-        self.log, self.pending, self.skipped = log, None, 0
+        # updates skipped in a row (by the spike guard, or as not finite). signalled: a step read
+        # said some process had received a signal (signal_flags, in the second read).
+        self.log, self.pending = log, None
+        self.skipped, self.signalled = 0, False
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
@@ -200,6 +202,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
             step, m = jax.device_get(self.pending)  # waits for the devices (nanoGPT's loss.item())
             self.pending = None
             self.skipped = self.skipped + 1 if m["skipped"] else 0
+            self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)
             # 10 in a row: the spike guard cannot rescue this run, so it stops here, before the
             # loop saves again. Every checkpoint holds good weights (a skipped update changes
@@ -330,13 +333,17 @@ def compile_step(cfg, r, mesh, target):
     # - out_shardings: the new state keeps its shardings (the metrics' None lets XLA choose);
     # - lower(target, batch).compile() compiles for these shapes and shardings before any data
     #   exists (so jit needs no in_shardings).
-    step = jax.jit(lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro),
+    n_micro = r.global_batch // micro
+    step = jax.jit(lambda state, batch, flags: train_step(state, batch, flags, cfg, r, n_micro),
                    donate_argnums=0, out_shardings=(shardings_of(target), None))
-    return step.lower(target, batch).compile()
+    # signal_flags' description: [devices] bool, one entry a device
+    flags = jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=NamedSharding(mesh, EACH_DEVICE))
+    return step.lower(target, batch, flags).compile()
 
 
-def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
-    # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len]
+def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
+    # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len];
+    # flags: [devices] bool, each its process's signal flag (signal_flags, in the second read)
     # Written as for one device: batch and params are global arrays cut over the mesh, and XLA
     # turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -386,7 +393,8 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # A skip keeps the old params and Adam state (its count too), while step and history advance
     old = {k: state[k] for k in new}  # params and opt_state before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
-    metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
+    metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes,
+               "signalled": jnp.any(flags)}  # has any process received a signal? (all-reduced)
     return new | {"step": step, "history": history}, metrics
 
 
@@ -469,11 +477,11 @@ def adam(r):  # optax's Adam (train_step clips before it, adamw decays after it)
 # A preempted pod run (4 hosts, resuming from step 500) meets the pod sections in this order:
 #   checkpoints   every host reads checkpoint 500 onto its own devices (resume)
 #   stopping      host 3 gets a SIGTERM at step 612; every host saves the same step and exits
-#                 75 (Stopper); the same command resumes
+#                 75 (signal_flags); the same command resumes
 #   across hosts  (all along) start_jax joined the hosts' processes at start-up, and each
 #                 loader reads only its devices' rows (local_rows)
 # JAX's terms for several hosts (process_allgather, make_array_from_callback, ...) are in the
-# README's "The JAX glossary, continued".
+# last table of the README's JAX glossary.
 # =============================================================================
 
 
@@ -734,6 +742,8 @@ def refuse_fresh_start(out):
 # ----------------------------------------------------------------------------- stopping
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
+# a 1-D array's one dimension cut over all three mesh axes: one entry a device
+EACH_DEVICE = P(("data", "fsdp", "tensor"))
 
 
 def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
@@ -743,40 +753,26 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
 
 
-class Stopper:  # stopper.poll(step): why the run stops after step (None: it goes on)
-    # On one host, simply: --stop-at N stops after step N, and a signal within two steps.
-    # On a pod, every process must stop after the same step, but a signal reaches one process at
-    # its own moment. So at each step, every process asks "has any process got a signal?" (an
-    # all-reduce on the devices), and reads the answer at the next step, when it is ready (as
-    # the loop reads the metrics a step late). A trace: a SIGTERM reaches one process during
-    # step 150, just after poll(150) has asked:
-    #   poll(150)  asks: no
-    #   poll(151)  reads poll(150)'s answer: no      asks again: yes (the signal is here now)
-    #   poll(152)  reads poll(151)'s answer: yes     -> every process saves step 152, exits 75
-    # A rerun resumes at step 153. (A SIGTERM before poll(150) asks stops the run after 151.)
+def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
+    # A pod's processes must stop after the same step, but a signal reaches one process at its
+    # own moment. So each step gets this array, one entry a device (each its process's
+    # bool(SIGNALS)), and train_step's jnp.any over it is an all-reduce across the hosts: every
+    # process reads the same answer, a step late, with the step's metrics (LateMetrics). On one
+    # host, simply: a signal stops the run within two steps. A trace: a SIGTERM reaches one
+    # process during step 150, just after step 150's array was made:
+    #   step 151  its array says yes; the host reads step 150's metrics: no signal
+    #   step 152  the host reads step 151's metrics: a signal -> every process saves step 152
+    #             and exits 75; a rerun resumes at step 153
+    # (Not JAX's own preemption sync point, which misses a SIGTERM before step 1.)
+    sharding = NamedSharding(mesh, EACH_DEVICE)
+    return jax.make_array_from_callback((mesh.size,), sharding, lambda _: np.array([bool(SIGNALS)]))
 
-    def __init__(self, stop_at, mesh):
-        # one entry a device: a 1-D array's one dimension cut over all three axes
-        self.stop_at, self.sharding = stop_at, NamedSharding(mesh, P(("data", "fsdp", "tensor")))
-        # a device bool: did any process have a signal at the last poll? (read at the next one)
-        self.any_signal_last_poll = jnp.array(False)
 
-    def poll(self, step):
-        # per_device: a 1-D array with one entry per device, each its process's bool(SIGNALS)
-        # (the callback's argument, the device's index, is not needed). jnp.any over it
-        # makes XLA all-reduce across the hosts. (Not JAX's own preemption sync point, which
-        # misses a SIGTERM before step 1.)
-        per_device = jax.make_array_from_callback((self.sharding.mesh.size,), self.sharding,
-                                                  lambda _: np.array([bool(SIGNALS)]))
-        # Ask: the answer stays on the devices until the next poll reads it. (A host all-gather,
-        # multihost_utils', would wait here, every step.)
-        previous = self.any_signal_last_poll
-        self.any_signal_last_poll = jnp.any(per_device)
-        if step == self.stop_at:
-            return "--stop-at"
-        # read the last poll's answer: the host waits for it, ready by now (or nearly)
-        if jax.device_get(previous):
-            return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
+    if step == stop_at:
+        return "--stop-at"
+    if signalled:  # read a step late: LateMetrics.signalled
+        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
