@@ -2,8 +2,12 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
-# Steps count from 1, as OLMo-core's do: step s trains on batch s - 1 (train_step's comment has
-# every counter). Every log_every steps, a progress line (tiny on a CPU, spaces trimmed):
+# Steps count from 1, as OLMo-core's do. The counters, at step s:
+#   the batch       s - 1 (the loader counts batches from 0)
+#   the LR          schedule(r)(s), OLMo-core's k
+#   state["step"]   the steps done: s - 1 before this step, s after (a checkpoint's step)
+#   Adam's count    its own: --init-from carries it over (stages 2, 3); a skip leaves it
+# Every log_every steps, a progress line (tiny on a CPU, spaces trimmed):
 # step 50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a | ETA 0:04:15
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
@@ -144,17 +148,21 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # waits for step s - 1's, step s keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # And a stop saves, then exits 75 (5): --stop-at's at once, a signal's a step or two late, as
-    # the step returns whether any process has received one with its metrics (signal_flags' trace).
-    # Before a save, the step's own metrics are read too: step 200 reads 199's and 200's, then
-    # saves. Reading them, late_metrics also stops the run after 10 skipped updates in a row, and
-    # prints the progress line (the file's header shows one).
+    # And a stop saves the step, then exits 75 (5). The rules, in plain words:
+    # - --stop-at N stops the run after step N.
+    # - A signal stops it a step or two after it comes. Every host must stop after the same step,
+    #   so each step also takes every process's signal flag, and returns whether any was set
+    #   with its metrics, which are read a step late (signal_flags' trace).
+    # - Before a save, the step's own metrics are read too: step 200 reads 199's and 200's.
+    # - Reading the metrics, late_metrics prints the progress line (the header shows one), and
+    #   stops the run after 10 updates skipped in a row.
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = next(batches)  # (1) batch step - 1
         # device_batch: (one host) device_put. signal_flags: whether each process has received
-        # a signal, which comes back, all-reduced, with the metrics
+        # a signal (so that every host stops after the same step); the answer comes back,
+        # all-reduced, with the metrics
         state, metrics = step_fn(state, device_batch(batch, loader, mesh), signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads step - 1's metrics (the host waits), keeps this
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (5) None: go on
@@ -314,6 +322,10 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
 
 # ----------------------------------------------------------------------------- the step
 
+# a 1-D array's one dimension cut over all three mesh axes: one entry a device (signal_flags)
+EACH_DEVICE = P(("data", "fsdp", "tensor"))
+
+
 # Ahead of time: --dry-run compiles the same step, and a step that does not fit fails at start-up.
 def compile_step(cfg, r, mesh, target):
     micro = r.micro_batch if r.micro_batch else r.global_batch
@@ -326,7 +338,7 @@ def compile_step(cfg, r, mesh, target):
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
     # On one device, this would be:
-    #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
+    #   step_fn = jax.jit(train_step, static_argnums=(3, 4, 5), donate_argnums=0)
     # Here, in the same way:
     # - the lambda bakes cfg, r and the micro-batch count in, as static arguments would;
     # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy;
@@ -343,17 +355,14 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len];
-    # flags: [devices] bool, each its process's signal flag (signal_flags, in the second read)
+    # flags: [devices] bool, each its process's signal flag (signal_flags, in the second read;
+    # on one host, [False] until a signal): the step returns whether any is set, so that every
+    # host stops after the same step (stop_reason reads it)
     # Written as for one device: batch and params are global arrays cut over the mesh, and XLA
     # turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
-    # The counters, at step s (1-based, as OLMo-core's):
-    #   the batch       s - 1 (the loader counts batches from 0)
-    #   the LR          schedule(r)(s), OLMo-core's k
-    #   state["step"]   the steps done: s - 1 before this step, s after (a checkpoint's step)
-    #   Adam's count    its own: --init-from carries it over (stages 2, 3); a skip leaves it
     params = state["params"]
-    step = state["step"] + 1  # s, this step
+    step = state["step"] + 1  # s, this step (the file's header lists the counters)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
     n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
@@ -726,6 +735,8 @@ def refuse_fresh_start(out):
     #   no metrics.jsonl                      nothing trained here              starts fresh
     #   metrics.jsonl and a "tmp" step        the first save was cut short      starts fresh
     #                                         (no step was ever committed)
+    # (A later save cut short leaves the earlier checkpoints: the run resumes from the newest,
+    # and never comes here.)
     #   metrics.jsonl, no "tmp" step          a run trained; its checkpoints    refuses
     #                                         are gone
     #   a step renamed .unreadable            resume could read none of them    refuses
@@ -742,8 +753,6 @@ def refuse_fresh_start(out):
 # ----------------------------------------------------------------------------- stopping
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
-# a 1-D array's one dimension cut over all three mesh axes: one entry a device
-EACH_DEVICE = P(("data", "fsdp", "tensor"))
 
 
 def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
