@@ -2,12 +2,8 @@
 
 Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
 its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
-# Steps count from 1, as OLMo-core's do. The counters, at step s:
-#   the batch       s - 1 (the loader counts batches from 0)
-#   the LR          schedule(r)(s), OLMo-core's k
-#   state["step"]   the steps done: s - 1 before this step, s after (a checkpoint's step)
-#   Adam's count    its own: --init-from carries it over (stages 2, 3); a skip leaves it
-# Every log_every steps, a progress line (tiny on a CPU, spaces trimmed):
+# Steps count from 1, as OLMo-core's do: step s trains on batch s - 1 (train_step lists every
+# counter). Every log_every steps, a progress line (tiny on a CPU, spaces trimmed):
 # step 50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a | ETA 0:04:15
 # Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
 # the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
@@ -148,23 +144,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # waits for step s - 1's, step s keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # And a stop saves the step, then exits 75 (5). The rules, in plain words:
-    # - --stop-at N stops the run after step N.
-    # - A signal stops it a step or two after it comes. Every host must stop after the same step,
-    #   so each step also takes every process's signal flag, and returns whether any was set
-    #   with its metrics, which are read a step late (signal_flags' trace).
-    # - Before a save, the step's own metrics are read too: step 200 reads 199's and 200's.
-    # - Reading the metrics, late_metrics prints the progress line (the header shows one), and
-    #   stops the run after 10 updates skipped in a row.
+    # And a stop (--stop-at, or a signal: stop_reason) saves the step, then exits 75 (5).
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = next(batches)  # (1) batch step - 1
-        # device_batch: (one host) device_put. signal_flags: whether each process has received
-        # a signal (so that every host stops after the same step); the answer comes back,
-        # all-reduced, with the metrics
+        # device_batch: (one host) device_put. signal_flags (one host: [False] until a signal):
+        # so that every host stops after the same step, the step returns whether any got one
         state, metrics = step_fn(state, device_batch(batch, loader, mesh), signal_flags(mesh))
-        late_metrics.add(step, metrics)  # (2) reads step - 1's metrics (the host waits), keeps this
+        # (2) reads step - 1's metrics (the host waits) and keeps this step's; it stops the run
+        # after 10 updates skipped in a row
+        late_metrics.add(step, metrics)
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (5) None: go on
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # the results are logged
@@ -189,7 +179,8 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     # Keeps each step's metrics on the devices until the next step is dispatched, then reads
     # them (the timeline above the loop). Before a save, read_pending reads the step's own, so
     # that the metrics.jsonl saved with the step holds every step. log.metrics prints a line
-    # every log_every steps, and one for each skipped update. With save_every 100:
+    # every log_every steps, and one for each skipped update. 10 updates skipped in a row stop
+    # the run (read_pending raises). With save_every 100:
     #   add(199)                    reads 198's; keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's; keeps none
     #   add(201)                    reads none; keeps 201's
@@ -355,14 +346,17 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len];
-    # flags: [devices] bool, each its process's signal flag (signal_flags, in the second read;
-    # on one host, [False] until a signal): the step returns whether any is set, so that every
-    # host stops after the same step (stop_reason reads it)
+    # flags: each process's signal flag (signal_flags, in the second read)
     # Written as for one device: batch and params are global arrays cut over the mesh, and XLA
     # turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
     params = state["params"]
-    step = state["step"] + 1  # s, this step (the file's header lists the counters)
+    # The counters, at step s:
+    #   the batch       s - 1 (the loader counts batches from 0)
+    #   the LR          schedule(r)(s), OLMo-core's k
+    #   state["step"]   the steps done: s - 1 before this step, s after (a checkpoint's step)
+    #   Adam's count    its own: --init-from carries it over (stages 2, 3); a skip leaves it
+    step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
     n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
