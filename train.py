@@ -313,10 +313,6 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
 
 # ----------------------------------------------------------------------------- the step
 
-# a 1-D array's one dimension cut over all three mesh axes: one entry a device (signal_flags)
-EACH_DEVICE = P(("data", "fsdp", "tensor"))
-
-
 # Ahead of time: --dry-run compiles the same step, and a step that does not fit fails at start-up.
 def compile_step(cfg, r, mesh, target):
     micro = r.micro_batch if r.micro_batch else r.global_batch
@@ -328,25 +324,27 @@ def compile_step(cfg, r, mesh, target):
     rows = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
-    # On one device, this would be:
-    #   step_fn = jax.jit(train_step, static_argnums=(3, 4, 5), donate_argnums=0)
+
+    def step(state, batch, flags):  # train_step, plus: has any process received a signal?
+        # flags: each process's signal flag (signal_flags, in the second read; on one host,
+        # [False] until a signal). jnp.any over them is an all-reduce across the hosts.
+        state, metrics = train_step(state, batch, cfg, r, r.global_batch // micro)
+        return state, metrics | {"signalled": jnp.any(flags)}
+    # On one device, without the flags, this would be:
+    #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
     # Here, in the same way:
-    # - the lambda bakes cfg, r and the micro-batch count in, as static arguments would;
+    # - step bakes cfg, r and the micro-batch count in, as static arguments would;
     # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy;
     # - out_shardings: the new state keeps its shardings (the metrics' None lets XLA choose);
-    # - lower(target, batch).compile() compiles for these shapes and shardings before any data
-    #   exists (so jit needs no in_shardings).
-    n_micro = r.global_batch // micro
-    step = jax.jit(lambda state, batch, flags: train_step(state, batch, flags, cfg, r, n_micro),
-                   donate_argnums=0, out_shardings=(shardings_of(target), None))
-    # signal_flags' description: [devices] bool, one entry a device
+    # - lower(target, batch, flags).compile() compiles for these shapes and shardings before any
+    #   data exists (so jit needs no in_shardings).
     flags = jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=NamedSharding(mesh, EACH_DEVICE))
-    return step.lower(target, batch, flags).compile()
+    jitted = jax.jit(step, donate_argnums=0, out_shardings=(shardings_of(target), None))
+    return jitted.lower(target, batch, flags).compile()
 
 
-def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
-    # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len];
-    # flags: each process's signal flag (signal_flags, in the second read)
+def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
+    # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len]
     # Written as for one device: batch and params are global arrays cut over the mesh, and XLA
     # turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -396,8 +394,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # A skip keeps the old params and Adam state (its count too), while step and history advance
     old = {k: state[k] for k in new}  # params and opt_state before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
-    metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes,
-               "signalled": jnp.any(flags)}  # has any process received a signal? (all-reduced)
+    metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     return new | {"step": step, "history": history}, metrics
 
 
@@ -747,6 +744,8 @@ def refuse_fresh_start(out):
 # ----------------------------------------------------------------------------- stopping
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
+# a 1-D array's one dimension cut over all three mesh axes: one entry a device (signal_flags)
+EACH_DEVICE = P(("data", "fsdp", "tensor"))
 
 
 def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
