@@ -148,10 +148,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
-        batch = next(batches)  # (1) batch step - 1
-        # device_batch: (one host) device_put. signal_flags (one host: [False] until a signal):
-        # so that every host stops after the same step, the step returns whether any got one
-        state, metrics = step_fn(state, device_batch(batch, loader, mesh), signal_flags(mesh))
+        # (1) batch step - 1, one array over all devices (device_batch; one host: device_put)
+        batch = device_batch(next(batches), loader, mesh)
+        # signal_flags: whether each process has received a signal (one host: [False] until
+        # one); the step returns whether any has, so that every host stops after the same step
+        state, metrics = step_fn(state, batch, signal_flags(mesh))
         # (2) reads step - 1's metrics (the host waits) and keeps this step's; it stops the run
         # after 10 updates skipped in a row
         late_metrics.add(step, metrics)
@@ -325,21 +326,22 @@ def compile_step(cfg, r, mesh, target):
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
 
-    def step(state, batch, flags):  # train_step, plus: has any process received a signal?
-        # flags: each process's signal flag (signal_flags, in the second read; on one host,
-        # [False] until a signal). jnp.any over them is an all-reduce across the hosts.
+    def step_and_signal(state, batch, flags):  # train_step, and: did any process get a signal?
+        # flags: one bool a device, its process's signal flag (signal_flags, in the second read;
+        # on one host, [False] until a signal). jnp.any over them is an all-reduce across hosts.
         state, metrics = train_step(state, batch, cfg, r, r.global_batch // micro)
         return state, metrics | {"signalled": jnp.any(flags)}
     # On one device, without the flags, this would be:
     #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
     # Here, in the same way:
-    # - step bakes cfg, r and the micro-batch count in, as static arguments would;
+    # - step_and_signal bakes cfg, r and the micro-batch count in, as static arguments would;
     # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy;
     # - out_shardings: the new state keeps its shardings (the metrics' None lets XLA choose);
     # - lower(target, batch, flags).compile() compiles for these shapes and shardings before any
     #   data exists (so jit needs no in_shardings).
+    # the flags, described: [devices] bool, one a device (EACH_DEVICE, with signal_flags)
     flags = jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=NamedSharding(mesh, EACH_DEVICE))
-    jitted = jax.jit(step, donate_argnums=0, out_shardings=(shardings_of(target), None))
+    jitted = jax.jit(step_and_signal, donate_argnums=0, out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags).compile()
 
 
