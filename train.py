@@ -571,7 +571,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        # a line every log_every steps, and at the last
+        # the progress line comes every log_every steps, and at the last step; no line otherwise
         if step % self.r.log_every and step != self.r.steps:
             return
         now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
@@ -728,11 +728,11 @@ def refuse_fresh_start(out):
     #   no metrics.jsonl                      nothing trained here              starts fresh
     #   metrics.jsonl and a "tmp" step        the first save was cut short      starts fresh
     #                                         (no step was ever committed)
-    # (A later save cut short leaves the earlier checkpoints: the run resumes from the newest,
-    # and never comes here.)
     #   metrics.jsonl, no "tmp" step          a run trained; its checkpoints    refuses
     #                                         are gone
     #   a step renamed .unreadable            resume could read none of them    refuses
+    # (A later save cut short leaves the earlier checkpoints: the run resumes from the newest,
+    # and never comes here.)
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
