@@ -122,9 +122,11 @@ def document_rows(files, eos, seq_len, limit):
     docs = []
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
-        # the last piece, after the last EOS, is no document (OLMo-core's eval sets keep only
-        # documents that end with an EOS: iter_document_indices), and is dropped, as in packing
-        docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]]
+        # Tokens after a file's last EOS count as one more document here. OLMo-core's eval sets
+        # (and our packing) drop them, as iter_document_indices yields only documents that end
+        # with an EOS; AI2's token files end with one, so the two agree on them. Kept, so that
+        # a set with no EOS at all (a plain text file) still scores, as one document.
+        docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
     # input t predicts label t = d[t + 1]; score() pads the one-shorter labels with -100
     return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
 
