@@ -390,8 +390,8 @@ def is_heldout(text_bytes, fraction):  # hashes the content, so every machine ag
     return int.from_bytes(digest, "little") < fraction * 2**64
 
 
-def read_text(path):  # bytes as they are (no newline translation), undecodable ones replaced
-    return epath.Path(path).read_bytes().decode("utf-8", "replace")
+# a file's bytes as they are (no newline translation), undecodable ones replaced
+read_text = lambda path: epath.Path(path).read_bytes().decode("utf-8", "replace")
 
 
 # ----------------------------------------------------------------------------- default corpora
@@ -422,8 +422,8 @@ def stdlib_files():  # every .py file under the stdlib folder, outside site-pack
 
 
 # train.py imports the modules beside the core (evaluation, prepare) through this, too
-def have(name):  # is this module beside the core here? (asks, without importing it)
-    return importlib.util.find_spec(name) is not None
+# is this module beside the core here? (asks, without importing it)
+have = lambda name: importlib.util.find_spec(name) is not None
 
 
 def beside(name):  # imports a module beside the core where a flag needs it, or says it is missing

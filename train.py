@@ -190,8 +190,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
         # pending: (step, metrics) of the last step, still on the devices, or None. skipped: the
         # updates skipped in a row (by the spike guard, or as not finite). signalled: a step read
         # said some process had received a signal (signal_flags, in the second read).
-        self.log, self.pending = log, None
-        self.skipped, self.signalled = 0, False
+        self.log, self.pending, self.skipped, self.signalled = log, None, 0, False
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
@@ -326,23 +325,20 @@ def compile_step(cfg, r, mesh, target):
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
 
-    def step_and_signal(state, batch, flags):  # train_step, and: did any process get a signal?
-        # flags: one bool a device, its process's signal flag (signal_flags, in the second read;
-        # on one host, [False] until a signal). jnp.any over them is an all-reduce across hosts.
-        state, metrics = train_step(state, batch, cfg, r, r.global_batch // micro)
-        return state, metrics | {"signalled": jnp.any(flags)}
-    # On one device, without the flags, this would be:
+    step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
+    # On one device, this would be:
     #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
     # Here, in the same way:
-    # - step_and_signal bakes cfg, r and the micro-batch count in, as static arguments would;
+    # - the lambda bakes cfg, r and the micro-batch count in, as static arguments would;
     # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy;
     # - out_shardings: the new state keeps its shardings (the metrics' None lets XLA choose);
-    # - lower(target, batch, flags).compile() compiles for these shapes and shardings before any
-    #   data exists (so jit needs no in_shardings).
-    # the flags, described: [devices] bool, one a device (EACH_DEVICE, with signal_flags)
-    flags = jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=NamedSharding(mesh, EACH_DEVICE))
-    jitted = jax.jit(step_and_signal, donate_argnums=0, out_shardings=(shardings_of(target), None))
-    return jitted.lower(target, batch, flags).compile()
+    # - lower(...).compile() compiles for these shapes and shardings before any data exists (so
+    #   jit needs no in_shardings).
+    # One addition for pods, with_signal_flags (second read, under "stopping"): the step also
+    # takes each process's stop flag, and reports whether any process was asked to stop.
+    jitted = jax.jit(with_signal_flags(step), donate_argnums=0,
+                     out_shardings=(shardings_of(target), None))
+    return jitted.lower(target, batch, flags_spec(mesh)).compile()
 
 
 def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
@@ -469,8 +465,8 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
     return {"params": new_params, "opt_state": opt_state}
 
 
-def adam(r):  # optax's Adam (train_step clips before it, adamw decays after it)
-    return optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
+# optax's Adam (train_step clips before it, adamw decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 # =============================================================================
@@ -631,8 +627,8 @@ def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
 
 
-def saved_config(step_dir):  # -> {"model": Config's fields, "recipe": ..., "data": ...}
-    return ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
+# a step's saved settings: {"model": Config's fields, "recipe": Recipe's, "data": the fingerprint}
+saved_config = lambda step_dir: ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
 
 
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -746,8 +742,6 @@ def refuse_fresh_start(out):
 # ----------------------------------------------------------------------------- stopping
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
-# a 1-D array's one dimension cut over all three mesh axes: one entry a device (signal_flags)
-EACH_DEVICE = P(("data", "fsdp", "tensor"))
 
 
 def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
@@ -768,8 +762,22 @@ def signal_flags(mesh):  # -> [devices] bool: has each device's process received
     #   step 152  the host reads step 151's metrics: a signal -> every process saves step 152
     #             and exits 75; a rerun resumes at step 153
     # (Not JAX's own preemption sync point, which misses a SIGTERM before step 1.)
-    sharding = NamedSharding(mesh, EACH_DEVICE)
-    return jax.make_array_from_callback((mesh.size,), sharding, lambda _: np.array([bool(SIGNALS)]))
+    spec = flags_spec(mesh)
+    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
+    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
+
+
+def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry a device
+    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))  # its one dimension cut over every axis
+    return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
+
+
+def with_signal_flags(step):  # step(state, batch) -> step(state, batch, flags) (compile_step)
+    def step_and_signal(state, batch, flags):  # flags: signal_flags' array
+        state, metrics = step(state, batch)
+        # jnp.any over every device's flag is an all-reduce across the hosts
+        return state, metrics | {"signalled": jnp.any(flags)}
+    return step_and_signal
 
 
 def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
@@ -857,8 +865,7 @@ CHOICES = olmo3.CHOICES | {"schedule": ("cosine", "linear", "olmo3")}
 
 
 def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with the flags applied
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__)
     add = ap.add_argument
     add("--preset", default="tiny", choices=list(RECIPES))
     add("--stage2", action="store_true", help="OLMo 3 stage 2 (use with --init-from stage 1)")
