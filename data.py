@@ -173,13 +173,14 @@ class PackedLoader(Loader):
         return inputs
 
     def batch(self, i):
-        # Labels, in two steps: Loader.batch's plain shift (OLMo-core's get_labels), then the
-        # padding masked: position t keeps its label iff t + 1 < the row's length, as OLMo-core's
-        # label_mask gives (with length 3 and T = 6, positions 2 to 4 lose theirs; 5 has none).
-        # So a document's EOS is labelled with the next document's first token: each EOS but the
-        # row's last (padding follows it, so it has no target) learns to predict an unrelated
-        # document's first token, while seeing only its own document, as in OLMo-core. In the row
-        # a b E c E pad pad (length 5), the first E's label is c, and the second E has none.
+        # The labels, for a row of two documents (length 5, then padding; - is -100, no target):
+        #   inputs  a b E c E pad pad
+        #   labels  b E c E - -   -
+        # Loader.batch shifts the row (OLMo-core's get_labels), then the padding is masked:
+        # position t keeps its label only if t + 1 < the row's length, as OLMo-core's label_mask
+        # gives. So the first E's label is c, the next document's first token: as in OLMo-core,
+        # an EOS learns to predict an unrelated document's first token, while it sees only its
+        # own document. The row's last E has no target, since padding follows it.
         batch = super().batch(i)
         lengths = self.lengths[self.ids(i), None]  # [rows, 1]: each row's tokens before padding
         padding = np.arange(self.seq_len) + 1 >= lengths  # [rows, seq_len]: no label here
@@ -421,8 +422,8 @@ def stdlib_files():  # every .py file under the stdlib folder, outside site-pack
                   if not (skip & set(d.split(os.sep))) for f in files if f.endswith(".py"))
 
 
-# train.py imports the modules beside the core (evaluation, prepare) through this, too
-# is this module beside the core here? (asks, without importing it)
+# Is this module beside the core here? (It finds it without importing it.) train.py, too, uses
+# have and beside for the modules beside the core (evaluation, prepare).
 have = lambda name: importlib.util.find_spec(name) is not None
 
 
@@ -432,5 +433,7 @@ def beside(name):  # imports a module beside the core where a flag needs it, or 
     return importlib.import_module(name)
 
 
-if __name__ == "__main__":  # prepare.py, beside the core, handles `python data.py tokenize`
+# `python data.py tokenize`: its command line and its readers of text and JSON files sit in
+# prepare.py, beside the core (for the line budget), and it calls data.tokenize above.
+if __name__ == "__main__":
     beside("prepare").main()

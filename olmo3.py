@@ -360,10 +360,11 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 MESH_AXES = ("data", "fsdp", "tensor")
 # AXIS_RULES, below, is the one table from logical axes to mesh axes. Every sharding the code sets
 # (the weights', the batch's, the constrained activations') comes from it, and XLA chooses the rest.
-# (The few arrays train.py replicates, or cuts one per device, are said there.) A batch's rows
-# (sequences) are split over both data-parallel axes. Weights are split ZeRO-3 style over fsdp and
-# Megatron style over tensor. Axes not named here ("layers", "norm", "seq") are not split. A tuple
-# splits one dimension over several mesh axes, so "batch" is split over data x fsdp devices.
+# (train.py sets two more by hand: `whole`, replicated, and flags_spec, one entry per device.)
+# A batch's rows (sequences) are split over both data-parallel axes. Weights are split ZeRO-3
+# style over fsdp and Megatron style over tensor. Axes not named here ("layers", "norm", "seq")
+# are not split. A tuple splits one dimension over several mesh axes, so "batch" is split over
+# data x fsdp devices.
 AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 

@@ -1,14 +1,14 @@
 """Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
 
-Every field of olmo3.Config and train.Recipe is a flag (--lr 1e-3). Rerunning a command resumes
-its run (on any mesh that splits it). Stopped early (a signal, --stop-at), it saves, exits 75."""
-# Steps count from 1, as OLMo-core's do: step s trains on batch s - 1 (train_step lists every
-# counter). Every log_every steps, a progress line (tiny on a CPU, spaces trimmed):
+Every field of olmo3.Config and train.Recipe is also a flag (--lr 1e-3). Rerunning a command
+resumes its run. A run stopped early (a signal, --stop-at) saves a checkpoint and exits 75."""
+# Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
+# counter). Every log_every steps, the run prints a progress line like this one (tiny, on a CPU):
 # step 50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a | ETA 0:04:15
-# Read it top-down: the recipe, `main`, `train` (setup, then the loop), and the helpers down to
-# the optimizer. On a first read, take each call into the "second read" (the 7B's schedule, the
-# progress line and what a pod needs) as its name says. `r` is the Recipe, `cfg` the model's
-# olmo3.Config.
+# Read it from the top down: the recipe, `main`, `train` (setup, then the loop), then the helpers
+# down to the optimizer. That is the first read. Below it, a banner starts the "second read": the
+# 7B's schedule, the progress line, and what a pod needs. On a first read, trust those helpers
+# to do what their names say. In every function, `r` is the Recipe and `cfg` is the olmo3.Config.
 import argparse
 import dataclasses
 import datetime
@@ -33,11 +33,11 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# Training settings: AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike guard), except
-# the schedule. The default is a plain cosine, which any run length fits (the tiny preset's 500
-# steps; MaxText's reproduction used it too); AI2's own two-part one ("olmo3") is aimed at the
-# 7B's 1.4M steps, so only 7b and 7b-wide set it, and 7b-long sets stage 3's linear one. RECIPES
-# changes a few fields for each preset.
+# The training settings. They are AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike
+# guard), except for the schedule. The default schedule is a plain cosine, which fits a run of
+# any length, such as the tiny preset's 500 steps (MaxText's reproduction used a cosine too).
+# AI2's own two-part schedule, "olmo3", is aimed at the 7B's 1.4M steps, so only the 7b presets
+# use it, and 7b-long uses stage 3's linear one. RECIPES changes a few fields for each preset.
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -72,8 +72,8 @@ class Recipe:
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
                    log_every=25, eval_every=100, save_every=100),
-    # A micro-batch of 64 fits v5p-128 (39 GiB a device). 250 steps: a save about every 70
-    # minutes on v5p-128 (Cloud TPU advises about an hour).
+    # A micro-batch of 64 fits v5p-128 (39 GiB per device). Saving every 250 steps saves about
+    # every 70 minutes on v5p-128 (Cloud TPU advises about an hour).
     "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
     # Stage 3, long context, as AI2 ran it (OLMo-core's OLMo3-7B-long-context.py): 50B tokens,
@@ -93,83 +93,83 @@ STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedu
 # ----------------------------------------------------------------------------- the run
 
 def main(argv=None):
-    cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, then STAGE2, then the flags
-    start_jax(args)  # fake CPU devices if asked, then JAX's multi-host start-up
+    cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, with the flags applied
+    start_jax(args)  # uses fake CPU devices if asked, then joins the hosts of a pod
     if args.dry_run:
-        # data.beside: a lazy import of a file beside the core (a clear error if it is missing)
+        # data.beside imports a file that sits beside the core, or says clearly that it is missing
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
-    # From here on, Ctrl-C and SIGTERM checkpoint, then stop the run (request_stop). This comes
-    # after start_jax, whose distributed start-up installs a SIGTERM handler that this replaces.
+    # From here on, Ctrl-C and SIGTERM make the run save a checkpoint and stop (request_stop).
+    # This must come after start_jax, which installs its own SIGTERM handler.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    check_run_directory(args.out)  # makes it; on a pod, checks every host sees the same one
-    mesh = olmo3.make_mesh(**args.mesh)  # args.mesh: {"data": 1, "fsdp": -1, "tensor": 1}
-    # manager: Orbax's CheckpointManager: it lists the saved steps and saves in the background
+    check_run_directory(args.out)  # makes the directory; a pod's hosts must all see it
+    mesh = olmo3.make_mesh(**args.mesh)  # args.mesh is a dict: {"data": 1, "fsdp": -1, "tensor": 1}
+    # The manager is Orbax's CheckpointManager. It lists the saved steps and saves in the
+    # background.
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
         return train(cfg, r, args, mesh, manager)
 
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
-    # args: the flags that are not Config or Recipe fields (parse_args). The first read meets
-    # --out, --data, --data-root, --init-from, --eval-data, --eval-tasks, --stop-at, --samples.
-    # What the helpers below the "second read" banner come to on one host:
+    # args holds the flags that are not Config or Recipe fields (see parse_args).
+    # Some helpers called here belong to the second read. On one host, they come to this:
     #   Log             print, plus the files log.txt and metrics.jsonl
-    #   resume          (in starting_state) Orbax's restore of the run's newest checkpoint
-    #   signal_flags    bool(SIGNALS), on the one device
+    #   resume          Orbax's restore of the run's newest checkpoint (in starting_state)
     #   device_batch    jax.device_put
-    #   save            manager.save(step, state), in the background
-    loader, heldout = load_data(cfg, r, args, mesh)  # every process reads the same token files
-    # log(text) prints a line; log(**record) adds a record to metrics.jsonl; log.flush() writes
-    # both files
+    #   signal_flags    [bool(SIGNALS)], one flag for the one device
+    #   save            manager.save(step, state), which writes in the background
+    loader, heldout = load_data(cfg, r, args, mesh)
+    # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
+    # writes both files
     log = Log(cfg, r, args.out, mesh)
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
-    # target: the state's shapes and shardings, with nothing allocated
+    # target describes the state: each array's shape, dtype and sharding, with nothing allocated
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # drops metrics.jsonl's records past the checkpoint's step (a kill can leave some: Log.rewind)
+    # A kill can leave records in metrics.jsonl past the checkpoint's step; rewind drops them.
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)
-    # The loop below, as nanoGPT would write it on one device:
+    # On one device, nanoGPT would write the loop below like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
     #       log.metrics(step, jax.device_get(metrics))  # (2) waits for this step
     #       if step % r.eval_every == 0: evals(state["params"], step)  # (3)
     #       if step % r.save_every == 0: manager.save(step, state)  # (4)
-    # Two changes. The metrics are read a step late: step_fn returns at once, and while the host
-    # waits for step s - 1's, step s keeps the devices busy:
+    # There are two changes. First, the metrics are read a step late. step_fn returns at once,
+    # so while the host waits for step 149's metrics, step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # And a stop (--stop-at, or a signal: stop_reason) saves the step, then exits 75 (5).
-    batches = loader.iterate(done, r.steps)  # yields batch done, done + 1, ..., r.steps - 1
+    # Second, the run can stop early (5): after --stop-at, or after a signal, it saves the step
+    # and exits with code 75.
+    batches = loader.iterate(done, r.steps)  # yields batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
-        # (1) batch step - 1, one array over all devices (device_batch; one host: device_put)
-        batch = device_batch(next(batches), loader, mesh)
-        # signal_flags: whether each process has received a signal (one host: [False] until
-        # one); the step returns whether any has, so that every host stops after the same step
+        batch = device_batch(next(batches), loader, mesh)  # (1) batch step - 1, on the devices
+        # The step also takes each process's stop flag (signal_flags, second read): on a pod,
+        # every host must stop after the same step.
         state, metrics = step_fn(state, batch, signal_flags(mesh))
-        # (2) reads step - 1's metrics (the host waits) and keeps this step's; it stops the run
-        # after 10 updates skipped in a row
+        # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
+        # updates in a row were skipped.
         late_metrics.add(step, metrics)
-        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (5) None: go on
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (5) None means go on
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
-            evals(state["params"], step)  # the results are logged
+            evals(state["params"], step)  # logs the results
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
-            late_metrics.read_pending()  # this step's too: the save waits for the step anyway
+            late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
             log.flush()  # writes metrics.jsonl and log.txt, and redraws loss.png
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
-            manager.wait_until_finished()  # the save is committed
+            manager.wait_until_finished()  # waits until the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
-            return 75  # EX_TEMPFAIL: stopped before its last step, so rerun to resume
+            return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
     manager.wait_until_finished()
-    if args.samples and data.have("evaluation"):  # with evaluation.py only
+    if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
@@ -177,36 +177,35 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
 
 
 class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
-    # Keeps each step's metrics on the devices until the next step is dispatched, then reads
-    # them (the timeline above the loop). Before a save, read_pending reads the step's own, so
-    # that the metrics.jsonl saved with the step holds every step. log.metrics prints a line
-    # every log_every steps, and one for each skipped update. 10 updates skipped in a row stop
-    # the run (read_pending raises). With save_every 100:
-    #   add(199)                    reads 198's; keeps 199's
-    #   add(200), read_pending()    reads 199's, then 200's; keeps none
-    #   add(201)                    reads none; keeps 201's
+    # Keeps each step's metrics on the devices until the next step has been dispatched, then
+    # reads them (see the timeline above the loop). Before a save, read_pending also reads the
+    # step's own metrics, so that the metrics.jsonl saved with a checkpoint has every step.
+    # With save_every 100:
+    #   add(199)                    reads 198's metrics, keeps 199's
+    #   add(200), read_pending()    reads 199's, then 200's, keeps none
+    #   add(201)                    reads none, keeps 201's
+    # Reading also counts the updates skipped in a row, and stops the run at 10.
 
     def __init__(self, log):
-        # pending: (step, metrics) of the last step, still on the devices, or None. skipped: the
-        # updates skipped in a row (by the spike guard, or as not finite). signalled: a step read
-        # said some process had received a signal (signal_flags, in the second read).
+        # pending is the last step's (step, metrics), still on the devices, or None. skipped
+        # counts the updates skipped in a row (by the spike guard, or as not finite). signalled
+        # becomes True once a step's metrics say some process received a signal.
         self.log, self.pending, self.skipped, self.signalled = log, None, 0, False
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
         self.pending = (step, metrics)
 
-    def read_pending(self):  # reads the kept step's metrics, if any
+    def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
-            step, m = jax.device_get(self.pending)  # waits for the devices (nanoGPT's loss.item())
+            step, m = jax.device_get(self.pending)  # waits for the devices, like loss.item()
             self.pending = None
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
-            self.log.metrics(step, m)
-            # 10 in a row: the spike guard cannot rescue this run, so it stops here, before the
-            # loop saves again. Every checkpoint holds good weights (a skipped update changes
-            # none), and a rerun resumes from the last one (with a lower --lr, which a resume may
-            # change).
+            self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
+            # After 10 skips in a row, the spike guard cannot rescue the run. It stops here,
+            # before the loop saves again. Every checkpoint holds good weights, since a skipped
+            # update changes none, so a rerun resumes from the last one (a resume may lower --lr).
             if self.skipped >= 10:
                 self.log.flush()
                 raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step "
@@ -224,15 +223,17 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
         source, heldout = data.corpus(source if source else "stdlib", cfg.tokenizer)
     elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
         heldout = os.path.join(source, "heldout.txt")
-    # rows: the rows of each batch this process's devices hold (one host: all)
+    # rows: the rows of each batch that this process's devices hold (on one host, all of them)
     options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
-    # The plain Loader first, even to pack: the hosts compare the token files before packing
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
-    # (pods) every host must read the same token files; on one host this checks nothing
+    # On a pod, every host must read the same token files (on one host, this checks nothing).
+    # They are compared here, before process 0 may spend minutes packing them.
     check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
                           "--data, --data-root and the mix file on every host")
-    if r.packing:  # (stage 3) process 0 packs the files into the run directory once; all read it
+    # Stage 3 packs documents into rows: process 0 packs the files once, into the run directory,
+    # and every process reads the result
+    if r.packing:
         options |= dict(group_size=r.source_group_size, cache=args.out, rank=jax.process_index())
         loader = data.PackedLoader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     return loader, heldout
@@ -240,7 +241,7 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
     # evaluation.py evaluates --eval-data and --eval-tasks, or else the corpus's held-out set.
-    # Without the file, the held-out set is skipped, and the flags are an error (data.beside).
+    # Without evaluation.py, the held-out set is skipped, and the two flags are an error.
     if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks,
@@ -249,10 +250,11 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 
 
 # ----------------------------------------------------------------------------- the state
-# The state is one pytree, {params, opt_state, step, history}. One description of it, target
-# (abstract_state: shapes and shardings, nothing allocated), drives the rest: init_state creates
-# a fresh state onto it, restore reads a checkpoint onto it, and compile_step compiles for it.
-# starting_state picks which: a resume, a fresh start, or --init-from.
+# The state is one pytree: {params, opt_state, step, history}. One description of it, target,
+# drives the rest. abstract_state makes it: every array's shape, dtype and sharding, with nothing
+# allocated. init_state creates a fresh state that matches it, restore reads a checkpoint onto
+# it, and compile_step compiles the step for it. starting_state picks between a resume, a fresh
+# start, and --init-from.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
@@ -261,52 +263,53 @@ HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
 
 def fresh_state(r, params):  # the training state before step 1
-    # opt_state: Adam's (count, mu, nu); history [2, 128]: the spike guard's last losses, norms
+    # opt_state is Adam's (count, mu, nu). history [2, 128] holds the spike guard's last 128
+    # losses and grad norms.
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
 
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
-    # Each leaf is a jax.ShapeDtypeStruct (shape, dtype, sharding): init_state creates the shards
-    # from these, restore reads onto them, and compile_step compiles for them, so the 7B's state
-    # is never whole on one device. (jax.eval_shape(fresh_state) gives the shapes, but no
-    # shardings: it would not cut Adam's moments like their weights.)
+    # Each leaf is a jax.ShapeDtypeStruct: a shape, a dtype and a sharding. Because the
+    # shardings are known before anything exists, the 7B's state is never whole on one device.
+    # (jax.eval_shape(fresh_state) would give the shapes but no shardings, so it could not cut
+    # Adam's moments like their weights.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
-    # whole: an array every device holds all of (P(): no dimension cut)
+    # whole: an array that every device holds all of (P() cuts no dimension)
     whole = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
-    # Adam's mu and nu are cut like params (ZeRO-3). adam(r).init returns this type; a test
-    # compares the two: test_abstract_state_describes_fresh_state_with_adam_cut_like_params
+    # Adam's mu and nu are cut like params (ZeRO-3). adam(r).init returns this same type, and
+    # test_abstract_state_describes_fresh_state_with_adam_cut_like_params compares the two.
     opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
     return {"params": params, "opt_state": opt, "step": whole((), jnp.int32),
             "history": whole((2, HISTORY), jnp.float32)}
 
 
-# jit with out_shardings: each device computes only its own shards
+# jit with out_shardings: each device computes only its own shards of the new state
 def init_state(cfg, r, target):
     make = lambda key: fresh_state(r, olmo3.init(cfg, key))
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
 
 
 def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
-    # Three ways to start:
-    #   resume       the run directory has a checkpoint: its newest readable one, the whole state
-    #   fresh        init_state's new weights and zeroed Adam
-    #   --init-from  fresh, then another checkpoint's params, and its Adam state if it is a run's
-    #                (stages 2 and 3); step, history and so the LR schedule start again from 0
+    # There are three ways to start:
+    #   resume       The run directory has a checkpoint: read the whole state from the newest.
+    #   fresh        init_state's new weights, and Adam's moments at zero.
+    #   --init-from  Fresh, then another checkpoint's params, and its Adam state too if it has
+    #                one (stages 2 and 3). Step and history, and so the LR schedule, start at 0.
     if manager.latest_step() is not None:
-        # resume (second read): on one host, restore of the newest step; on a pod, the newest
-        # step every host can read
+        # resume (second read) restores the newest step; on a pod, the newest that every host
+        # can read
         state = resume(cfg, r, manager, target, loader, log)
         return state, f"resumed from step {int(state['step'])}"
     refuse_fresh_start(args.out)  # (second read) stops if a run already trained in args.out
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
-    # restore reads what the checkpoint has: params alone from a converted one, the whole state
-    # from a run's (second read). Given no r, it checks only that the model's settings match:
-    # the data and its order are another run's, so they may differ.
+    # restore (second read) reads what the checkpoint has: params alone from a converted model,
+    # the whole state from a run. Without r, it checks only that the model's settings match,
+    # since another run's data and data order may differ from this one's.
     restored = restore(latest_checkpoint(args.init_from), target, cfg)
-    # "Warm Adam": only params and opt_state (Adam's moments and its count) carry over
+    # "Warm Adam": params and opt_state (Adam's moments and its count) carry over, nothing else
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
 
@@ -320,7 +323,8 @@ def compile_step(cfg, r, mesh, target):
     if r.global_batch % micro or micro % dp:
         raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
                          "data-parallel devices do not divide; pick multiples of each other")
-    # each of the batch's arrays, described: [global_batch, seq_len] int32, rows over the devices
+    # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
+    # data-parallel devices
     rows = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
@@ -328,42 +332,44 @@ def compile_step(cfg, r, mesh, target):
     step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
     # On one device, this would be:
     #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
-    # Here, in the same way:
-    # - the lambda bakes cfg, r and the micro-batch count in, as static arguments would;
-    # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy;
-    # - out_shardings: the new state keeps its shardings (the metrics' None lets XLA choose);
-    # - lower(...).compile() compiles for these shapes and shardings before any data exists (so
-    #   jit needs no in_shardings).
-    # One addition for pods, with_signal_flags (second read, under "stopping"): the step also
-    # takes each process's stop flag, and reports whether any process was asked to stop.
+    # The lines below do the same:
+    # - The lambda fixes cfg, r and the micro-batch count, as static arguments would.
+    # - donate_argnums=0 lets the new state reuse the old one's buffers, so memory holds one copy.
+    # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
+    # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
+    #   jit needs no in_shardings.
+    # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
+    # step also take each process's stop flag, and report whether any process was asked to stop.
     jitted = jax.jit(with_signal_flags(step), donate_argnums=0,
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh)).compile()
 
 
 def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
-    # -> (the new state, metrics); batch: inputs, labels (and segments, packed), [batch, seq_len]
-    # Written as for one device: batch and params are global arrays cut over the mesh, and XLA
-    # turns the sums over the batch (n_tokens, the gradients) into all-reduces and
+    # -> (the new state, metrics). The batch holds inputs and labels (and segments when
+    # packed), each [batch, seq_len].
+    # It is written as for one device. batch and params are global arrays cut over the mesh,
+    # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
     params = state["params"]
-    # The counters, at step s:
-    #   the batch       s - 1 (the loader counts batches from 0)
-    #   the LR          schedule(r)(s), OLMo-core's k
-    #   state["step"]   the steps done: s - 1 before this step, s after (a checkpoint's step)
-    #   Adam's count    its own: --init-from carries it over (stages 2, 3); a skip leaves it
+    # The counters at step s:
+    #   the batch       s - 1, since the loader counts batches from 0
+    #   the LR          schedule(r)(s); s is OLMo-core's k
+    #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
+    #   Adam's count    its own counter: --init-from carries it over between stages, and a
+    #                   skipped update does not advance it (see adamw's note)
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
     n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
 
     def loss(params, micro):
-        segments = micro.get("segments") if r.doc_masking else None  # keep documents apart
+        segments = micro.get("segments") if r.doc_masking else None  # keeps documents apart
         logits = olmo3.forward(params, micro["inputs"], cfg, segments)
         ce_sum, z_sum, _ = olmo3.loss_terms(logits, micro["labels"], r.z_loss)
-        # (CE + z-loss is differentiated; CE alone is logged)
+        # CE + z-loss is differentiated; CE alone is logged
         return (ce_sum + z_sum) / n_tokens, ce_sum / n_tokens
-    # grad_fn(params, micro) -> ((loss, ce), grads); has_aux: ce is passed through
+    # grad_fn(params, micro) -> ((loss, ce), grads). has_aux means ce is passed through as is.
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     if n_micro == 1:  # one micro-batch: the plain step, with no scan around it
@@ -376,20 +382,20 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
-    # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (written out, as
-    # the spike guard watches the same norm)
+    # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
+    # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
     # The LR comes from this step's number, not from Adam's count, which --init-from carries
-    # over from the stage before (adamw says why that matters)
+    # over from the stage before (adamw says why that matters).
     lr = schedule(r)(step)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
-    # The spike guard (OLMo-core's) may skip the update: params and opt_state stay as they were.
-    # spikes [2]: did the loss, the grad norm spike
+    # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
+    # spikes [2] says whether the loss and whether the grad norm spiked.
     spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
-    # A NaN or inf is skipped here, at every step, even with --spike-guard false or before step
-    # 64, when the spike guard does not check yet
+    # A NaN or inf is always skipped, even with --spike-guard false, or before step 64, when
+    # the spike guard starts checking
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)
-    # A skip keeps the old params and Adam state (its count too), while step and history advance
+    # A skip keeps the old params and Adam state (its count too); step and history advance
     old = {k: state[k] for k in new}  # params and opt_state before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
@@ -397,11 +403,11 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
 
 
 def split_micro(x, n_micro: int):
-    # [global, ...] -> [n_micro, global/n_micro, ...]: row i goes to micro-batch i % n_micro, at
-    # place i // n_micro, as the reshape to [global/n_micro, n_micro] puts it (8 rows,
-    # 2 micro-batches: [[0 2 4 6], [1 3 5 7]]). Strided, so no row moves: with 2 devices, device 0
-    # holds rows 0-3 and gives rows 0 and 2 to micro-batch 0, rows 1 and 3 to micro-batch 1. (A
-    # plain reshape would put all of micro-batch 0 on device 0.)
+    # [global, ...] -> [n_micro, global/n_micro, ...], without moving a row between devices.
+    # A plain reshape would put all of micro-batch 0 on the first devices. So the micro-batches
+    # are strided instead: 8 rows in 2 micro-batches become [[0 2 4 6], [1 3 5 7]]. With 2
+    # devices, device 0 holds rows 0-3, and gives rows 0 and 2 to micro-batch 0, rows 1 and 3 to
+    # micro-batch 1. In general, row i goes to micro-batch i % n_micro, at place i // n_micro.
     x = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -409,20 +415,22 @@ def split_micro(x, n_micro: int):
 # ----------------------------------------------------------------------------- the spike guard
 
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
-    # OLMo-core's SkipStepOptimizer on values [loss, grad norm]: a value spikes if it is more
-    # than 6 std above the mean of the (up to) 128 before it, from step 64 on. history [2, 128]
-    # is a ring of the last 128 values, one a step: step k's go to slot (k - 1) % 128. At step 4,
-    # slots 0-2 hold steps 1-3's and this one goes to slot 3; at step 200, all 128 hold values,
-    # and this one overwrites slot 71 (step 72's, the oldest).
+    # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. From step 64 on, a value
+    # spikes if it is more than 6 standard deviations above the mean of the (up to) 128 values
+    # before it. history [2, 128] is a ring buffer of the last 128 steps' values: step k's go to
+    # slot (k - 1) % 128. At step 4, slots 0-2 hold the values of steps 1-3, and this step's go
+    # to slot 3. At step 200, all 128 slots are full, and this step's values overwrite slot 71,
+    # which held step 72's, the oldest.
     n_filled = jnp.minimum(step - 1, HISTORY)  # how many values the history holds
-    filled = jnp.arange(HISTORY) < step - 1  # [128]: which slots hold one (all, from step 129 on)
+    filled = jnp.arange(HISTORY) < step - 1  # [128]: which slots hold a value (from step 129, all)
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
     checking = step >= HISTORY // 2  # from step 64 on
     # Only a rise counts, as in OLMo-core. NaN and +inf make `within` False, so they spike.
     within = values - mean <= 6 * std
-    # A value not finite is kept out (the mean takes its slot), or every later step would spike
+    # A value that is not finite is kept out of the history (the mean takes its slot), or every
+    # later step would spike
     kept = jnp.where(jnp.isfinite(values), values, mean)
     return checking & ~within, history.at[:, (step - 1) % HISTORY].set(kept)
 
@@ -430,35 +438,36 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
 # ----------------------------------------------------------------------------- the optimizer
 
 def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
-    # OLMo-core's, for its step k, with peak P, floor F, warmup W and t_max T (a test checks):
+    # OLMo-core's schedules, for its step k, with peak P, floor F, warmup W and t_max T (a test
+    # checks them against OLMo-core's formulas):
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
-    # The tiny preset's cosine (P 3e-3, W 50, T 500): 6e-5 at step 1, the peak 3e-3 at 50, 1.65e-3
-    # at 275, halfway down, and F = 3e-4 at 500, the last.
-    # optax's schedules count from 0; they are given OLMo-core's 1-based k, so step 1's LR is
-    # P / W, as OLMo-core's (test_schedule_matches_olmo_core_off_by_one)
+    # For example, the tiny preset's cosine (P 3e-3, W 50, T 500) gives 6e-5 at step 1, the peak
+    # 3e-3 at step 50, 1.65e-3 at step 275 (halfway down), and F = 3e-4 at step 500, the last.
+    # optax's schedules count from 0. They are given OLMo-core's 1-based k, so that step 1's LR
+    # is P / W, as in OLMo-core (test_schedule_matches_olmo_core_off_by_one).
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
-    # optax's decay_steps counts the warmup in, as OLMo-core's T does; the max()es keep a run
-    # no longer than its warmup valid (optax needs decay_steps > warmup)
+    # optax's decay_steps includes the warmup, as OLMo-core's T does. The max() keeps a run no
+    # longer than its warmup valid, since optax needs decay_steps > warmup.
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
     if r.schedule == "linear":  # join_schedules counts its second part's steps from W
         return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                      optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                     [warmup])
-    # "olmo3": AI2's stage 1 in two parts (the 7b presets; olmo3_stage1, in the second read)
+    # "olmo3" is AI2's stage 1, in two parts (for the 7b presets; olmo3_stage1, second read)
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
 
 
-# AdamW, as torch's and OLMo-core's: p - lr * (adam(clip(g)) + wd * p), with no wd on the
-# embedding. Not optax.adamw: its schedule would count from Adam's count, which --init-from
-# carries over. Stage 2 would start at stage 1's count, 1,413,814, past the end of its own
-# 47,684-step schedule: an LR of 0 throughout.
+# AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
+# the embedding. It is not optax.adamw, whose schedule would count from Adam's count, which
+# --init-from carries over. Stage 2 would then start at stage 1's count, 1,413,814, past the end
+# of its own 47,684-step schedule, and its LR would be 0 throughout.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
-    # Adam's direction m^ / (sqrt(v^) + eps), bias-corrected by Adam's count (before -lr)
+    # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
-    # + wd * p on every weight but the embedding (norms and lm_head too, as OLMo-core)
+    # + wd * p on every weight but the embedding (norms and lm_head too, as in OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
     updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
@@ -470,14 +479,14 @@ adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 # =============================================================================
-# Second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B on a
-# pod needs (checkpoints, stopping, several hosts), then the command line.
-# A preempted pod run (4 hosts, resuming from step 500) meets the pod sections in this order:
-#   checkpoints   every host reads checkpoint 500 onto its own devices (resume)
-#   stopping      host 3 gets a SIGTERM at step 612; every host saves the same step and exits
-#                 75 (signal_flags); the same command resumes
-#   across hosts  (all along) start_jax joined the hosts' processes at start-up, and each
-#                 loader reads only its devices' rows (local_rows)
+# The second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B
+# needs on a pod (checkpoints, stopping, several hosts), then the command line.
+# A pod run on 4 hosts, preempted and resumed from step 500, meets the pod sections like this:
+#   checkpoints   Every host reads checkpoint 500 onto its own devices (resume).
+#   stopping      Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
+#                 with code 75 (signal_flags). The same command resumes the run.
+#   across hosts  All along: start_jax joined the hosts' processes at start-up, and each
+#                 process's loader reads only its own devices' rows (local_rows).
 # JAX's terms for several hosts (process_allgather, make_array_from_callback, ...) are in the
 # last table of the README's JAX glossary.
 # =============================================================================
@@ -485,17 +494,17 @@ adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 # ----------------------------------------------------------------------------- the 7B's schedule
 
-# -> (step k -> its LR), for P, F, W and the tokens a step; cosine(T) is schedule's CosWithWarmup,
-# aimed at T steps.
+# Returns a function: step k -> its LR, for peak P, floor F, warmup W and the tokens in a step.
+# cosine(T) is schedule's CosWithWarmup, aimed at T steps.
 def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; the
-    # README's Training section tells it). Part 1, to step 596,047, is cosine(T1), aimed at 5T
-    # tokens. Part 2, from step 596,048, where AI2 restarted, is OLMo-core's HalfCosWithWarmup
-    # aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then the second half of a cosine
-    # from P to F, reaching F at T2:
+    # README's Training section tells the story). Part 1, up to step 596,047, is cosine(T1),
+    # aimed at 5T tokens. Part 2 starts at step 596,048, where AI2 restarted. It is OLMo-core's
+    # HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then the second
+    # half of a cosine from P to F, which reaches F at T2:
     #   ((F + P) / 2) k / W2 for k < W2,
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
-    # For the 7b, T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046, and the LR (P 3e-4, F 3e-5):
+    # For the 7b, T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046. The LR (P 3e-4, F 3e-5) is:
     #   step 1            1.5e-7     part 1's warmup, P k / W
     #   step 2,000        3.0e-4     the peak, P
     #   step 596,047      1.654e-4   part 1's last step, on its cosine
@@ -503,40 +512,40 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     #   step 597,046      1.650e-4   W2: part 2's warmup ends at (F + P) / 2, then it decays
     #   step 1,413,814    3.93e-5    the last step, 0.131 P
     T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # 5T and 7T tokens' steps, rounded up
-    # -2.py's W2: original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
+    # -2.py's W2 is original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
     # is 5T tokens' steps rounded down (an integer division, unlike T1)
     W2 = int(5e12) // tokens // 2 + warmup // 2
-    # the cosine's angle, pi (k - W2 + T2 - W2) / (2 (T2 - W2)) as the formula above has it (the
-    # same as pi / 2 + (pi / 2) (k - W2) / (T2 - W2)): from pi / 2 at W2 to pi at T2, and there
-    # it stays
+    # The cosine's angle, pi (k - W2 + T2 - W2) / (2 (T2 - W2)), as in the formula above. It is
+    # the same as pi / 2 + (pi / 2) (k - W2) / (T2 - W2): it goes from pi / 2 at W2 to pi at T2,
+    # and stays there.
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # 596,048, the restart, is a fact of AI2's run, so it is written out, not derived
+    # The restart at 596,048 is a fact of AI2's run, so it is written out, not derived.
     return lambda k: jnp.where(k < 596_048, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
 
-# For the MFU: dense bf16 TFLOP/s per JAX device (Ironwood has two per chip). The first name in
-# the device's kind counts, so "v5 lite" comes before "v5".
+# For the MFU: dense bf16 TFLOP/s per JAX device (Ironwood has two devices per chip). The first
+# name found in the device's kind wins, so "v5 lite" must come before "v5".
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
-    # Its jobs: print the progress line (log.metrics, with the metrics the loop read) and other
-    # lines (log(text)), and keep both files (in the run directory: a spot slice's disks go with
-    # the slice).
+    # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
+    # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
+    # slice loses with the slice.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
-        # last: (step, time) of the last progress line
+        # last is the (step, time) of the last progress line
         self.started, self.last = time.time(), None
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
         self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
-        # a resume keeps the earlier lines
+        # a resumed run keeps the lines written before
         self.lines = {name: path.read_text().splitlines(True) if path.exists() else []
                       for name, path in self.files.items()}
 
@@ -544,10 +553,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if jax.process_index() == 0 and text:
             print(text, flush=True)
             self.lines["log.txt"].append(text + "\n")
-        if record and jax.process_index() == 0:  # process 0 writes them
+        if record and jax.process_index() == 0:  # only process 0 writes
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    # rewrites each file whole, atomically (an object store cannot append); draws loss.png
+    # rewrites each file whole and atomically (an object store cannot append), and draws loss.png
     def flush(self):
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (check_run_directory made the directory)
@@ -556,24 +565,25 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops records past step: flush runs before Orbax commits, so a kill can leave some
+    # Drops the records past step. flush runs before Orbax commits a save, so a kill in between
+    # leaves records that the checkpoint it resumes from does not reach.
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
 
-    # a step's metrics, read to the host: a line for a skipped update, and one every log_every steps
+    # a step's metrics, read to the host: a line for a skipped update, one every log_every steps
     def metrics(self, step, m):
         m = {k: v.tolist() for k, v in m.items()}  # numpy -> Python numbers, for JSON
-        if m["skipped"]:  # skipped by the spike guard ([loss, grad norm] spiked) or as not finite
+        if m["skipped"]:  # by the spike guard (spikes says which of [loss, grad norm]), or a NaN
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        # the progress line comes every log_every steps, and at the last step; no line otherwise
+        # the progress line comes every log_every steps, and at the last step
         if step % self.r.log_every and step != self.r.steps:
             return
         now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
         line = [f"step {step:>6}/{self.r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
                 f"grad norm {m['grad_norm']:.3f}"]
-        # the rate, MFU and ETA, from the second line on
+        # the rate, MFU and ETA need the time since the last line, so the first line has none
         if self.last:
             rate = (step - self.last[0]) * tokens / (now - self.last[1])
             tflops = rate * olmo3.flops_per_token(self.cfg, self.r.seq_len) / self.mesh.size / 1e12
@@ -586,22 +596,24 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# Orbax saves in the background under a temporary name and commits a step atomically, so a kill
-# at any moment loses only the steps since the last commit. A step holds params, train_state and
-# config. What each function here does, and the failure it guards against:
+# Orbax saves in the background under a temporary name, then commits the step atomically, so a
+# kill at any moment loses only the steps since the last commit. A step holds three items:
+# params, train_state and config. What each function here does, and the failure it guards
+# against:
 #   save                writes a step
-#   resume              the newest step every process reads; one some process cannot read (a
-#                       corrupt file) is renamed <step>.unreadable, and the one before is tried
-#   read_retrying       retries a read that may pass (a bucket's hiccup)
+#   resume              finds the newest step that every process can read. A step that some
+#                       process cannot read (a corrupt file) is renamed <step>.unreadable, and
+#                       the step before it is tried.
+#   read_retrying       retries a read that may succeed next time (a bucket's hiccup)
 #   restore             refuses a checkpoint made with other settings or data, then reads it
-#   read_item           refuses a layout this code does not make (another version's)
+#   read_item           refuses a layout that this code does not make (another version's)
 #   refuse_fresh_start  refuses to start over where a run trained but left no checkpoint
-#   latest_checkpoint   --init-from's step, from a run directory or a converted checkpoint
+#   latest_checkpoint   finds --init-from's step, in a run directory or a converted checkpoint
 
-TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state (params are separate)
+TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 
 
-def checkpoints(directory, r=Recipe(), read_only=False):  # r says how many to keep
+def checkpoints(directory, r=Recipe(), read_only=False):  # r says which steps to keep
     path = directory if "://" in directory else os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every,
                                            create=not read_only, read_only=read_only)
@@ -610,13 +622,13 @@ def checkpoints(directory, r=Recipe(), read_only=False):  # r says how many to k
 
 def latest_checkpoint(path):  # the newest step of a run directory or of a converted checkpoint
     for directory in (f"{path}/checkpoints", path):
-        step = checkpoints(directory, read_only=True).latest_step()  # None if none or no folder
+        step = checkpoints(directory, read_only=True).latest_step()  # None if there is none
         if step is not None:
             return epath.Path(directory) / str(step)
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
-# r and data_fingerprint are optional: convert.py saves a converted model's params alone
+# r and data_fingerprint are optional, since convert.py saves a converted model's params alone
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
@@ -635,34 +647,36 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# A resume passes this run's r and data_fingerprint (as save wrote them): the data order and the
-# data must match too. --init-from passes neither: it reads another run's checkpoint (or a
-# converted one), whose data may differ.
+# A resume passes this run's r and data_fingerprint (as save wrote them), so that the data order
+# and the data must match too. --init-from passes neither: it reads another run's checkpoint (or
+# a converted one), whose data may differ.
 def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them. What must match:
-    #   the model's settings   all but NUMERICS (and YaRN's, for --init-from: stage 3 turns it on)
+    #   the model's settings   all but NUMERICS, and YaRN's too for --init-from (stage 3 turns
+    #                          YaRN on over stage 2's weights)
     #   the data order         DATA_ORDER's fields, for a resume (r given)
     #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
-    # the model's settings that need not match (above)
+    # exempt(f) says whether model setting f need not match (see above)
     exempt = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
-    # theirs: the checkpoint's settings that must match; ours: this run's (as {"d_model": 4096})
+    # theirs holds the checkpoint's settings that must match, and ours this run's, under the
+    # same names. A resume with another --seq-len has theirs["seq_len"] = 8192, ours 4096.
     theirs = {f: v for f, v in saved["model"].items() if not exempt(f)}
     ours = {f: v for f, v in dataclasses.asdict(cfg).items() if not exempt(f)}
-    if r is not None:  # a resume: the data order and the data too
-        recipe = saved.get("recipe", {})  # (a converted checkpoint has none)
+    if r is not None:  # a resume: the data order and the data must match too
+        recipe = saved.get("recipe", {})  # a converted checkpoint has no recipe
         theirs |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": saved.get("data")}
         ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": data_fingerprint}
-    # every setting either side has (theirs | ours has the keys of both) whose values differ, as
-    # ['seq_len=8192 (command line: 4096)']
+    # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
+    # as 'seq_len=8192 (command line: 4096)'
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
             if theirs.get(f) != ours.get(f)]
     if diff:
         raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
                          "or the settings and data it was made with")
     state = {"params": read_item(step_dir / "params", target["params"])}
-    # A converted checkpoint holds params alone, and evaluation.py's target asks for them alone
+    # A converted checkpoint holds params alone, and evaluation.py's target asks for params alone
     if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
         state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
     return state
@@ -670,23 +684,24 @@ def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
 
 def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
     handler = ocp.StandardCheckpointHandler()
-    # each leaf's path and shape, as [("opt_state/mu/embed", (384, 256)), ...]
+    # each leaf's path and shape, such as [("opt_state/mu/embed", (384, 256)), ...]
     layout = lambda tree: sorted((jax.tree_util.keystr(k, simple=True, separator="/"),
                                   tuple(x.shape)) for k, x in jax.tree.leaves_with_path(tree))
-    if layout(handler.metadata(path)) != layout(tree):  # the code changed: fail with no retry
+    if layout(handler.metadata(path)) != layout(tree):  # the code changed: fail, and never retry
         raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
                          "does not make; resume with the version that wrote it, or a new --out")
     return handler.restore(path, args=ocp.args.StandardRestore(tree))
 
 
 def resume(cfg, r, manager, target, loader, log):
-    # The newest checkpoint every process can read. Each reads it itself, with retries, and an
-    # all-gather decides for all (Orbax's restore would hang at a barrier on one that failed). A
-    # step some process cannot read is renamed <step>.unreadable, and the one before is tried.
+    # Reads the newest checkpoint that every process can read. Each process reads it itself,
+    # with retries, then an all-gather of the outcomes decides for all of them (Orbax's own
+    # restore would hang at a barrier if one process failed). A step that some process cannot
+    # read is renamed <step>.unreadable, and the step before it is tried.
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
-        # a resume's checks: the model, the data order and the data
+        # r and the fingerprint make restore check the model, the data order and the data
         state = read_retrying(restore, step_dir, target, cfg, r, loader.fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
@@ -707,19 +722,20 @@ def read_retrying(read, step_dir, *args, tries=4):  # read(step_dir, *args), or 
             return read(step_dir, *args)
         except jax.errors.JaxRuntimeError:  # a failing device, not the files
             raise
-        # Orbax and tensorstore raise many kinds. restore's one-line mismatch error is a
-        # SystemExit, which is not an Exception, so it passes through, never retried.
+        # Orbax and tensorstore raise many kinds of errors. restore's one-line mismatch error is
+        # a SystemExit, which is not an Exception, so it passes through and is never retried.
         except Exception as e:
             why = str(e).splitlines()[0][:200]
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
             time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
-    # every try failed: returns None
+    # every try failed, so it returns None
 
 
 def refuse_fresh_start(out):
-    # A directory where a run trained never starts over silently. starting_state calls this when
-    # it found no checkpoint to resume. The loop writes metrics.jsonl just before each save, and
-    # Orbax names a step it has not committed yet "<step>.orbax-checkpoint-tmp-...". So:
+    # A directory where a run trained never starts over silently. starting_state calls this
+    # when it finds no checkpoint to resume. Two facts tell what happened: the loop writes
+    # metrics.jsonl just before each save, and Orbax names a step that it has not committed yet
+    # "<step>.orbax-checkpoint-tmp-...". So:
     #   the directory holds                   which means                       so it
     #   no metrics.jsonl                      nothing trained here              starts fresh
     #   metrics.jsonl and a "tmp" step        the first save was cut short      starts fresh
@@ -727,8 +743,8 @@ def refuse_fresh_start(out):
     #   metrics.jsonl, no "tmp" step          a run trained; its checkpoints    refuses
     #                                         are gone
     #   a step renamed .unreadable            resume could read none of them    refuses
-    # (A later save cut short leaves the earlier checkpoints: the run resumes from the newest,
-    # and never comes here.)
+    # A later save cut short leaves the earlier checkpoints: the run resumes from the newest,
+    # and never comes here.
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
@@ -752,28 +768,32 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    # A pod's processes must stop after the same step, but a signal reaches one process at its
-    # own moment. So each step gets this array, one entry a device (each its process's
-    # bool(SIGNALS)), and train_step's jnp.any over it is an all-reduce across the hosts: every
-    # process reads the same answer, a step late, with the step's metrics (LateMetrics). On one
-    # host, simply: a signal stops the run within two steps. A trace: a SIGTERM reaches one
-    # process during step 150, just after step 150's array was made:
-    #   step 151  its array says yes; the host reads step 150's metrics: no signal
-    #   step 152  the host reads step 151's metrics: a signal -> every process saves step 152
-    #             and exits 75; a rerun resumes at step 153
-    # (Not JAX's own preemption sync point, which misses a SIGTERM before step 1.)
+    # A pod's processes must all stop after the same step, but a signal reaches each process at
+    # its own moment. So every step takes this array, with one entry per device: the device's
+    # process's bool(SIGNALS). with_signal_flags reduces it with jnp.any, an all-reduce across
+    # the hosts, so every process reads the same answer, a step late, with the step's metrics
+    # (LateMetrics). On one host, this simply means that a signal stops the run within two steps.
+    # A trace: a SIGTERM reaches one process during step 150, just after step 150's array was
+    # made.
+    #   step 151  Its array says yes. The host reads step 150's metrics: no signal.
+    #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
+    #             exits with code 75, and a rerun resumes at step 153.
+    # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
     spec = flags_spec(mesh)
     flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
     return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
 
 
-def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry a device
-    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))  # its one dimension cut over every axis
+def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
+    # its one dimension is cut over all three mesh axes, so each device holds one entry
+    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
 
 
-def with_signal_flags(step):  # step(state, batch) -> step(state, batch, flags) (compile_step)
-    def step_and_signal(state, batch, flags):  # flags: signal_flags' array
+# Wraps compile_step's step(state, batch) into step_and_signal(state, batch, flags), which also
+# reports whether any process received a signal
+def with_signal_flags(step):
+    def step_and_signal(state, batch, flags):  # flags is signal_flags' array
         state, metrics = step(state, batch)
         # jnp.any over every device's flag is an all-reduce across the hosts
         return state, metrics | {"signalled": jnp.any(flags)}
@@ -783,28 +803,30 @@ def with_signal_flags(step):  # step(state, batch) -> step(state, batch, flags) 
 def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
     if step == stop_at:
         return "--stop-at"
-    if signalled:  # read a step late: LateMetrics.signalled
+    if signalled:  # LateMetrics.signalled, read a step late
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
 # What each function does on a pod, and what it comes to on one host:
 #   start_jax              joins every host's process into one JAX run      one process
-#   local_rows             the batch rows this process's devices hold       every row
-#   device_batch           one global array from each process's own rows    jax.device_put
-#   check_run_directory    every host sees the run directory process 0      makes the directory
-#                          writes (else the first save hangs, an hour in)
-#   check_processes_agree  every host holds the same value (token files)    checks nothing
+#   local_rows             finds the batch rows this process's devices hold every row
+#   device_batch           makes one global array from each process's rows  jax.device_put
+#   check_run_directory    checks that every host sees the run directory    makes the directory
+#                          that process 0 writes (else the first save
+#                          hangs, an hour in)
+#   check_processes_agree  checks that every host holds the same value      checks nothing
+#                          (the token files' fingerprint)
 
 def start_jax(args):
-    # JAX finds its peers itself on a TPU slice, under SLURM, Open MPI or Kubernetes; elsewhere,
-    # --coordinator.
+    # JAX finds its peers itself on a TPU slice, and under SLURM, Open MPI or Kubernetes.
+    # Elsewhere, give --coordinator.
     if args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
-    # so that CPU processes can talk (it sets the CPU backend's only: TPUs and GPUs have their own)
+    # lets CPU processes talk to each other (TPUs and GPUs have their own collectives)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # cached, so a restart does not compile the 7B step again
+    # a compilation cache, so that a restart does not compile the 7B's step again
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
     try:
@@ -823,25 +845,26 @@ def start_jax(args):
 
 
 def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
-    # Every process feeds only its own devices. On 2 processes of 2 devices with fsdp=4, process
-    # 1 holds rows 8-15 of 16. held: each device -> its (rows, columns) slices of the batch, as
-    # {device 2: (slice(8, 12), slice(None)), device 3: (slice(12, 16), slice(None))}. (The
-    # shape asks for a width of 1: only the rows are read, so any width would do.)
+    # Every process feeds only its own devices. With 2 processes of 2 devices each and fsdp=4,
+    # process 1 holds rows 8-15 of 16. held maps each of this process's devices to its (rows,
+    # columns) slices of the batch: {device 2: (slice(8, 12), slice(None)), device 3: (slice(12,
+    # 16), slice(None))}. The shape asks for a width of 1, since only the rows are used.
     held = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
     return np.unique(np.concatenate([np.arange(r.global_batch)[rows] for rows, _ in held.values()]))
 
 
 def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
-    # One jax.Array spans every device of every process; each process gives its own rows, x
-    # [len(loader.rows), seq_len], and no data moves between hosts. (One host: jax.device_put.)
-    shape = lambda x: (loader.global_batch, x.shape[1])  # the whole batch's
+    # One jax.Array spans every device of every process. Each process gives its own rows, x
+    # [len(loader.rows), seq_len], and no data moves between hosts. (On one host, this is
+    # jax.device_put.)
+    shape = lambda x: (loader.global_batch, x.shape[1])  # the whole batch's shape
     return {name: jax.make_array_from_process_local_data(olmo3.batch_sharding(mesh), x, shape(x))
             for name, x in batch.items()}
 
 
 def check_run_directory(out):  # every host must see the run directory that process 0 writes
-    # Process 0 writes a fresh number (the time) into it; a host with another disk reads none
-    # (-1), or an old one.
+    # Process 0 writes a fresh number (the time) into it. A host that has another disk there
+    # reads no number (-1), or an old one.
     mark = epath.Path(out) / "run-mark.txt"
     if jax.process_index() == 0:
         mark.parent.mkdir(parents=True, exist_ok=True)
@@ -853,7 +876,7 @@ def check_run_directory(out):  # every host must see the run directory that proc
 
 def check_processes_agree(value, problem):  # on several hosts, checks every one has the same value
     every = multihost_utils.process_allgather(np.int64(value))
-    differ = np.flatnonzero(every != every[0]).tolist()  # from process 0's
+    differ = np.flatnonzero(every != every[0]).tolist()  # the processes that differ from 0
     if differ:
         raise SystemExit(f"error: process(es) {differ} {problem}")
 
