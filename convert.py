@@ -66,13 +66,13 @@ def from_hf(path):
         if tensor.shape != view.shape:
             raise SystemExit(f"error: {name} has shape {tensor.shape}, expected {view.shape}")
         view[...] = tensor
-    # The lm_head's padding columns, absent from HF files, get the mean of its real columns, so the
-    # padded softmax adds at most 0.00074 nats to HF's loss: a padded logit is then the mean real
-    # logit, and exp(mean) <= mean(exp) (Jensen), so each padding column adds at most 1 / 100,278
-    # of the real columns' sum of exps, and all 74 together ln(1 + 74 / 100,278) nats. Zero
-    # columns would add 74 logits of 0: ln(75) nats at a logsumexp of 0 (where z-loss pushes it).
-    # (OLMo-core's load_hf_model draws them around the mean instead, with transformers'
-    # mean_resizing.)
+    # The lm_head's 74 padding columns, absent from HF files, get the mean of its real columns.
+    # Then the padded softmax adds at most ln(1 + 74 / 100,278) = 0.00074 nats to HF's loss.
+    # Why: a padding column's logit is the mean real logit, and exp(mean) <= mean(exp) (Jensen),
+    # so each padding column adds at most 1 / 100,278 of the real columns' sum of exps. Zero
+    # columns would be worse: 74 logits of 0 add ln(75) nats when the logsumexp is near 0, where
+    # z-loss pushes it. (OLMo-core's load_hf_model draws them around the mean instead, with
+    # transformers' mean_resizing.)
     # lm_head is [D, V]; its .T is a [V, D] view, so this writes the padding columns in place
     params["lm_head"].T[cfg.vocab_size:] = params["lm_head"].T[:cfg.vocab_size].mean(0)
     return cfg, params
@@ -119,8 +119,9 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #   newer:   rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
     #                              sliding_attention: {rope_type: default, rope_theta: 500000}}
     # Either gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, the full-attention
-    # layers' RoPE. In `full`, a later dict's key wins: rope_theta, then full_attention, then
-    # rope_scaling. Without YaRN (stages 1 and 2), factor is 0.
+    # layers' RoPE. `full` gathers the three places its keys can be: rope_theta, then the newer
+    # form's full_attention, then the legacy rope_scaling, each overriding the one before (a file
+    # in one form leaves the other's empty). Without YaRN (stages 1 and 2), factor is 0.
     rope = hf.get("rope_parameters", {})
     full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
             **hf.get("rope_scaling", {})}

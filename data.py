@@ -144,6 +144,8 @@ class PackedLoader(Loader):
         # replace that count below (set_instances).
         super().__init__(*args, tokenizer=tokenizer, **kwargs)
         self.eos, self.pad = get_tokenizer(tokenizer).eos_id, get_tokenizer(tokenizer).pad_id
+        # The packing's file is named by what decides it. The fingerprint hashes the files in
+        # their order, so it changes with permutation_seed too.
         path = epath.Path(cache) / f"packed-{self.fingerprint:x}-{self.seq_len}-{group_size}.npy"
         if rank == 0 and not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

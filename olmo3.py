@@ -396,9 +396,9 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048], one layer
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
-# - Rows. It holds rows 128*i to 128*i + 127 of the batch, and each micro-batch takes 2 of them,
-#   so no row moves between devices (train.split_micro, at stop 5, says how). Its tensor partner
-#   (same i) holds the same rows.
+# - Rows. It holds rows 128*i to 128*i + 127 of the batch, and each micro-batch takes 2 of them:
+#   train.split_micro (stop 5) gives every micro-batch rows from every device, so no row moves
+#   between devices. Its tensor partner (same i) holds the same rows.
 # - Activations keep D whole. What each mesh axis cuts:
 #     axis     in a weight                                    in an activation
 #     fsdp     D (stored in shards, gathered whole for use)   the batch's rows

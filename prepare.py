@@ -53,7 +53,9 @@ def documents(path):
 
 def shakespeare():
     """([TinyShakespeare's file], its passages), downloaded once into OLMO3_CACHE."""
-    # Offline, put the file at the path that the error names.
+    # data.corpus keys its cache on the file list and tokenizes the passages: each passage (the
+    # text between blank lines, one speech) is one document. Offline, put the file at the path
+    # that the error names.
     path = os.path.join(data.cache_dir(), "tinyshakespeare.txt")
     if not os.path.exists(path):
         try:

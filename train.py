@@ -101,7 +101,7 @@ def main(argv=None):
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
     # From here on, Ctrl-C and SIGTERM make the run save a checkpoint and stop (request_stop).
-    # This must come after start_jax, which installs its own SIGTERM handler.
+    # This must come after start_jax: jax.distributed.initialize installs a SIGTERM handler.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
     check_run_directory(args.out)  # makes the directory; a pod's hosts must all see it
@@ -114,12 +114,20 @@ def main(argv=None):
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (see parse_args).
-    # Some helpers called here belong to the second read. On one host, they come to this:
-    #   Log             print, plus the files log.txt and metrics.jsonl
-    #   resume          Orbax's restore of the run's newest checkpoint (in starting_state)
-    #   device_batch    jax.device_put
-    #   signal_flags    [bool(SIGNALS)], one flag for the one device
-    #   save            manager.save(step, state), which writes in the background
+    # The first read calls helpers of the second read. On one host, they come to this:
+    #   start_jax, request_stop         fake CPU devices if asked; a signal is noted in SIGNALS
+    #   check_run_directory             makes the run directory
+    #   local_rows                      every row of the batch
+    #   check_processes_agree           checks nothing
+    #   Log                             print, plus the files log.txt and metrics.jsonl
+    #   resume, restore                 Orbax's restore of a checkpoint (resume: the newest)
+    #   refuse_fresh_start              stops if the directory holds a run but no checkpoint
+    #   latest_checkpoint               the newest checkpoint of --init-from's directory
+    #   with_signal_flags, flags_spec   the step also takes [bool(SIGNALS)] and reports it
+    #   device_batch                    jax.device_put
+    #   signal_flags                    [bool(SIGNALS)], one flag for the one device
+    #   stop_reason                     "--stop-at", a signal's name, or None
+    #   save                            manager.save(step, state), in the background
     loader, heldout = load_data(cfg, r, args, mesh)
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -161,7 +169,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             evals(state["params"], step)  # logs the results
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            log.flush()  # writes metrics.jsonl and log.txt, and redraws loss.png
+            # writes metrics.jsonl and log.txt, and redraws loss.png. metrics.jsonl is always
+            # written just before a save: Log.rewind and refuse_fresh_start rely on that.
+            log.flush()
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
             manager.wait_until_finished()  # waits until the save is committed
@@ -226,9 +236,10 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     # rows: the rows of each batch that this process's devices hold (on one host, all of them)
     options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
+    # A packed run, too, builds this plain Loader first: its fingerprint lets the hosts compare
+    # their token files before process 0 spends minutes packing them.
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
-    # On a pod, every host must read the same token files (on one host, this checks nothing).
-    # They are compared here, before process 0 may spend minutes packing them.
+    # On a pod, every host must read the same token files (on one host, this checks nothing)
     check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
                           "--data, --data-root and the mix file on every host")
     # Stage 3 packs documents into rows: process 0 packs the files once, into the run directory,
@@ -329,18 +340,19 @@ def compile_step(cfg, r, mesh, target):
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
 
-    step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
+    plain_step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
     # On one device, this would be:
     #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
     # The lines below do the same:
-    # - The lambda fixes cfg, r and the micro-batch count, as static arguments would.
+    # - plain_step fixes cfg, r and the micro-batch count, as static arguments would.
     # - donate_argnums=0 lets the new state reuse the old one's buffers, so memory holds one copy.
     # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
     # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
     #   jit needs no in_shardings.
     # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
     # step also take each process's stop flag, and report whether any process was asked to stop.
-    jitted = jax.jit(with_signal_flags(step), donate_argnums=0,
+    # The result: step_fn(state, batch, flags) -> (state, metrics, with "signalled" added)
+    jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh)).compile()
 
@@ -356,8 +368,8 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     #   the batch       s - 1, since the loader counts batches from 0
     #   the LR          schedule(r)(s); s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-    #   Adam's count    its own counter: --init-from carries it over between stages, and a
-    #                   skipped update does not advance it (see adamw's note)
+    #   Adam's count    its own counter. --init-from carries it over between stages (adamw's
+    #                   note says why the LR does not follow it), and a skip does not advance it.
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -426,7 +438,8 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    checking = step >= HISTORY // 2  # from step 64 on
+    # from step 64 on: OLMo-core waits for half a window of values before it checks
+    checking = step >= HISTORY // 2
     # Only a rise counts, as in OLMo-core. NaN and +inf make `within` False, so they spike.
     within = values - mean <= 6 * std
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
@@ -495,7 +508,7 @@ adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 # ----------------------------------------------------------------------------- the 7B's schedule
 
 # Returns a function: step k -> its LR, for peak P, floor F, warmup W and the tokens in a step.
-# cosine(T) is schedule's CosWithWarmup, aimed at T steps.
+# cosine(T) is schedule's CosWithWarmup aimed at T steps, passed in because part 1 is that cosine.
 def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; the
     # README's Training section tells the story). Part 1, up to step 596,047, is cosine(T1),
@@ -790,11 +803,11 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
 
 
-# Wraps compile_step's step(state, batch) into step_and_signal(state, batch, flags), which also
-# reports whether any process received a signal
-def with_signal_flags(step):
+# Wraps compile_step's plain_step(state, batch) into step_and_signal(state, batch, flags), which
+# also reports whether any process received a signal
+def with_signal_flags(plain_step):
     def step_and_signal(state, batch, flags):  # flags is signal_flags' array
-        state, metrics = step(state, batch)
+        state, metrics = plain_step(state, batch)
         # jnp.any over every device's flag is an all-reduce across the hosts
         return state, metrics | {"signalled": jnp.any(flags)}
     return step_and_signal
