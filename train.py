@@ -271,6 +271,9 @@ shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+# optax's Adam, whose state is the state's opt_state (train_step clips before it, and adamw
+# decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 def fresh_state(r, params):  # the training state before step 1
@@ -319,7 +322,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     # restore (second read) reads what the checkpoint has: params alone from a converted model,
     # the whole state from a run. Without r, it checks only that the model's settings match,
     # since another run's data and data order may differ from this one's.
-    restored = restore(latest_checkpoint(args.init_from), target, cfg)
+    restored = restore(latest_checkpoint(args.init_from), target, cfg, r=None)
     # "Warm Adam": params and opt_state (Adam's moments and its count) carry over, nothing else
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
@@ -485,10 +488,6 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
     updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
     return {"params": new_params, "opt_state": opt_state}
-
-
-# optax's Adam (train_step clips before it, adamw decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 # =============================================================================
