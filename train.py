@@ -1,7 +1,6 @@
 """Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
 
-Every field of olmo3.Config and train.Recipe is also a flag (--lr 1e-3). Rerunning a command
-resumes its run. A run stopped early (a signal, --stop-at) saves a checkpoint and exits 75."""
+Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75."""
 # Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
 # counter). Every log_every steps, the run prints a progress line like this one (tiny, on a CPU):
 # step 50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a | ETA 0:04:15
@@ -91,6 +90,22 @@ STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedu
 
 
 # ----------------------------------------------------------------------------- the run
+# The first read calls helpers of the second read (what a pod needs, checkpoints, the progress
+# line). On one host, they come to this:
+#   start_jax, request_stop          fake CPU devices if asked; a signal is noted in SIGNALS
+#   check_run_directory              makes the run directory
+#   local_rows                       every row of the batch
+#   check_processes_agree            checks nothing
+#   Log                              print, plus the files log.txt and metrics.jsonl
+#   resume, restore                  Orbax's restore of a checkpoint (resume: the newest)
+#   refuse_fresh_start               stops if the directory holds a run but no checkpoint
+#   latest_checkpoint                the newest checkpoint in --init-from's directory
+#   with_signal_flags, flags_spec    (compile_step) the step takes one more input, [False] until
+#                                    a signal, and reports it in its metrics
+#   feed_signal_flags                passes that input to each step
+#   device_batch                     jax.device_put
+#   stop_reason                      "--stop-at", a signal's name, or None
+#   save                             manager.save(step, state), in the background
 
 def main(argv=None):
     cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, with the flags applied
@@ -114,20 +129,6 @@ def main(argv=None):
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (see parse_args).
-    # The first read calls helpers of the second read. On one host, they come to this:
-    #   start_jax, request_stop         fake CPU devices if asked; a signal is noted in SIGNALS
-    #   check_run_directory             makes the run directory
-    #   local_rows                      every row of the batch
-    #   check_processes_agree           checks nothing
-    #   Log                             print, plus the files log.txt and metrics.jsonl
-    #   resume, restore                 Orbax's restore of a checkpoint (resume: the newest)
-    #   refuse_fresh_start              stops if the directory holds a run but no checkpoint
-    #   latest_checkpoint               the newest checkpoint of --init-from's directory
-    #   with_signal_flags, flags_spec   the step also takes [bool(SIGNALS)] and reports it
-    #   device_batch                    jax.device_put
-    #   signal_flags                    [bool(SIGNALS)], one flag for the one device
-    #   stop_reason                     "--stop-at", a signal's name, or None
-    #   save                            manager.save(step, state), in the background
     loader, heldout = load_data(cfg, r, args, mesh)
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -141,7 +142,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
-    step_fn = compile_step(cfg, r, mesh, target)
+    # step_fn(state, batch) -> (state, metrics), compiled. On a pod, it also hands the devices
+    # each process's stop flag (feed_signal_flags, second read).
+    step_fn = feed_signal_flags(compile_step(cfg, r, mesh, target), mesh)
     # On one device, nanoGPT would write the loop below like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -157,10 +160,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     batches = loader.iterate(done, r.steps)  # yields batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
-        batch = device_batch(next(batches), loader, mesh)  # (1) batch step - 1, on the devices
-        # The step also takes each process's stop flag (signal_flags, second read): on a pod,
-        # every host must stop after the same step.
-        state, metrics = step_fn(state, batch, signal_flags(mesh))
+        batch = device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
+        state, metrics = step_fn(state, batch)
         # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
         # updates in a row were skipped.
         late_metrics.add(step, metrics)
@@ -354,7 +355,7 @@ def compile_step(cfg, r, mesh, target):
     #   jit needs no in_shardings.
     # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
     # step also take each process's stop flag, and report whether any process was asked to stop.
-    # The result: step_fn(state, batch, flags) -> (state, metrics, with "signalled" added)
+    # The compiled step takes (state, batch, flags); train's feed_signal_flags supplies the flags.
     jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh)).compile()
@@ -768,6 +769,18 @@ def refuse_fresh_start(out):
 
 
 # ----------------------------------------------------------------------------- stopping
+# A pod's processes must all stop after the same step, but a signal reaches each process at its
+# own moment. So each step takes one more input, signal_flags: one entry per device, the
+# device's process's bool(SIGNALS). with_signal_flags reduces it with jnp.any, an all-reduce
+# across the hosts, and adds the answer to the step's metrics, "signalled". Every process reads
+# the same answer, a step late, with the rest of the metrics (LateMetrics), so every process
+# stops after the same step. On one host, this simply means that a signal stops the run within
+# two steps. A trace: a SIGTERM reaches one process during step 150, just after step 150's flags
+# were made.
+#   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
+#   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
+#             exits with code 75, and a rerun resumes at step 153.
+# (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
@@ -779,29 +792,6 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
 
 
-def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    # A pod's processes must all stop after the same step, but a signal reaches each process at
-    # its own moment. So every step takes this array, with one entry per device: the device's
-    # process's bool(SIGNALS). with_signal_flags reduces it with jnp.any, an all-reduce across
-    # the hosts, so every process reads the same answer, a step late, with the step's metrics
-    # (LateMetrics). On one host, this simply means that a signal stops the run within two steps.
-    # A trace: a SIGTERM reaches one process during step 150, just after step 150's array was
-    # made.
-    #   step 151  Its array says yes. The host reads step 150's metrics: no signal.
-    #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
-    #             exits with code 75, and a rerun resumes at step 153.
-    # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
-    spec = flags_spec(mesh)
-    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
-    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
-
-
-def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
-    # its one dimension is cut over all three mesh axes, so each device holds one entry
-    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
-    return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
-
-
 # Wraps compile_step's plain_step(state, batch) into step_and_signal(state, batch, flags), which
 # also reports whether any process received a signal
 def with_signal_flags(plain_step):
@@ -810,6 +800,24 @@ def with_signal_flags(plain_step):
         # jnp.any over every device's flag is an all-reduce across the hosts
         return state, metrics | {"signalled": jnp.any(flags)}
     return step_and_signal
+
+
+def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
+    # its one dimension is cut over all three mesh axes, so each device holds one entry
+    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
+    return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
+
+
+# The compiled step takes (state, batch, flags); the loop calls step_fn(state, batch), and this
+# adds the flags of the moment
+def feed_signal_flags(compiled, mesh):
+    return lambda state, batch: compiled(state, batch, signal_flags(mesh))
+
+
+def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
+    spec = flags_spec(mesh)
+    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
+    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
 
 
 def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
@@ -865,12 +873,11 @@ def local_rows(mesh, r):  # the rows of every global batch that this process's d
     return np.unique(np.concatenate([np.arange(r.global_batch)[rows] for rows, _ in held.values()]))
 
 
-def device_batch(batch, loader, mesh):  # this process's rows -> arrays of the whole batch
+def device_batch(batch, mesh):  # this process's rows -> arrays of the whole batch
     # One jax.Array spans every device of every process. Each process gives its own rows, x
-    # [len(loader.rows), seq_len], and no data moves between hosts. (On one host, this is
-    # jax.device_put.)
-    shape = lambda x: (loader.global_batch, x.shape[1])  # the whole batch's shape
-    return {name: jax.make_array_from_process_local_data(olmo3.batch_sharding(mesh), x, shape(x))
+    # [len(loader.rows), seq_len], and no data moves between hosts. JAX infers the whole batch's
+    # shape from the sharding: [global_batch, seq_len]. (On one host, this is jax.device_put.)
+    return {name: jax.make_array_from_process_local_data(olmo3.batch_sharding(mesh), x)
             for name, x in batch.items()}
 
 
