@@ -74,8 +74,8 @@ class Loader:
         # of them by default. On a pod they are train.local_rows, the rows its devices hold (on
         # 2 processes of 2 devices each, with fsdp=4, process 1 reads rows 8-15 of 16).
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
-        # (second read) The data's fingerprint is the files' names and sizes hashed to 60 bits.
-        # It is an int64 that the hosts compare and a checkpoint keeps.
+        # (second read) The data's fingerprint is the files' names and sizes, hashed to 60 bits
+        # (15 hex digits): an int64 that the hosts compare and a checkpoint keeps.
         named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
         self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)
 
@@ -313,6 +313,8 @@ def mix_tokenizer(mix, tokenizer):  # what {TOKENIZER} stands for, as in OLMo-co
         return tokenizer
     if mix in ("v3-small-ppl-validation", "c4-ppl-validation", "code-fresh-ppl-validation"):
         return "dolma2-tokenizer"
+    # OLMo-core's rule: its OLMo 3 mixes ("...-official", midtraining, longmino) were stored
+    # under dolma3's name
     if "official" in mix or mix.startswith(("OLMo-midtraining-mix-", "OLMo-longmino-mix-")):
         return "allenai/dolma3-tokenizer"  # the same ids as dolma2, stored under a new name
     return "allenai/dolma2-tokenizer"

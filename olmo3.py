@@ -185,17 +185,13 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # applies to full ones only; without it the two are the same)
     ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # windows[j]: the window of layer j of every group (layer j has the same kind in every
-    # group, as group_size is global_every or all the layers)
+    # group, as group_size is global_every or all the layers). tiny's: [64, 64, 64, None].
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # Every layer is a jax.checkpoint, so the backward pass keeps only what a policy says and
-    # recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
-    # elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
-    policies = jax.checkpoint_policies
-    policy = policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
-    # layer(...) calls block(p, x, window, rope, cfg, segments). Static: argument 2, window, and
-    # argument 4, cfg, Python values that Python `if`s read (attention's `if window`). (By number:
-    # JAX 0.10.2's jax.checkpoint ignores static_argnames.)
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=policy)
+    # layer(...) is block(p, x, window, rope, cfg, segments) under jax.checkpoint (remat_policy
+    # says why). Static: argument 2, window, and argument 4, cfg, Python values that Python `if`s
+    # read (attention's `if window`). (By number: JAX 0.10.2's jax.checkpoint ignores
+    # static_argnames.)
+    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=remat_policy(cfg))
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
@@ -204,6 +200,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
         return x, None
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]
+
+
+# Every layer is a jax.checkpoint, so the backward pass keeps only what this policy says, and
+# recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
+# elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
+def remat_policy(cfg: Config):
+    policies = jax.checkpoint_policies
+    return policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
 
 
 # window is None (full) or W (decoder makes window and cfg static); rope is rope_tables'

@@ -100,9 +100,9 @@ STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedu
 #   resume, restore                  Orbax's restore of a checkpoint (resume: the newest)
 #   refuse_fresh_start               stops if the directory holds a run but no checkpoint
 #   latest_checkpoint                the newest checkpoint in --init-from's directory
-#   with_signal_flags, flags_spec    (compile_step) the step takes one more input, [False] until
-#                                    a signal, and reports it in its metrics
-#   feed_signal_flags                passes that input to each step
+#   with_signal_flags, flags_spec    (compile_step) the step takes one more input, the flags,
+#                                    and reports in its metrics whether any is set
+#   signal_flags                     [bool(SIGNALS)], one flag for the one device
 #   device_batch                     jax.device_put
 #   stop_reason                      "--stop-at", a signal's name, or None
 #   save                             manager.save(step, state), in the background
@@ -142,9 +142,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
-    # step_fn(state, batch) -> (state, metrics), compiled. On a pod, it also hands the devices
-    # each process's stop flag (feed_signal_flags, second read).
-    step_fn = feed_signal_flags(compile_step(cfg, r, mesh, target), mesh)
+    # step_fn(state, batch, flags) -> (state, metrics): train_step, compiled. flags are the
+    # processes' stop flags (signal_flags, second read; on one host, [False] until a signal).
+    step_fn = compile_step(cfg, r, mesh, target)
     # On one device, nanoGPT would write the loop below like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -161,7 +161,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        state, metrics = step_fn(state, batch)
+        # On a pod, every host must stop after the same step: the step also takes each process's
+        # stop flag, and returns whether any is set, with its metrics
+        state, metrics = step_fn(state, batch, signal_flags(mesh))
         # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
         # updates in a row were skipped.
         late_metrics.add(step, metrics)
@@ -171,7 +173,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
             # writes metrics.jsonl and log.txt, and redraws loss.png. metrics.jsonl is always
-            # written just before a save: Log.rewind and refuse_fresh_start rely on that.
+            # written just before a save, so a resume can drop any records past its checkpoint.
             log.flush()
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
@@ -355,7 +357,7 @@ def compile_step(cfg, r, mesh, target):
     #   jit needs no in_shardings.
     # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
     # step also take each process's stop flag, and report whether any process was asked to stop.
-    # The compiled step takes (state, batch, flags); train's feed_signal_flags supplies the flags.
+    # The compiled step takes (state, batch, flags); the loop passes signal_flags(mesh).
     jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh)).compile()
@@ -372,8 +374,9 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     #   the batch       s - 1, since the loader counts batches from 0
     #   the LR          schedule(r)(s); s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-    #   Adam's count    its own counter. --init-from carries it over between stages (adamw's
-    #                   note says why the LR does not follow it), and a skip does not advance it.
+    #   Adam's count    its own counter. --init-from carries it over between stages, so the
+    #                   LR cannot follow it: stage 2 would start past its own schedule's end.
+    #                   A skipped update does not advance it.
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -408,8 +411,8 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
     spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
-    # A NaN or inf is always skipped, even with --spike-guard false, or before step 64, when
-    # the spike guard starts checking
+    # A NaN or inf is always skipped: even with --spike-guard false, and even before step 64,
+    # when the spike guard does not check yet
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)
     # A skip keeps the old params and Adam state (its count too); step and history advance
     old = {k: state[k] for k in new}  # params and opt_state before this step
@@ -469,7 +472,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # longer than its warmup valid, since optax needs decay_steps > warmup.
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
-    if r.schedule == "linear":  # join_schedules counts its second part's steps from W
+    # "linear" is LinearWithWarmup above: join_schedules starts counting its second part at W
+    if r.schedule == "linear":
         return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                      optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
                                     [warmup])
@@ -748,12 +752,12 @@ def refuse_fresh_start(out):
     # A directory where a run trained never starts over silently. starting_state calls this
     # when it finds no checkpoint to resume. Two facts tell what happened: the loop writes
     # metrics.jsonl just before each save, and Orbax names a step that it has not committed yet
-    # "<step>.orbax-checkpoint-tmp-...". So:
+    # "<step>.orbax-checkpoint-tmp...". So:
     #   the directory holds                   which means                       so it
     #   no metrics.jsonl                      nothing trained here              starts fresh
-    #   metrics.jsonl and a "tmp" step        the first save was cut short      starts fresh
+    #   metrics.jsonl and a temporary step    the first save was cut short      starts fresh
     #                                         (no step was ever committed)
-    #   metrics.jsonl, no "tmp" step          a run trained; its checkpoints    refuses
+    #   metrics.jsonl, no temporary step      a run trained; its checkpoints    refuses
     #                                         are gone
     #   a step renamed .unreadable            resume could read none of them    refuses
     # A later save cut short leaves the earlier checkpoints: the run resumes from the newest,
@@ -761,7 +765,7 @@ def refuse_fresh_start(out):
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
-    save_cut_short = any("tmp" in n for n in names)
+    save_cut_short = any(".orbax-checkpoint-tmp" in n for n in names)
     if unreadable or (trained and not save_cut_short):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
@@ -806,12 +810,6 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
     # its one dimension is cut over all three mesh axes, so each device holds one entry
     each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
-
-
-# The compiled step takes (state, batch, flags); the loop calls step_fn(state, batch), and this
-# adds the flags of the moment
-def feed_signal_flags(compiled, mesh):
-    return lambda state, batch: compiled(state, batch, signal_flags(mesh))
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
