@@ -202,6 +202,7 @@ def main(argv=None):
         to_hf(params, cfg, args.out)
     if args.verify:
         import evaluation  # verify imports torch and transformers (training never does)
+        # verify compares our logits with the HF model's: the folder written, or the one read
         evaluation.verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
     print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters (the vocabulary padded)")
 

@@ -59,6 +59,7 @@ class Loader:
         # and (second read).
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.vocab_size = vocab_size  # (a token id >= vocab_size is an error)
+        # (tokenizer names the folder that a mix file's {TOKENIZER} paths stand for: mix_tokenizer)
         self.files = resolve_source(source, tokenizer, root)
         # (stage 3) `permutation_seed` is OLMo-core's source_permutation_seed (-1 keeps the
         # files' order). OLMo-core shuffles the file indices with random.Random(seed); shuffling

@@ -56,7 +56,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
             # CE = the summed loss of a document's n - 1 targets / its n tokens, as OLMo-core's LM
             # evaluator counts the last, unlabelled position as a loss of 0 (lm_evaluator.py since
-            # PR #159). So a set's CE is a little below the training loss's per-target mean.
+            # PR #159). A document of 5 tokens has 4 targets, and its summed loss is divided by 5,
+            # so a set's CE is a little below the training loss's per-target mean.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
@@ -83,14 +84,14 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 # row's tokens (seq_len)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # logprobs over padded batches [step_rows, width]: one shape, so one compile for each vocab.
-    # On one host, put(a) is jax.device_put(a, sharding) and process_allgather is np.asarray (on
-    # a pod: the README's JAX glossary, last table).
+    # The rows go through logprobs in padded batches [step_rows, width], always the same shape,
+    # so logprobs compiles once for each vocab. On one host, read put(a) as
+    # jax.device_put(a, sharding), and process_allgather as np.asarray.
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    # (pods) every process holds the whole batch, so the local shape is the global one, and JAX
-    # hands each device its rows of it (as train.device_batch does with a process's own rows)
+    # (Pods: every process builds the whole batch, so the local shape is the global one, and
+    # JAX hands each device its rows. Training differs: each process reads only its own rows.)
     put = lambda a: jax.make_array_from_process_local_data(sharding, a, a.shape)
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
@@ -115,6 +116,8 @@ def perplexity_sets(spec, tokenizer, root=None):
     # resolve_source is called for its checks alone: each file exists and holds whole tokens,
     # and an error names the file's mix line
     data.resolve_source(spec, tokenizer, root)
+    # one set per label, with its files in the mix's order, as {"c4_en": [file 1, file 2], ...}
+    # (a label on several lines is rebuilt for each of them, to the same list)
     return {name: [path for label, path, _ in mix if label == name] for name, _, _ in mix}
 
 

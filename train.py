@@ -90,22 +90,6 @@ STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedu
 
 
 # ----------------------------------------------------------------------------- the run
-# The first read calls helpers of the second read (what a pod needs, checkpoints, the progress
-# line). On one host, they come to this:
-#   start_jax, request_stop          fake CPU devices if asked; a signal is noted in SIGNALS
-#   check_run_directory              makes the run directory
-#   local_rows                       every row of the batch
-#   check_processes_agree            checks nothing
-#   Log                              print, plus the files log.txt and metrics.jsonl
-#   resume, restore                  Orbax's restore of a checkpoint (resume: the newest)
-#   refuse_fresh_start               stops if the directory holds a run but no checkpoint
-#   latest_checkpoint                the newest checkpoint in --init-from's directory
-#   with_signal_flags, flags_spec    (compile_step) the step takes one more input, the flags,
-#                                    and reports in its metrics whether any is set
-#   signal_flags                     [bool(SIGNALS)], one flag for the one device
-#   device_batch                     jax.device_put
-#   stop_reason                      "--stop-at", a signal's name, or None
-#   save                             manager.save(step, state), in the background
 
 def main(argv=None):
     cfg, r, args = parse_args(argv)  # the preset's Config and Recipe, with the flags applied
@@ -142,6 +126,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
+    # Below, the helpers of the second read come to this on one host: device_batch is
+    # jax.device_put, signal_flags is [False] until a signal, and save is manager.save.
     # step_fn(state, batch, flags) -> (state, metrics): train_step, compiled. flags are the
     # processes' stop flags (signal_flags, second read; on one host, [False] until a signal).
     step_fn = compile_step(cfg, r, mesh, target)
@@ -162,7 +148,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     for step in range(done + 1, r.steps + 1):
         batch = device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
         # On a pod, every host must stop after the same step: the step also takes each process's
-        # stop flag, and returns whether any is set, with its metrics
+        # stop flag, and returns whether any is set, with its metrics. A signal during step 150
+        # is read with step 151's metrics, at step 152, so every process stops after step 152.
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
         # updates in a row were skipped.
@@ -254,8 +241,9 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 
 def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
-    # evaluation.py evaluates --eval-data and --eval-tasks, or else the corpus's held-out set.
-    # Without evaluation.py, the held-out set is skipped, and the two flags are an error.
+    # evaluation.py evaluates --eval-data and --eval-tasks if either is given, or else the
+    # corpus's held-out set, if there is one. Without evaluation.py, the held-out set is skipped,
+    # and the two flags are an error (data.beside says which file is missing).
     if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks,
@@ -404,9 +392,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    # The LR comes from this step's number, not from Adam's count, which --init-from carries
-    # over from the stage before (adamw says why that matters).
-    lr = schedule(r)(step)
+    lr = schedule(r)(step)  # from this step's number, not Adam's count (the counters above)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -675,18 +661,19 @@ def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     #   the data order         DATA_ORDER's fields, for a resume (r given)
     #   the data               the token files' fingerprint, for a resume
     saved = saved_config(step_dir)
+    resuming = r is not None  # a resume passes its recipe; --init-from and evaluation.py do not
     # exempt(f) says whether model setting f need not match (see above)
-    exempt = lambda f: f in olmo3.NUMERICS or (r is None and f.startswith("yarn_"))
+    exempt = lambda f: f in olmo3.NUMERICS or (not resuming and f.startswith("yarn_"))
     # theirs holds the checkpoint's settings that must match, and ours this run's, under the
-    # same names. A resume with another --seq-len has theirs["seq_len"] = 8192, ours 4096.
+    # same names. Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, ours 2048.
     theirs = {f: v for f, v in saved["model"].items() if not exempt(f)}
     ours = {f: v for f, v in dataclasses.asdict(cfg).items() if not exempt(f)}
-    if r is not None:  # a resume: the data order and the data must match too
+    if resuming:  # the data order and the data must match too
         recipe = saved.get("recipe", {})  # a converted checkpoint has no recipe
         theirs |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": saved.get("data")}
         ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": data_fingerprint}
     # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
-    # as 'seq_len=8192 (command line: 4096)'
+    # as 'd_model=4096 (command line: 2048)'
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
             if theirs.get(f) != ours.get(f)]
     if diff:
@@ -784,6 +771,8 @@ def refuse_fresh_start(out):
 #   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
 #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
 #             exits with code 75, and a rerun resumes at step 153.
+# Why through the step, and not a host all-gather of the flags: that would make every host wait
+# for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
