@@ -162,17 +162,18 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], through the layers
-    # The layers, in plain Python, for the 7B's 32 layers in 8 groups of 4, where windows is
-    # [4096, 4096, 4096, None] (three sliding-window layers, then a full one):
+    # The math is nanoGPT's `for l in range(32): x = block(...)`. The code scans over the layers
+    # instead, so that the compiler traces one unit once rather than 32 layers (as MaxText does).
+    # The unit is a group of 4 layers, not one layer, because a layer's window is a Python value
+    # baked into its program, and every scan step runs the same program. In plain Python, for
+    # the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096, 4096, None] (three
+    # sliding-window layers, then a full one):
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
-    # That is `for l in range(32): x = block(...)`, the same math. On a first read, take `layer`
-    # as `block`: its jax.checkpoint only decides what the backward pass keeps.
-    # Why groups: scanning compiles one group instead of 32 layers (as MaxText does), and the
-    # scanned unit is a group, not a layer, because a layer's window is a Python value baked into
-    # its program, and every scan step runs the same program. (tiny is one group of 4; when
-    # global_every does not divide n_layers, all the layers are one group.)
+    # On a first read, take `layer` as `block`: its jax.checkpoint only decides what the backward
+    # pass keeps. (tiny is one group of 4; when global_every does not divide n_layers, all the
+    # layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -423,8 +424,10 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #     cuts) and the loss's logsumexp (over the vocabulary, which tensor cuts);
 #   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;
 #   all-reduce over data, when data > 1: the gradients of its N copies of the weights.
-# (Also: the embedding's lookup, in a table whose rows tensor cuts, needs communication, which XLA
-# chooses.)
+# (Also the embedding's lookup, in a table cut over both axes. In tiny's dump on 8 CPU devices,
+# XLA all-gathers the table until each device holds every row for half the columns, looks up
+# its tokens there, then all-gathers the other half of the result; the backward pass
+# scatter-adds into that table, then all-reduces over fsdp.)
 
 
 def logical_to_spec(axes) -> P:
