@@ -302,11 +302,10 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     # --- The reference. Heads go first so that both products are plain batched matmuls.
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a
     # sliding layer, i - j < window (and, with segments, both are in the same one).
-    _, T, H, E = q.shape  # q is [B, T, H, E]
-    K = k.shape[2]  # k and v are [B, T, K, E]
+    _, T, H, E = q.shape  # q is [B, T, H, E]; k and v are [B, T, K, E]
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     # each kv head repeated H // K times, for the query heads that read it
-    k_BHSE, v_BHSE = (jnp.repeat(x, H // K, axis=1) for x in (k_BKSE, v_BKSE))
+    k_BHSE, v_BHSE = (jnp.repeat(x, H // k.shape[2], axis=1) for x in (k_BKSE, v_BKSE))
     scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
                              preferred_element_type=jnp.float32) * E ** -0.5
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
@@ -450,10 +449,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     if sizes.count(-1) > 1 or any(s < 1 and s != -1 for s in sizes):
         raise SystemExit(f"error: {given}: give each axis a size > 0, or -1 (one axis at most)")
     fixed = math.prod(s for s in sizes if s > 0)  # the devices the sizes given take
-    if fixed > len(devices):
-        raise SystemExit(f"error: {given} does not fit {len(devices)} devices: it needs {fixed}")
-    if -1 in sizes and len(devices) % fixed:  # -1 takes all the rest, so fixed must divide them
-        raise SystemExit(f"error: {given} does not fit {len(devices)} devices: {fixed} must divide")
+    # The sizes given must fit the devices; with a -1, which takes all the rest, they must divide
+    # their number
+    if fixed > len(devices) or (-1 in sizes and len(devices) % fixed):
+        raise SystemExit(f"error: {given} does not fit {len(devices)} devices: its sizes take "
+                         f"{fixed}, and with a -1 they must divide the devices' number")
     n = len(devices) if -1 in sizes else fixed  # numpy's reshape works out the -1
     # The Mesh constructor's axes are Auto: XLA picks every sharding the code does not set
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)

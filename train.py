@@ -113,6 +113,10 @@ def main(argv=None):
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (see parse_args).
+    # The setup, on one host, nanoGPT-style (each helper adds the checks a run or a pod needs):
+    #   loader = data.Loader(token files, seq_len, global_batch, data_seed)   # load_data
+    #   state = init_state(...), or the run directory's checkpoint             # starting_state
+    #   step_fn = jax.jit(train_step, ...)                                     # compile_step
     loader, heldout = load_data(cfg, r, args, mesh)
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -126,11 +130,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
-    # Below, the helpers of the second read come to this on one host: device_batch is
-    # jax.device_put, signal_flags is [False] until a signal, and save is manager.save.
-    # step_fn(state, batch, flags) -> (state, metrics): train_step, compiled. flags are the
-    # processes' stop flags (signal_flags, second read; on one host, [False] until a signal).
-    step_fn = compile_step(cfg, r, mesh, target)
+    step_fn = compile_step(cfg, r, mesh, target)  # step_fn(state, batch): train_step, compiled
+    # Below, two helpers of the second read come to this on one host: device_batch is
+    # jax.device_put, and save is manager.save.
     # On one device, nanoGPT would write the loop below like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -147,10 +149,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        # On a pod, every host must stop after the same step: the step also takes each process's
-        # stop flag, and returns whether any is set, with its metrics. A signal during step 150
-        # is read with step 151's metrics, at step 152, so every process stops after step 152.
-        state, metrics = step_fn(state, batch, signal_flags(mesh))
+        state, metrics = step_fn(state, batch)
         # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
         # updates in a row were skipped.
         late_metrics.add(step, metrics)
@@ -321,8 +320,15 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
 
 # ----------------------------------------------------------------------------- the step
 
-# Ahead of time: --dry-run compiles the same step, and a step that does not fit fails at start-up.
-def compile_step(cfg, r, mesh, target):
+def compile_step(cfg, r, mesh, target):  # -> step_fn(state, batch) -> (state, metrics)
+    # Compiled ahead of time, so a step that does not fit fails at start-up
+    compiled = lower_step(cfg, r, mesh, target).compile()
+    # (pods) The compiled step also takes each process's stop flag: "stopping", second read.
+    return lambda state, batch: compiled(state, batch, signal_flags(mesh))
+
+
+# train_step, jitted and lowered to XLA for target's shapes and shardings (--dry-run compiles it)
+def lower_step(cfg, r, mesh, target):
     micro = r.micro_batch if r.micro_batch else r.global_batch
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     if r.global_batch % micro or micro % dp:
@@ -335,20 +341,19 @@ def compile_step(cfg, r, mesh, target):
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
 
     plain_step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
-    # On one device, this would be:
+    # On one device, compile_step would be:
     #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
     # The lines below do the same:
     # - plain_step fixes cfg, r and the micro-batch count, as static arguments would.
     # - donate_argnums=0 lets the new state reuse the old one's buffers, so memory holds one copy.
     # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
-    # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
-    #   jit needs no in_shardings.
+    # - lower(...) traces for these shapes and shardings before any data exists, so jit needs
+    #   no in_shardings; compile_step then compiles it.
     # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
     # step also take each process's stop flag, and report whether any process was asked to stop.
-    # The compiled step takes (state, batch, flags); the loop passes signal_flags(mesh).
     jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
                      out_shardings=(shardings_of(target), None))
-    return jitted.lower(target, batch, flags_spec(mesh)).compile()
+    return jitted.lower(target, batch, flags_spec(mesh))
 
 
 def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
@@ -636,9 +641,8 @@ def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
         saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
-    config = {"model": dataclasses.asdict(cfg)}
-    if r is not None:
-        config |= {"recipe": dataclasses.asdict(r), "data": data_fingerprint}
+    config = {"model": dataclasses.asdict(cfg), "data": data_fingerprint,
+              "recipe": dataclasses.asdict(r) if r is not None else {}}
     manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
 
 
@@ -761,13 +765,13 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
-# own moment. So each step takes one more input, signal_flags: one entry per device, the
-# device's process's bool(SIGNALS). with_signal_flags reduces it with jnp.any, an all-reduce
-# across the hosts, and adds the answer to the step's metrics, "signalled". Every process reads
-# the same answer, a step late, with the rest of the metrics (LateMetrics), so every process
-# stops after the same step. On one host, this simply means that a signal stops the run within
-# two steps. A trace: a SIGTERM reaches one process during step 150, just after step 150's flags
-# were made.
+# own moment. So the compiled step takes one more input, signal_flags: one entry per device,
+# the device's process's bool(SIGNALS), which compile_step's step_fn makes for every call.
+# with_signal_flags reduces it with jnp.any, an all-reduce across the hosts, and adds the answer
+# to the step's metrics, "signalled". Every process reads the same answer, a step late, with the
+# rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
+# this simply means that a signal stops the run within two steps. A trace: a SIGTERM reaches one
+# process during step 150, just after step_fn made step 150's flags.
 #   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
 #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
 #             exits with code 75, and a rerun resumes at step 153.
