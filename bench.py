@@ -68,8 +68,7 @@ def jax_worker(conn, name, dtype, code=HERE):
         labels = np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1)
         x, y = (jax.device_put(a, olmo3.batch_sharding(mesh)) for a in (tokens, labels))
         batch = (dict(inputs=x, labels=y),) if hasattr(train, "device_batch") else (x, y)
-        # the compiled step took each process's stop flag, before compile_step passed it itself
-        if hasattr(train, "signal_flags") and not hasattr(train, "lower_step"):
+        if hasattr(train, "signal_flags"):  # the step also takes each process's stop flag
             batch += (train.signal_flags(mesh),)
         state, metrics = step(state, *batch)
         jax.block_until_ready(metrics)
@@ -373,8 +372,8 @@ def bench_7b_step(layers=8, batch=8, micro=2, seq_len=8192):
           f"batch {batch} x {seq_len}, micro-batch {micro}, on {jax.devices()[0].device_kind}")
     with jax.set_mesh(mesh):
         target = train.abstract_state(cfg, r, mesh)
-        compiled = train.lower_step(cfg, r, mesh, target).compile()
-        memory = compiled.memory_analysis()
+        step = train.compile_step(cfg, r, mesh, target)
+        memory = step.memory_analysis()
         print(f"compiled: arguments {gib(memory.argument_size_in_bytes)}, temporaries "
               f"{gib(memory.temp_size_in_bytes)}", flush=True)
         state = train.init_state(cfg, r, target)
@@ -383,11 +382,11 @@ def bench_7b_step(layers=8, batch=8, micro=2, seq_len=8192):
         data = {"inputs": put(tokens[:, :-1]), "labels": put(tokens[:, 1:])}
         flags = train.signal_flags(mesh)  # no process has received a signal
         for _ in range(2):  # compiles nothing more: warms up
-            state, metrics = compiled(state, data, flags)
+            state, metrics = step(state, data, flags)
         jax.block_until_ready(metrics)
         start = time.perf_counter()
         for _ in range(5):
-            state, metrics = compiled(state, data, flags)
+            state, metrics = step(state, data, flags)
         jax.block_until_ready((state, metrics))
     seconds = (time.perf_counter() - start) / 5
     rate = batch * seq_len / seconds

@@ -86,7 +86,7 @@ def dry_run(cfg, r, args):
     # the mesh, as training does, because olmo3.constrain reads the mesh while tracing.
     t, target = time.time(), train.abstract_state(cfg, r, mesh)
     with jax.set_mesh(mesh):
-        m = train.lower_step(cfg, r, mesh, target).compile().memory_analysis()
+        m = train.compile_step(cfg, r, mesh, target).memory_analysis()
     micro = r.micro_batch if r.micro_batch else r.global_batch
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     print(f"dry run: {mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)} | "

@@ -1809,7 +1809,7 @@ def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
     mesh = olmo3.make_mesh(fsdp=4)
     state = train.abstract_state(cfg, r, mesh)
     with jax.set_mesh(mesh):
-        memory = train.lower_step(cfg, r, mesh, state).compile().memory_analysis()
+        memory = train.compile_step(cfg, r, mesh, state).memory_analysis()
     shard_bytes = sum(
         np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
     )
