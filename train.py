@@ -5,7 +5,7 @@ Rerunning a command resumes its run; one stopped early (a signal, --stop-at) sav
 # counter). Every log_every steps, the run prints a progress line like this one (tiny, on a CPU):
 # step 50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a | ETA 0:04:15
 # Read it from the top down: the recipe, `main`, `train` (setup, then the loop), then the helpers
-# down to `compile_step`. That is the first read. Below it, a banner starts the "second read": the
+# down to the optimizer. That is the first read. Below it, a banner starts the "second read": the
 # 7B's schedule, the progress line, and what a pod needs. On a first read, trust those helpers
 # to do what their names say. In every function, `r` is the Recipe and `cfg` is the olmo3.Config.
 import argparse
@@ -113,10 +113,12 @@ def main(argv=None):
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (see parse_args).
-    # The setup, on one host, nanoGPT-style (each helper adds the checks a run or a pod needs):
-    #   loader = data.Loader(token files, seq_len, global_batch, data_seed)   # load_data
-    #   state = init_state(...), or the run directory's checkpoint             # starting_state
-    #   step_fn = jax.jit(train_step, ...)                                     # compile_step
+    # Some helpers called here belong to the second read. On one host, they come to this:
+    #   Log             print, plus the files log.txt and metrics.jsonl
+    #   resume          Orbax's restore of the run's newest checkpoint (in starting_state)
+    #   device_batch    jax.device_put
+    #   signal_flags    [bool(SIGNALS)], one flag for the one device
+    #   save            manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -130,9 +132,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
-    step_fn = compile_step(cfg, r, mesh, target)  # train_step, compiled (below the optimizer)
-    # Below, the helpers of the second read come to this on one host: device_batch is
-    # jax.device_put, signal_flags is [False] until a signal, and save is manager.save.
+    step_fn = compile_step(cfg, r, mesh, target)
     # On one device, nanoGPT would write the loop below like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -149,23 +149,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        # (pods) the step also takes each process's stop flag, so that all stop at one step
+        # The step also takes each process's stop flag (signal_flags, second read): on a pod,
+        # every host must stop after the same step.
         state, metrics = step_fn(state, batch, signal_flags(mesh))
-        late_metrics.add(step, metrics)  # (2) reads step - 1's metrics, keeps this step's
+        # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
+        # updates in a row were skipped.
+        late_metrics.add(step, metrics)
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (5) None means go on
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # logs the results
-        save_now = step % r.save_every == 0 or step == r.steps or stop is not None  # (4)
-        if save_now:
+        if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-        # After 10 skipped updates in a row, the spike guard cannot rescue the run, so it stops
-        # here, before saving again. A skipped update changes no weights, so every checkpoint
-        # holds good ones, and a rerun with a lower --lr (a resume may change it) starts there.
-        if late_metrics.skipped >= 10:
-            log.flush()
-            raise SystemExit(f"error: {late_metrics.skipped} updates in a row skipped, up to step "
-                             f"{late_metrics.last_read}; lower --lr or check the data")
-        if save_now:  # (4)
             # writes metrics.jsonl and log.txt, and redraws loss.png. metrics.jsonl is always
             # written just before a save, so a resume can drop any records past its checkpoint.
             log.flush()
@@ -191,15 +185,13 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     #   add(199)                    reads 198's metrics, keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
-    # Reading also counts the updates skipped in a row (the loop stops the run at 10).
+    # Reading also counts the updates skipped in a row, and stops the run at 10.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
         # counts the updates skipped in a row (by the spike guard, or as not finite). signalled
-        # becomes True once a step's metrics say some process received a signal. last_read is
-        # the step whose metrics were read last.
-        self.log, self.pending, self.last_read = log, None, 0
-        self.skipped, self.signalled = 0, False
+        # becomes True once a step's metrics say some process received a signal.
+        self.log, self.pending, self.skipped, self.signalled = log, None, 0, False
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
@@ -207,12 +199,18 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
-            # waits for the devices, like nanoGPT's loss.item()
-            self.last_read, m = jax.device_get(self.pending)
+            step, m = jax.device_get(self.pending)  # waits for the devices, like loss.item()
             self.pending = None
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
-            self.log.metrics(self.last_read, m)  # a line every log_every steps, one for each skip
+            self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
+            # After 10 skips in a row, the spike guard cannot rescue the run. It stops here,
+            # before the loop saves again. Every checkpoint holds good weights, since a skipped
+            # update changes none, so a rerun resumes from the last one (a resume may lower --lr).
+            if self.skipped >= 10:
+                self.log.flush()
+                raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step "
+                                 f"{step}; lower --lr or check the data")
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -264,6 +262,7 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
+HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
 
 def fresh_state(r, params):  # the training state before step 1
@@ -319,6 +318,36 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
 
 
 # ----------------------------------------------------------------------------- the step
+
+# Ahead of time: --dry-run compiles the same step, and a step that does not fit fails at start-up.
+def compile_step(cfg, r, mesh, target):
+    micro = r.micro_batch if r.micro_batch else r.global_batch
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    if r.global_batch % micro or micro % dp:
+        raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
+                         "data-parallel devices do not divide; pick multiples of each other")
+    # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
+    # data-parallel devices
+    rows = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
+                                sharding=olmo3.batch_sharding(mesh))
+    batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
+
+    plain_step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
+    # On one device, this would be:
+    #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
+    # The lines below do the same:
+    # - plain_step fixes cfg, r and the micro-batch count, as static arguments would.
+    # - donate_argnums=0 lets the new state reuse the old one's buffers, so memory holds one copy.
+    # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
+    # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
+    #   jit needs no in_shardings.
+    # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
+    # step also take each process's stop flag, and report whether any process was asked to stop.
+    # The result: step_fn(state, batch, flags) -> (state, metrics, with "signalled" added)
+    jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
+                     out_shardings=(shardings_of(target), None))
+    return jitted.lower(target, batch, flags_spec(mesh)).compile()
+
 
 def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
@@ -388,9 +417,6 @@ def split_micro(x, n_micro: int):
 
 # ----------------------------------------------------------------------------- the spike guard
 
-HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
-
-
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. From step 64 on, a value
     # spikes if it is more than 6 standard deviations above the mean of the (up to) 128 values
@@ -439,11 +465,6 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
 
 
-# optax's Adam, whose state is the state's opt_state (train_step clips before it, and adamw
-# decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
-
-
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
 # the embedding. It is not optax.adamw, whose schedule would count from Adam's count, which
 # --init-from carries over. Stage 2 would then start at stage 1's count, 1,413,814, past the end
@@ -458,35 +479,8 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
     return {"params": new_params, "opt_state": opt_state}
 
 
-# ----------------------------------------------------------------------------- compiling the step
-
-# Ahead of time: --dry-run compiles the same step, and a step that does not fit fails at start-up.
-def compile_step(cfg, r, mesh, target):  # -> step_fn(state, batch, flags) -> (state, metrics)
-    micro = r.micro_batch if r.micro_batch else r.global_batch
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    if r.global_batch % micro or micro % dp:
-        raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
-                         "data-parallel devices do not divide; pick multiples of each other")
-    # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
-    # data-parallel devices
-    rows = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
-                                sharding=olmo3.batch_sharding(mesh))
-    batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
-
-    plain_step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
-    # On one device, this would be:
-    #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
-    # The lines below do the same:
-    # - plain_step fixes cfg, r and the micro-batch count, as static arguments would.
-    # - donate_argnums=0 lets the new state reuse the old one's buffers, so memory holds one copy.
-    # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
-    # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
-    #   jit needs no in_shardings.
-    # One thing is added for pods (second read, under "stopping"): with_signal_flags makes the
-    # step take a third input, each process's stop flag, and report whether any is set.
-    jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
-                     out_shardings=(shardings_of(target), None))
-    return jitted.lower(target, batch, flags_spec(mesh)).compile()
+# optax's Adam (train_step clips before it, adamw decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 # =============================================================================
@@ -792,14 +786,10 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
 
 
-# Wraps compile_step's plain_step(state, batch) into step_and_signal(state, batch, flags), which
-# also reports whether any process received a signal
-def with_signal_flags(plain_step):
-    def step_and_signal(state, batch, flags):  # flags is signal_flags' array
-        state, metrics = plain_step(state, batch)
-        # jnp.any over every device's flag is an all-reduce across the hosts
-        return state, metrics | {"signalled": jnp.any(flags)}
-    return step_and_signal
+def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
+    spec = flags_spec(mesh)
+    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
+    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
 
 
 def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
@@ -808,10 +798,14 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
 
 
-def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    spec = flags_spec(mesh)
-    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
-    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
+# Wraps compile_step's plain_step(state, batch) into step_and_signal(state, batch, flags), which
+# also reports whether any process received a signal
+def with_signal_flags(plain_step):
+    def step_and_signal(state, batch, flags):  # flags is signal_flags' array
+        state, metrics = plain_step(state, batch)
+        # jnp.any over every device's flag is an all-reduce across the hosts
+        return state, metrics | {"signalled": jnp.any(flags)}
+    return step_and_signal
 
 
 def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
