@@ -238,9 +238,14 @@ def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of doc
     # `open_spaces` lists, sorted, the free spaces that some open bin has. bins_by_space[space]
     # holds those bins in the order they came down to it. So open_spaces == sorted(s for s in
     # bins_by_space if bins_by_space[s]). A full bin (space 0) is never listed.
-    # Lengths 5, 5, 2, 2, 1 into bins of 8: 5 opens bin 0 (3 left) and 5 opens bin 1 (3 left).
-    # Then 2 goes to bin 0 (the first to reach 3, leaving 1), 2 to bin 1, and 1 to bin 0. The
-    # bins are [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
+    # Lengths 5, 5, 2, 2, 1 into bins of 8, and the two structures after each document:
+    #   document (length)   goes to      open_spaces   bins_by_space
+    #   0 (5)               new bin 0    [3]           {3: [0]}
+    #   1 (5)               new bin 1    [3]           {3: [0, 1]}
+    #   2 (2)               bin 0        [1, 3]        {1: [0], 3: [1]}
+    #   3 (2)               bin 1        [1]           {1: [0, 1]}
+    #   4 (1)               bin 0        [1]           {1: [1]}        (bin 0 is full)
+    # The bins are [[0, 2, 4], [1, 3]], as OLMo-core's own code packs them.
     order = np.argsort(-lengths.astype(np.int64))
     bins, open_spaces, bins_by_space = [], [], collections.defaultdict(collections.deque)
     for doc, n in zip(order.tolist(), lengths[order].tolist()):

@@ -423,10 +423,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #     cuts) and the loss's logsumexp (over the vocabulary, which tensor cuts);
 #   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;
 #   all-reduce over data, when data > 1: the gradients of its N copies of the weights.
-# (Also the embedding's lookup, in a table cut over both axes. In tiny's dump on 8 CPU devices,
-# XLA all-gathers the table until each device holds every row for half the columns, looks up
-# its tokens there, then all-gathers the other half of the result; the backward pass
-# scatter-adds into that table, then all-reduces over fsdp.)
+# (The embedding's lookup needs communication too: the README's "Seeing the communication" says
+# what tiny's dump shows.)
 
 
 def logical_to_spec(axes) -> P:

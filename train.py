@@ -360,9 +360,9 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     #   the batch       s - 1, since the loader counts batches from 0
     #   the LR          schedule(r)(s); s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-    #   Adam's count    its own counter. --init-from carries it over between stages, so the
-    #                   LR cannot follow it: stage 2 would start past its own schedule's end.
-    #                   A skipped update does not advance it.
+    #   Adam's count    its own counter. A skipped update does not advance it, and --init-from
+    #                   carries it over between stages (which is why the LR cannot follow it:
+    #                   the note above adamw gives the numbers).
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
