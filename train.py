@@ -205,8 +205,9 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
             # After 10 skips in a row, the spike guard cannot rescue the run. It stops here,
-            # before the loop saves again. Every checkpoint holds good weights, since a skipped
-            # update changes none, so a rerun resumes from the last one (a resume may lower --lr).
+            # before the loop saves again, so that a rerun with a lower --lr (a resume may change
+            # it) retries the skipped batches from the last checkpoint instead of resuming past
+            # them. That checkpoint holds good weights, since a skipped update changes none.
             if self.skipped >= 10:
                 self.log.flush()
                 raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step "
@@ -356,14 +357,12 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
     params = state["params"]
-    # The counters at step s, and at two first steps:
-    #                   at step s                 a fresh run's step 1    stage 2's step 1
-    #   the batch       s - 1 (counted from 0)    0                       0 (its own order)
-    #   the LR          schedule(r)(s)            P / W, warmup's first   its own schedule's first
-    #   state["step"]   s - 1 before, s after     0 -> 1                  0 -> 1
-    #   Adam's count    its own                   0 -> 1                  ~1.41M -> ~1.41M + 1
-    # Stage 2 carries Adam's count over from stage 1 (--init-from), so the LR follows s, never
-    # Adam's count (adamw says why). A skipped update advances s, but not Adam's count.
+    # The counters at step s:
+    #   the batch       s - 1 (the loader counts batches from 0)
+    #   the LR          schedule(r)(s): s is OLMo-core's k
+    #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
+    #   Adam's count    its own: a skipped update does not advance it, and --init-from carries
+    #                   it over between stages (adamw's note says why the LR never follows it)
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
