@@ -1229,6 +1229,14 @@ def test_flag_errors_are_one_line(capsys):
         train.parse_args(["--mesh", "fsdp=two"])
 
 
+def test_a_left_out_fsdp_takes_the_devices_the_other_axes_leave():
+    mesh_of = lambda text: train.parse_args(["--mesh", text])[2].mesh
+    assert mesh_of("tensor=2") == {"data": 1, "fsdp": -1, "tensor": 2}  # all devices
+    assert mesh_of("data=-1") == {"data": -1, "fsdp": 1, "tensor": 1}  # data takes them
+    assert mesh_of("fsdp=2,tensor=2") == {"data": 1, "fsdp": 2, "tensor": 2}  # 4, as given
+    assert olmo3.make_mesh(**mesh_of("tensor=2")).shape == {"data": 1, "fsdp": 4, "tensor": 2}
+
+
 # ----------------------------------------------------------------------------- training
 
 SMALL_RUN = [
@@ -1617,7 +1625,7 @@ def test_pod_tensor_parallelism_across_processes_matches_one_process(tmp_path, t
     """tensor=4 spans both processes: each reads the rows its devices hold, here the same rows
     (data=2 is the pod_run's mesh). The losses, and the held-out evaluation after the last step
     (evaluation.score across processes), of one process with the same mesh."""
-    mesh = ["--steps", "3", "--mesh", "tensor=4"]
+    mesh = ["--steps", "3", "--mesh", "fsdp=1,tensor=4"]
     procs = pod(command(token_files, tmp_path / "pod", *mesh))
     outputs = outputs_of(procs)
     assert exits(procs, outputs) == [0, 0], outputs

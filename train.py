@@ -938,13 +938,17 @@ def boolean(text):  # "true" or "false" (argparse reports anything else)
     return bool(("false", "true").index(text.lower()))
 
 
-# An axis left out of --mesh is 1: tensor=2 on 8 devices uses 2 (fsdp=-1,tensor=2 uses all 8).
+# A left-out data or tensor is 1, and a left-out fsdp takes the devices the others leave (-1),
+# unless another axis already does: tensor=2 on 8 devices is fsdp=4,tensor=2, and data=-1 is
+# data=8 with fsdp=1. Naming every axis's size uses only those devices (to resume on fewer).
 def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1}
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    sizes = {"data": 1, "fsdp": None, "tensor": 1}
     for name, _, value in (part.partition("=") for part in text.split(",")):
         if name not in olmo3.MESH_AXES or not value.lstrip("-").isdigit():
             raise SystemExit(f"error: --mesh {text!r}: expected data=N,fsdp=N,tensor=N (-1: rest)")
         sizes[name] = int(value)
+    if sizes["fsdp"] is None:
+        sizes["fsdp"] = 1 if -1 in sizes.values() else -1
     return sizes
 
 
