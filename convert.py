@@ -3,11 +3,12 @@
     python convert.py hf-to-jax HF_DIR OUT_DIR [--verify]   # --verify: logits against transformers
     python convert.py jax-to-hf CKPT_DIR OUT_DIR [--verify] # a converted or a run's checkpoint"""
 # Read hf_tensors and hf_view, then from_hf and to_hf; config_from_hf and config_to_hf map
-# config.json (skim them). The HF name of each weight is in olmo3.param_specs. Torch Linear weights
-# are [out, in] and ours are [in, out], so every matrix but the embedding is transposed. The whole
-# model is held in host memory as fp32 numpy arrays, so a 7B (29 GB) converts on a machine with
-# about 64 GB.
+# config.json (skim them), and verify is --verify. The HF name of each weight is in
+# olmo3.param_specs. Torch Linear weights are [out, in] and ours are [in, out], so every matrix
+# but the embedding is transposed. The whole model is held in host memory as fp32 numpy arrays,
+# so a 7B (29 GB) converts on a machine with about 64 GB.
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -175,6 +176,30 @@ def config_to_hf(cfg) -> dict:
             "rope_parameters": {"full_attention": full, "sliding_attention": plain}}
 
 
+def verify(hf_dir, cfg, params, seq_len=256, batch=2):
+    """Hugging Face (torch) and ours on the same random tokens, in fp32 and bf16."""
+    # It reports KL(HF || ours) per position, top-1 agreement and max |logit difference|, over
+    # the real vocabulary. torch and transformers are imported here: only --verify needs them.
+    import torch
+    import transformers
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len))
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(tokens)).logits.double().numpy()
+        ours = jax.jit(olmo3.forward, static_argnums=2)(
+            params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="reference"))
+        ours = np.asarray(ours, np.float64)[..., :cfg.vocab_size]
+        log_p, log_q = (x - np.logaddexp.reduce(x, -1, keepdims=True) for x in (theirs, ours))
+        res = results[dtype] = {"kl": np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)),
+                                "top1": np.mean(theirs.argmax(-1) == ours.argmax(-1)),
+                                "max_abs": np.max(np.abs(theirs - ours))}
+        print(f"verify {dtype:8s}: KL(HF||ours) {res['kl']:.3e} top-1 agreement "
+              f"{100 * res['top1']:.2f}% max |logit diff| {res['max_abs']:.3e} ({batch}x{seq_len})")
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,9 +226,8 @@ def main(argv=None):
             step_dir / "params", args=ocp.args.PyTreeRestore(restore_args=as_numpy))
         to_hf(params, cfg, args.out)
     if args.verify:
-        import evaluation  # verify imports torch and transformers (training never does)
-        # verify compares our logits with the HF model's: the folder written, or the one read
-        evaluation.verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
+        # compares our logits with the HF model's: the folder written, or the one read
+        verify(args.out if args.direction == "jax-to-hf" else args.src, cfg, params)
     print(f"wrote {args.out}: {olmo3.param_count(cfg):,} parameters (the vocabulary padded)")
 
 

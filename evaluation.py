@@ -1,11 +1,11 @@
-"""What a trained model does, beside the core: evaluations, logit parity, text, the loss plot."""
+"""What a trained model does, beside the core: evaluations, text, and the loss plot."""
 # None of its jobs is needed to train, so they sit here, beside the core, which trains without
 # them (the README's line budget). All but the loss plot run the model on given text; the plot
 # is here only because the core has no lines to spare for it.
 # Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
 # score (perplexity, tasks) comes down to (the summed log-probability of each row's labelled
 # positions, sharded over the mesh as training is); then the perplexity sets, the commands
-# (--eval-only and --generate, convert.py's --verify), `generate` with `samples`, and the loss plot.
+# (--eval-only and --generate), `generate` with `samples`, and the loss plot.
 # The downstream tasks come last (`load_task`, `request_rows`, `metric_value`): OLMES's own rules,
 # slow going, and only for --eval-tasks. `r` is the Recipe.
 #
@@ -171,30 +171,6 @@ def main(cfg, r, args):
         (out / "eval.json").write_text(json.dumps(results, indent=1, default=float))
         print(f"wrote {out / 'eval.json'}")
     return 0
-
-
-def verify(hf_dir, cfg, params, seq_len=256, batch=2):
-    """Hugging Face (torch) and ours on the same random tokens, in fp32 and bf16."""
-    # It reports KL(HF || ours) per position, top-1 agreement and max |logit difference|, over
-    # the real vocabulary.
-    import torch
-    import transformers
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len))
-    results = {}
-    for dtype in ("float32", "bfloat16"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-        with torch.no_grad():
-            theirs = model(torch.from_numpy(tokens)).logits.double().numpy()
-        ours = jax.jit(olmo3.forward, static_argnums=2)(
-            params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="reference"))
-        ours = np.asarray(ours, np.float64)[..., :cfg.vocab_size]
-        log_p, log_q = (x - np.logaddexp.reduce(x, -1, keepdims=True) for x in (theirs, ours))
-        res = results[dtype] = {"kl": np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)),
-                                "top1": np.mean(theirs.argmax(-1) == ours.argmax(-1)),
-                                "max_abs": np.max(np.abs(theirs - ours))}
-        print(f"verify {dtype:8s}: KL(HF||ours) {res['kl']:.3e} top-1 agreement "
-              f"{100 * res['top1']:.2f}% max |logit diff| {res['max_abs']:.3e} ({batch}x{seq_len})")
-    return results
 
 
 # ----------------------------------------------------------------------------- generation

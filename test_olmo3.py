@@ -222,7 +222,7 @@ def test_logits_match_hugging_face(tmp_path, n_kv_heads):
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
     loaded_cfg, params = convert.from_hf(hf_dir)
     assert all(getattr(loaded_cfg, f) == getattr(cfg, f) for f in MODEL_FIELDS)
-    results = evaluation.verify(hf_dir, loaded_cfg, params, seq_len=64)
+    results = convert.verify(hf_dir, loaded_cfg, params, seq_len=64)
     assert results["float32"]["max_abs"] <= 1e-5, results  # seen: ~2e-6
     assert results["float32"]["top1"] == 1.0
     assert results["bfloat16"]["kl"] < 2e-3 and results["bfloat16"]["top1"] > 0.95, results
@@ -306,9 +306,9 @@ def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
     hf_dir = make_hf_checkpoint(cfg, tmp_path / "hf")
     loaded, params = convert.from_hf(hf_dir)
     assert all(getattr(loaded, f) == getattr(cfg, f) for f in MODEL_FIELDS)
-    results = evaluation.verify(hf_dir, loaded, params, seq_len=64)
+    results = convert.verify(hf_dir, loaded, params, seq_len=64)
     assert results["float32"]["max_abs"] <= 1e-5, results
-    plain = evaluation.verify(hf_dir, dataclasses.replace(loaded, yarn_factor=0.0), params, 64)
+    plain = convert.verify(hf_dir, dataclasses.replace(loaded, yarn_factor=0.0), params, 64)
     assert plain["float32"]["max_abs"] > 1e-3  # YaRN matters at this length
     # AI2's config.json form: the legacy rope_scaling key, applied to the full layers only
     config = json.loads((hf_dir / "config.json").read_text())
