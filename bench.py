@@ -67,7 +67,8 @@ def jax_worker(conn, name, dtype, code=HERE):
                                                    dtype=np.int32)
         labels = np.concatenate([tokens[:, 1:], np.full_like(tokens[:, :1], -100)], 1)
         x, y = (jax.device_put(a, olmo3.batch_sharding(mesh)) for a in (tokens, labels))
-        batch = (dict(inputs=x, labels=y),) if hasattr(train, "device_batch") else (x, y)
+        new = hasattr(train, "device_batch") or hasattr(olmo3, "device_batch")
+        batch = (dict(inputs=x, labels=y),) if new else (x, y)
         if hasattr(train, "signal_flags"):  # the step also takes each process's stop flag
             batch += (train.signal_flags(mesh),)
         state, metrics = step(state, *batch)

@@ -72,7 +72,7 @@ class Loader:
         self.set_instances(int(self.first_id[-1]))
         self.shuffled = (None, None)  # (epoch, its order), kept from the last epoch_order
         # (second read) `rows` are the rows of every global batch that this process reads: all
-        # of them by default. On a pod they are train.local_rows, the rows its devices hold (on
+        # of them by default. On a pod they are olmo3.local_rows, the rows its devices hold (on
         # 2 processes of 2 devices each, with fsdp=4, process 1 reads rows 8-15 of 16).
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
         # (second read) The data's fingerprint is the files' names and sizes, hashed to 60 bits

@@ -437,6 +437,26 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
     return NamedSharding(mesh, logical_to_spec(("batch", "seq")))
 
 
+# On a pod, each process feeds only its own devices: local_rows names the rows of each batch that
+# they hold (the process's loader reads those alone), and device_batch makes the whole batch's
+# arrays from them. On one host, these are every row and jax.device_put.
+def local_rows(mesh: Mesh, global_batch: int):  # -> the rows this process's devices hold
+    # With 2 processes of 2 devices each and fsdp=4, process 1 holds rows 8-15 of 16. held maps
+    # each of this process's devices to its (rows, columns) slices of the batch: {device 2:
+    # (slice(8, 12), slice(None)), device 3: (slice(12, 16), slice(None))}. The shape asks for a
+    # width of 1, since only the rows are used.
+    held = batch_sharding(mesh).addressable_devices_indices_map((global_batch, 1))
+    return np.unique(np.concatenate([np.arange(global_batch)[rows] for rows, _ in held.values()]))
+
+
+def device_batch(batch, mesh: Mesh):  # this process's rows -> arrays of the whole batch
+    # One jax.Array spans every device of every process. Each process gives its own rows, x
+    # [len(loader.rows), seq_len], and no data moves between hosts. JAX infers the whole batch's
+    # shape from the sharding: [global_batch, seq_len].
+    return {name: jax.make_array_from_process_local_data(batch_sharding(mesh), x)
+            for name, x in batch.items()}
+
+
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     # A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices.
     # Without a -1, the mesh takes the first data x fsdp x tensor devices, which may be fewer

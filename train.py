@@ -114,11 +114,11 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (see parse_args).
     # Some helpers called here belong to the second read. On one host, they come to this:
-    #   Log             print, plus the files log.txt and metrics.jsonl
-    #   resume          Orbax's restore of the run's newest checkpoint (in starting_state)
-    #   device_batch    jax.device_put
-    #   signal_flags    [bool(SIGNALS)], one flag for the one device
-    #   save            manager.save(step, state), which writes in the background
+    #   Log                   print, plus the files log.txt and metrics.jsonl
+    #   resume                Orbax's restore of the run's newest checkpoint (in starting_state)
+    #   olmo3.device_batch    jax.device_put
+    #   signal_flags          [bool(SIGNALS)], one flag for the one device
+    #   save                  manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -148,7 +148,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     batches = loader.iterate(done, r.steps)  # yields batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
-        batch = device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
+        batch = olmo3.device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
         # The step also takes each process's stop flag (signal_flags, second read): on a pod,
         # every host must stop after the same step.
         state, metrics = step_fn(state, batch, signal_flags(mesh))
@@ -226,7 +226,8 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     elif os.path.isfile(os.path.join(source, "heldout.txt")):  # a tokenize folder brings its own
         heldout = os.path.join(source, "heldout.txt")
     # rows: the rows of each batch that this process's devices hold (on one host, all of them)
-    options = dict(rows=local_rows(mesh, r), tokenizer=cfg.tokenizer, root=args.data_root,
+    rows = olmo3.local_rows(mesh, r.global_batch)
+    options = dict(rows=rows, tokenizer=cfg.tokenizer, root=args.data_root,
                    vocab_size=cfg.vocab_size, permutation_seed=r.source_permutation_seed)
     # A packed run, too, builds this plain Loader first: its fingerprint lets the hosts compare
     # their token files before process 0 spends minutes packing them.
@@ -491,7 +492,7 @@ adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 #   stopping      Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
 #                 with code 75 (signal_flags). The same command resumes the run.
 #   across hosts  All along: start_jax joined the hosts' processes at start-up, and each
-#                 process's loader reads only its own devices' rows (local_rows).
+#                 process's loader reads only its own devices' rows (olmo3.local_rows).
 # JAX's terms for several hosts (process_allgather, make_array_from_callback, ...) are in the
 # last table of the README's JAX glossary.
 # =============================================================================
@@ -818,8 +819,6 @@ def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, o
 # ----------------------------------------------------------------------------- across hosts
 # What each function does on a pod, and what it comes to on one host:
 #   start_jax              joins every host's process into one JAX run      one process
-#   local_rows             finds the batch rows this process's devices hold every row
-#   device_batch           makes one global array from each process's rows  jax.device_put
 #   check_run_directory    checks that every host sees the run directory    makes the directory
 #                          that process 0 writes (else the first save
 #                          hangs, an hour in)
@@ -850,23 +849,6 @@ def start_jax(args):
             raise
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
         raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
-
-
-def local_rows(mesh, r):  # the rows of every global batch that this process's devices hold
-    # Every process feeds only its own devices. With 2 processes of 2 devices each and fsdp=4,
-    # process 1 holds rows 8-15 of 16. held maps each of this process's devices to its (rows,
-    # columns) slices of the batch: {device 2: (slice(8, 12), slice(None)), device 3: (slice(12,
-    # 16), slice(None))}. The shape asks for a width of 1, since only the rows are used.
-    held = olmo3.batch_sharding(mesh).addressable_devices_indices_map((r.global_batch, 1))
-    return np.unique(np.concatenate([np.arange(r.global_batch)[rows] for rows, _ in held.values()]))
-
-
-def device_batch(batch, mesh):  # this process's rows -> arrays of the whole batch
-    # One jax.Array spans every device of every process. Each process gives its own rows, x
-    # [len(loader.rows), seq_len], and no data moves between hosts. JAX infers the whole batch's
-    # shape from the sharding: [global_batch, seq_len]. (On one host, this is jax.device_put.)
-    return {name: jax.make_array_from_process_local_data(olmo3.batch_sharding(mesh), x)
-            for name, x in batch.items()}
 
 
 def check_run_directory(out):  # every host must see the run directory that process 0 writes
