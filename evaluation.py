@@ -92,7 +92,7 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     # (Pods: every process builds the whole batch, so the local shape is the global one, and
     # JAX hands each device its rows. Training differs: each process reads only its own rows.)
-    put = lambda a: jax.make_array_from_process_local_data(sharding, a, a.shape)
+    put = lambda a: jax.make_array_from_process_local_data(sharding, a, global_shape=a.shape)
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
         for row, (inputs, labels) in enumerate(rows[start:start + step_rows]):

@@ -362,8 +362,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     #   the batch       s - 1 (the loader counts batches from 0)
     #   the LR          schedule(r)(s): s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-    #   Adam's count    its own: a skipped update does not advance it, and --init-from carries
-    #                   it over between stages (adamw's note says why the LR never follows it)
+    # (Adam keeps a count of its own, which the LR never follows: adamw's note says why.)
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -391,7 +390,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    lr = schedule(r)(step)  # from this step's number, not Adam's count (the counters above)
+    lr = schedule(r)(step)  # from this step's number s, not Adam's count (adamw's note)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -452,6 +451,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # optax's schedules count from 0. They are given OLMo-core's 1-based k, so that step 1's LR
     # is P / W, as in OLMo-core (test_schedule_matches_olmo_core_off_by_one).
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
+    # optax's arguments, in order: the LR at 0, the peak, the warmup's steps, the decay's steps
+    # (T, the warmup included), and the floor
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # optax's decay_steps includes the warmup, as OLMo-core's T does. The max() keeps a run no
     # longer than its warmup valid, since optax needs decay_steps > warmup.
@@ -467,9 +468,11 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. It is not optax.adamw, whose schedule would count from Adam's count, which
-# --init-from carries over. Stage 2 would then start at stage 1's count, 1,413,814, past the end
-# of its own 47,684-step schedule, and its LR would be 0 throughout.
+# the embedding. Adam keeps its own count (opt_state's), for its bias correction: a skipped
+# update does not advance it, and --init-from carries it over between stages. So this is not
+# optax.adamw, whose schedule would count from Adam's count. Stage 2 would then start at stage
+# 1's count, 1,413,814, past the end of its own 47,684-step schedule, and its LR would be 0
+# throughout.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
