@@ -117,6 +117,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   Log                   print, plus the files log.txt and metrics.jsonl
     #   resume                Orbax's restore of the run's newest checkpoint (in starting_state)
     #   olmo3.device_batch    jax.device_put
+    #   signal_flags          [bool(SIGNALS)], one flag for the one device
     #   save                  manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
@@ -148,8 +149,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = olmo3.device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        # The step also takes each process's stop flag (signal_flags, under "stopping" below):
-        # on a pod, every host must stop after the same step.
+        # The step also takes each process's stop flag (signal_flags, second read): on a pod,
+        # every host must stop after the same step.
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
         # updates in a row were skipped.
@@ -160,8 +161,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
             # writes metrics.jsonl and log.txt, and redraws loss.png. metrics.jsonl is always
-            # written just before a save, so a resume can drop any records past its checkpoint,
-            # and refuse_fresh_start can tell that a run trained here.
+            # written just before a save, so a resume can drop any records past its checkpoint.
             log.flush()
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
@@ -212,61 +212,6 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
                 self.log.flush()
                 raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step "
                                  f"{step}; lower --lr or check the data")
-
-
-# ----------------------------------------------------------------------------- stopping
-# A pod's processes must all stop after the same step, but a signal reaches each process at its
-# own moment. So the compiled step takes one more input, signal_flags: one entry per device,
-# the device's process's bool(SIGNALS), which the loop makes for every step.
-# with_signal_flags reduces it with jnp.any, an all-reduce across the hosts, and adds the answer
-# to the step's metrics, "signalled". Every process reads the same answer, a step late, with the
-# rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
-# this simply means that a signal stops the run within two steps. A trace: a SIGTERM reaches one
-# process during step 150, just after the loop made step 150's flags.
-#   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
-#   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
-#             exits with code 75, and a rerun resumes at step 153.
-# Why through the step, and not a host all-gather of the flags: that would make every host wait
-# for the others at every step, while the metrics are read anyway, so the answer costs nothing.
-# (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
-
-SIGNALS = []  # the signals this process received (the first asked it to stop)
-
-
-def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
-    if SIGNALS and signum == signal.SIGINT:
-        raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
-    SIGNALS.append(signal.Signals(signum).name)
-    print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
-
-
-def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    spec = flags_spec(mesh)
-    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
-    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
-
-
-def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
-    # its one dimension is cut over all three mesh axes, so each device holds one entry
-    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
-    return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
-
-
-# Wraps compile_step's plain_step(state, batch) into step_and_signal(state, batch, flags), which
-# also reports whether any process received a signal
-def with_signal_flags(plain_step):
-    def step_and_signal(state, batch, flags):  # flags is signal_flags' array
-        state, metrics = plain_step(state, batch)
-        # jnp.any over every device's flag is an all-reduce across the hosts
-        return state, metrics | {"signalled": jnp.any(flags)}
-    return step_and_signal
-
-
-def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
-    if step == stop_at:
-        return "--stop-at"
-    if signalled:  # LateMetrics.signalled, read a step late
-        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -398,7 +343,7 @@ def compile_step(cfg, r, mesh, target):
     # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
     # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
     #   jit needs no in_shardings.
-    # One thing is added for pods: with_signal_flags (under "stopping", after the loop) makes the
+    # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
     # step also take each process's stop flag, and report whether any process was asked to stop.
     # The result: step_fn(state, batch, flags) -> (state, metrics, with "signalled" added)
     jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
@@ -417,8 +362,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     #   the batch       s - 1 (the loader counts batches from 0)
     #   the LR          schedule(r)(s): s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-    #   Adam's count    the updates applied, for Adam's bias correction: a skipped update does
-    #                   not advance it, and --init-from carries it over between stages
+    # (Adam keeps a count of its own, which the LR never follows: adamw's note says why.)
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -446,7 +390,7 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    lr = schedule(r)(step)  # from s, not from Adam's count (adamw's note says why)
+    lr = schedule(r)(step)  # from this step's number s, not Adam's count (adamw's note)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -524,9 +468,11 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. Why not optax.adamw: its schedule would count from Adam's count, which
-# --init-from carries over. Stage 2 would start at 1,413,814, past the end of its 47,684 steps,
-# and its LR would be 0 throughout.
+# the embedding. Adam keeps its own count (opt_state's), for its bias correction: a skipped
+# update does not advance it, and --init-from carries it over between stages. So this is not
+# optax.adamw, whose schedule would count from Adam's count. Stage 2 would then start at stage
+# 1's count, 1,413,814, past the end of its own 47,684-step schedule, and its LR would be 0
+# throughout.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -543,11 +489,11 @@ adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 # =============================================================================
 # The second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B
-# needs on a pod (checkpoints, several hosts), then the command line.
+# needs on a pod (checkpoints, stopping, several hosts), then the command line.
 # A pod run on 4 hosts, preempted and resumed from step 500, meets the pod sections like this:
 #   checkpoints   Every host reads checkpoint 500 onto its own devices (resume).
-#   (stopping)    Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
-#                 with code 75 (the first read's "stopping"). The same command resumes the run.
+#   stopping      Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
+#                 with code 75 (signal_flags). The same command resumes the run.
 #   across hosts  All along: start_jax joined the hosts' processes at start-up, and each
 #                 process's loader reads only its own devices' rows (olmo3.local_rows).
 # JAX's terms for several hosts (process_allgather, make_array_from_callback, ...) are in the
@@ -816,6 +762,61 @@ def refuse_fresh_start(out):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
                          "restore its checkpoints, or use a new --out")
+
+
+# ----------------------------------------------------------------------------- stopping
+# A pod's processes must all stop after the same step, but a signal reaches each process at its
+# own moment. So the compiled step takes one more input, signal_flags: one entry per device,
+# the device's process's bool(SIGNALS), which the loop makes for every step.
+# with_signal_flags reduces it with jnp.any, an all-reduce across the hosts, and adds the answer
+# to the step's metrics, "signalled". Every process reads the same answer, a step late, with the
+# rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
+# this simply means that a signal stops the run within two steps. A trace: a SIGTERM reaches one
+# process during step 150, just after the loop made step 150's flags.
+#   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
+#   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
+#             exits with code 75, and a rerun resumes at step 153.
+# Why through the step, and not a host all-gather of the flags: that would make every host wait
+# for the others at every step, while the metrics are read anyway, so the answer costs nothing.
+# (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
+
+SIGNALS = []  # the signals this process received (the first asked it to stop)
+
+
+def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
+    if SIGNALS and signum == signal.SIGINT:
+        raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
+    SIGNALS.append(signal.Signals(signum).name)
+    print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
+
+
+def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
+    spec = flags_spec(mesh)
+    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
+    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
+
+
+def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
+    # its one dimension is cut over all three mesh axes, so each device holds one entry
+    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
+    return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
+
+
+# Wraps compile_step's plain_step(state, batch) into step_and_signal(state, batch, flags), which
+# also reports whether any process received a signal
+def with_signal_flags(plain_step):
+    def step_and_signal(state, batch, flags):  # flags is signal_flags' array
+        state, metrics = plain_step(state, batch)
+        # jnp.any over every device's flag is an all-reduce across the hosts
+        return state, metrics | {"signalled": jnp.any(flags)}
+    return step_and_signal
+
+
+def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
+    if step == stop_at:
+        return "--stop-at"
+    if signalled:  # LateMetrics.signalled, read a step late
+        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
