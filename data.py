@@ -1,10 +1,4 @@
 """Data for olmo3-jax: token files -> batches with OLMo-core's semantics; text -> token files."""
-# `python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]` turns
-# text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). The
-# command line's code is in prepare.py, beside the core, so that the core (olmo3.py, data.py,
-# train.py) stays within its 1,000 lines; `tokenize`, below, is what training needs of it
-# (`corpus` calls it to prepare the tiny run's data).
-#
 # Read in this order:
 # 1. `Loader` cuts each token file into instances of seq_len tokens (it drops the tail, and
 #    documents run across instance boundaries), shuffles the instance ids once per epoch exactly
@@ -26,6 +20,10 @@
 #    NumPy's .npy format), plus mix files that list them. A hash of each document's text picks
 #    train or held-out, so no text is in both (exact copies; a near-copy hashes otherwise).
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
+# `python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]` turns
+# text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). Its
+# command line's code is in prepare.py, beside the core, so that the core (olmo3.py, data.py,
+# train.py) stays within its 1,000 lines; `tokenize` is what training needs of it.
 # (`have` and `beside`, at the end, are for train.py: `have` asks whether a module beside the core
 # is here, and `beside` imports one where a flag needs it.)
 import bisect
