@@ -32,11 +32,11 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# The training settings. They are AI2's stage 1 (batch, length, AdamW, clipping, z-loss, spike
-# guard), except for the schedule. The default schedule is a plain cosine, which fits a run of
-# any length, such as the tiny preset's 500 steps (MaxText's reproduction used a cosine too).
-# AI2's own two-part schedule, "olmo3", is aimed at the 7B's 1.4M steps, so only the 7b presets
-# use it, and 7b-long uses stage 3's linear one. RECIPES changes a few fields for each preset.
+# The training settings. The defaults are AI2's stage 1 (batch, length, AdamW, clipping, z-loss,
+# spike guard), but for the default schedule: a plain cosine, which fits a run of any length,
+# such as the tiny preset's 500 steps (MaxText's reproduction used a cosine too). AI2's own
+# two-part schedule, "olmo3", is aimed at the 7B's 1.4M steps, so the 7b presets set it, and
+# 7b-long sets stage 3's linear one. RECIPES changes a few fields for each preset.
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
