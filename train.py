@@ -334,26 +334,25 @@ def compile_step(cfg, r, mesh, target):
                                 sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
 
-    plain_step = lambda state, batch: train_step(state, batch, cfg, r, r.global_batch // micro)
+    n_micro = r.global_batch // micro
+    update = lambda state, batch, flags: train_step(state, batch, flags, cfg, r, n_micro)
     # On one device, this would be:
-    #   step_fn = jax.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0)
+    #   step_fn = jax.jit(train_step, static_argnums=(3, 4, 5), donate_argnums=0)
     # The lines below do the same:
-    # - plain_step fixes cfg, r and the micro-batch count, as static arguments would.
+    # - update fixes cfg, r and the micro-batch count, as static arguments would.
     # - donate_argnums=0 lets the new state reuse the old one's buffers, so memory holds one copy.
     # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
     # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
-    #   jit needs no in_shardings.
-    # One thing is added for pods: with_signal_flags (second read, under "stopping") makes the
-    # step also take each process's stop flag, and report whether any process was asked to stop.
-    # The result: step_fn(state, batch, flags) -> (state, metrics, with "signalled" added)
-    jitted = jax.jit(with_signal_flags(plain_step), donate_argnums=0,
-                     out_shardings=(shardings_of(target), None))
+    #   jit needs no in_shardings. flags_spec describes the stop flags (under "stopping").
+    # The result: step_fn(state, batch, flags) -> (the new state, metrics)
+    jitted = jax.jit(update, donate_argnums=0, out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh)).compile()
 
 
-def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
+def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len].
+    # packed), each [batch, seq_len]. flags [devices] holds each device's process's stop flag
+    # (signal_flags, second read): on one host, one flag, whether Ctrl-C was pressed.
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -402,6 +401,9 @@ def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-
     old = {k: state[k] for k in new}  # params and opt_state before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
+    # Has any process received a signal? On a pod, jnp.any over every device's flag is an
+    # all-reduce across the hosts, so every process reads the same answer ("stopping" says why).
+    metrics["signalled"] = jnp.any(flags)
     return new | {"step": step, "history": history}, metrics
 
 
@@ -768,8 +770,8 @@ def refuse_fresh_start(out):
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
-# with_signal_flags reduces it with jnp.any, an all-reduce across the hosts, and adds the answer
-# to the step's metrics, "signalled". Every process reads the same answer, a step late, with the
+# train_step reduces it with jnp.any, an all-reduce across the hosts, and adds the answer to
+# its metrics, "signalled". Every process reads the same answer, a step late, with the
 # rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
 # this simply means that a signal stops the run within two steps. A trace: a SIGTERM reaches one
 # process during step 150, just after the loop made step 150's flags.
@@ -800,16 +802,6 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
     # its one dimension is cut over all three mesh axes, so each device holds one entry
     each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
-
-
-# Wraps compile_step's plain_step(state, batch) into step_and_signal(state, batch, flags), which
-# also reports whether any process received a signal
-def with_signal_flags(plain_step):
-    def step_and_signal(state, batch, flags):  # flags is signal_flags' array
-        state, metrics = plain_step(state, batch)
-        # jnp.any over every device's flag is an all-reduce across the hosts
-        return state, metrics | {"signalled": jnp.any(flags)}
-    return step_and_signal
 
 
 def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
