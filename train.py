@@ -155,9 +155,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
         # updates in a row were skipped.
         late_metrics.add(step, metrics)
-        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (5) None means go on
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # logs the results
+        # (5) is decided here, because a stop saves first: why the run stops, or None to go on
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
             # writes metrics.jsonl and log.txt, and redraws loss.png. metrics.jsonl is always
@@ -470,11 +471,10 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. Adam keeps its own count (opt_state's), for its bias correction: a skipped
-# update does not advance it, and --init-from carries it over between stages. So this is not
-# optax.adamw, whose schedule would count from Adam's count. Stage 2 would then start at stage
-# 1's count, 1,413,814, past the end of its own 47,684-step schedule, and its LR would be 0
-# throughout.
+# the embedding. The LR follows the run's step s. Adam's bias correction follows Adam's own count
+# (opt_state's), which a skipped update does not advance and --init-from carries over between
+# stages. (optax.adamw would take the LR from Adam's count too: stage 2 would start at stage 1's
+# count, 1,413,814, past the end of its 47,684 steps, and its LR would be 0 throughout.)
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
