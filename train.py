@@ -353,7 +353,7 @@ def compile_step(cfg, r, mesh, target):
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
     # packed), each [batch, seq_len]. flags [devices] holds each device's process's stop flag
-    # (signal_flags, second read): on one host, one flag, whether Ctrl-C was pressed.
+    # (signal_flags, second read): on one host, all of them say whether a signal came.
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -473,8 +473,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
 # the embedding. The LR follows the run's step s. Adam's bias correction follows Adam's own count
 # (opt_state's), which a skipped update does not advance and --init-from carries over between
-# stages. (optax.adamw would take the LR from Adam's count too: stage 2 would start at stage 1's
-# count, 1,413,814, past the end of its 47,684 steps, and its LR would be 0 throughout.)
+# stages. (optax.adamw takes both from Adam's count: stage 2 would start at stage 1's count,
+# 1,413,814, past the end of its 47,684 steps, and its LR would be 0 throughout.)
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
