@@ -143,8 +143,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # so while the host waits for step 149's metrics, step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # Second, the run can stop early (5): after --stop-at, or after a signal, it saves the step
-    # and exits with code 75.
+    # Second, the run can stop early: with an error after 10 skipped updates in a row, or (5)
+    # after --stop-at or a signal, when it saves the step and exits with code 75.
     batches = loader.iterate(done, r.steps)  # yields batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
@@ -152,9 +152,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # The step also takes each process's stop flag (signal_flags, second read): on a pod,
         # every host must stop after the same step.
         state, metrics = step_fn(state, batch, signal_flags(mesh))
-        # (2) reads the metrics of step - 1 and keeps this step's. It also stops the run if 10
-        # updates in a row were skipped.
-        late_metrics.add(step, metrics)
+        late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
+        # 10 skipped updates in a row: the spike guard cannot rescue the run, so it stops with an
+        # error (every checkpoint holds good weights, since a skipped update changes none)
+        if late_metrics.skipped >= 10:
+            log.flush()
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
+                             "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # logs the results
         # (5) is decided here, because a stop saves first: why the run stops, or None to go on
@@ -186,7 +190,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     #   add(199)                    reads 198's metrics, keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
-    # Reading also counts the updates skipped in a row, and stops the run at 10.
+    # Reading also counts the updates skipped in a row (the loop stops the run at 10).
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -205,14 +209,6 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
-            # After 10 skips in a row, the spike guard cannot rescue the run. It stops here,
-            # before the loop saves again, so that a rerun with a lower --lr (a resume may change
-            # it) retries the skipped batches from the last checkpoint instead of resuming past
-            # them. That checkpoint holds good weights, since a skipped update changes none.
-            if self.skipped >= 10:
-                self.log.flush()
-                raise SystemExit(f"error: {self.skipped} updates in a row skipped, up to step "
-                                 f"{step}; lower --lr or check the data")
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -362,7 +358,10 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   the batch       s - 1 (the loader counts batches from 0)
     #   the LR          schedule(r)(s): s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-    # (Adam keeps a count of its own, which the LR never follows: adamw's note says why.)
+    #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
+    #                   advance it, and --init-from carries it into the next stage. The LR
+    #                   cannot follow it, as optax.adamw's does: stage 2 would start at stage 1's
+    #                   count, 1,413,814, past its own 47,684 steps, and its LR would be 0.
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -380,9 +379,10 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     if n_micro == 1:  # one micro-batch: the plain step, with no scan around it
         (_, ce), grads = grad_fn(params, batch)
     else:  # a scan over the micro-batches sums their gradients and losses
-        def add_micro(carry, micro):  # carry = (summed gradients, summed loss)
+        def add_micro(sums, micro):  # sums = (the gradients so far, the loss so far)
+            grads_so_far, ce_so_far = sums
             (_, ce), grads = grad_fn(params, micro)
-            return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + ce), None
+            return (jax.tree.map(jnp.add, grads_so_far, grads), ce_so_far + ce), None
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
@@ -390,7 +390,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    lr = schedule(r)(step)  # from this step's number s, not Adam's count (adamw's note)
+    lr = schedule(r)(step)  # from this step's number s, not Adam's count (the counters above)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -399,7 +399,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # when the spike guard does not check yet
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)
     # A skip keeps the old params and Adam state (its count too); step and history advance
-    old = {k: state[k] for k in new}  # params and opt_state before this step
+    old = {"params": params, "opt_state": state["opt_state"]}  # before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     # Has any process received a signal? On a pod, jnp.any over every device's flag is an
@@ -471,10 +471,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. The LR follows the run's step s. Adam's bias correction follows Adam's own count
-# (opt_state's), which a skipped update does not advance and --init-from carries over between
-# stages. (optax.adamw takes both from Adam's count: stage 2 would start at stage 1's count,
-# 1,413,814, past the end of its 47,684 steps, and its LR would be 0 throughout.)
+# the embedding. It is written out because the LR follows the run's step s, and Adam's bias
+# correction Adam's own count (opt_state's), where optax.adamw takes both from Adam's count
+# (train_step's counters say why).
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
