@@ -90,8 +90,9 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     out, sharding = [], olmo3.batch_sharding(mesh)
     # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    # (Pods: every process builds the whole batch, so the local shape is the global one, and
-    # JAX hands each device its rows. Training differs: each process reads only its own rows.)
+    # Every process builds the whole batch (the sets are small, so each host reads all of them),
+    # so global_shape=a.shape says that the local array is the global one, and JAX takes from it
+    # the rows of this process's devices. (Training's loader reads only its own rows instead.)
     put = lambda a: jax.make_array_from_process_local_data(sharding, a, global_shape=a.shape)
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
