@@ -217,7 +217,7 @@ def main(argv=None):
             train.save(manager, 0, {"params": params}, cfg)
     else:  # a converted checkpoint, or a run's latest
         step_dir = train.latest_checkpoint(args.src)
-        cfg = olmo3.Config(**train.saved_config(step_dir)["model"])
+        cfg = olmo3.Config(**train.saved_settings(step_dir)["model"])
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
                                 olmo3.param_specs(cfg), is_leaf=olmo3.is_spec)
         # PyTreeCheckpointHandler can read into host memory as numpy, so a 7B need not fit a

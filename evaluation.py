@@ -143,7 +143,7 @@ def load_weights(cfg, args, mesh):
     # (olmo3.NUMERICS: dtype, remat, attention) from the command line. It reads only the params,
     # 4 bytes a parameter.
     step_dir = train.latest_checkpoint(args.init_from)
-    saved = olmo3.Config(**train.saved_config(step_dir)["model"])
+    saved = olmo3.Config(**train.saved_settings(step_dir)["model"])
     cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})
     return cfg, train.read_item(step_dir / "params", olmo3.abstract_params(cfg, mesh))
 

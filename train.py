@@ -118,6 +118,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   resume                Orbax's restore of the run's newest checkpoint (in starting_state)
     #   olmo3.device_batch    jax.device_put
     #   signal_flags          [bool(SIGNALS)], one flag for the one device
+    #   stop_reason           "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
     #   save                  manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
@@ -262,6 +263,9 @@ shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+
+# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 def fresh_state(r, params):  # the training state before step 1
@@ -484,10 +488,6 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
     return {"params": new_params, "opt_state": opt_state}
 
 
-# optax's Adam (train_step clips before it, adamw decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
-
-
 # =============================================================================
 # The second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B
 # needs on a pod (checkpoints, stopping, several hosts), then the command line.
@@ -643,13 +643,19 @@ def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
         saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
-    config = {"model": dataclasses.asdict(cfg), "data": data_fingerprint,
-              "recipe": dataclasses.asdict(r) if r is not None else {}}
-    manager.save(step, args=ocp.args.Composite(**saves, config=ocp.args.JsonSave(config)))
+    config = ocp.args.JsonSave(run_settings(cfg, r, data_fingerprint))
+    manager.save(step, args=ocp.args.Composite(**saves, config=config))
 
 
-# a step's saved settings: {"model": Config's fields, "recipe": Recipe's, "data": the fingerprint}
-saved_config = lambda step_dir: ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "config")
+# the settings a step keeps, as JSON: {"model": Config's fields, "recipe": Recipe's, "data": the
+# token files' fingerprint}
+def run_settings(cfg, r=None, data_fingerprint=None):
+    return {"model": dataclasses.asdict(cfg), "data": data_fingerprint,
+            "recipe": dataclasses.asdict(r) if r is not None else {}}
+
+
+# a step's run_settings, read back
+saved_settings = lambda step: ocp.JsonCheckpointHandler().restore(epath.Path(step) / "config")
 
 
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -661,23 +667,11 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
 # a converted one), whose data may differ.
 def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
-    # whatever mesh wrote them. What must match:
-    #   the model's settings   all but NUMERICS, and YaRN's too for --init-from (stage 3 turns
-    #                          YaRN on over stage 2's weights)
-    #   the data order         DATA_ORDER's fields, for a resume (r given)
-    #   the data               the token files' fingerprint, for a resume
-    saved = saved_config(step_dir)
+    # whatever mesh wrote them.
     resuming = r is not None  # a resume passes its recipe; --init-from and evaluation.py do not
-    # exempt(f) says whether model setting f need not match (see above)
-    exempt = lambda f: f in olmo3.NUMERICS or (not resuming and f.startswith("yarn_"))
-    # theirs holds the checkpoint's settings that must match, and ours this run's, under the
-    # same names. Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, ours 2048.
-    theirs = {f: v for f, v in saved["model"].items() if not exempt(f)}
-    ours = {f: v for f, v in dataclasses.asdict(cfg).items() if not exempt(f)}
-    if resuming:  # the data order and the data must match too
-        recipe = saved.get("recipe", {})  # a converted checkpoint has no recipe
-        theirs |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": saved.get("data")}
-        ours |= {f: getattr(r, f) for f in DATA_ORDER} | {"data": data_fingerprint}
+    # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
+    theirs = must_match(saved_settings(step_dir), resuming)
+    ours = must_match(run_settings(cfg, r, data_fingerprint), resuming)
     # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
     # as 'd_model=4096 (command line: 2048)'
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
@@ -690,6 +684,20 @@ def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
         state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
     return state
+
+
+def must_match(settings, resuming):  # run_settings' -> the fields that must match, in one dict
+    # What must match:
+    #   the model's settings   all but NUMERICS, and YaRN's too for --init-from (stage 3 turns
+    #                          YaRN on over stage 2's weights)
+    #   the data order         DATA_ORDER's fields, for a resume
+    #   the data               the token files' fingerprint, for a resume
+    exempt = lambda f: f in olmo3.NUMERICS or (not resuming and f.startswith("yarn_"))
+    fields = {f: v for f, v in settings["model"].items() if not exempt(f)}
+    if resuming:  # (a checkpoint of another version may lack the recipe: its fields are None)
+        recipe = settings.get("recipe", {})
+        fields |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": settings.get("data")}
+    return fields
 
 
 def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
