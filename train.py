@@ -112,7 +112,8 @@ def main(argv=None):
 
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
-    # args holds the flags that are not Config or Recipe fields (see parse_args).
+    # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
+    # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
     # Some helpers called here belong to the second read. On one host, they come to this:
     #   Log                   print, plus the files log.txt and metrics.jsonl
     #   resume                Orbax's restore of the run's newest checkpoint (in starting_state)
