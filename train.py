@@ -33,10 +33,10 @@ logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on e
 
 
 # The training settings. The defaults are AI2's stage 1 (batch, length, AdamW, clipping, z-loss,
-# spike guard), but for the default schedule: a plain cosine, which fits a run of any length,
-# such as the tiny preset's 500 steps (MaxText's reproduction used a cosine too). AI2's own
-# two-part schedule, "olmo3", is aimed at the 7B's 1.4M steps, so the 7b presets set it, and
-# 7b-long sets stage 3's linear one. RECIPES changes a few fields for each preset.
+# spike guard), except schedule="cosine": a plain cosine fits a run of any length, such as the
+# tiny preset's 500 steps (MaxText's reproduction used a cosine too). The 7b presets set AI2's
+# own two-part schedule, "olmo3", aimed at the 7B's 1.4M steps, and 7b-long stage 3's linear
+# one. RECIPES changes a few fields for each preset.
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -130,7 +130,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     target = abstract_state(cfg, r, mesh)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # A kill can leave records in metrics.jsonl past the checkpoint's step; rewind drops them.
+    # drops metrics.jsonl's records past the checkpoint's step, which a kill can leave (Log)
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
@@ -151,14 +151,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = olmo3.device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        # The step also takes each process's stop flag (signal_flags, second read): on a pod,
-        # every host must stop after the same step.
+        # The step also takes the stop flags, signal_flags(mesh): on one host, one flag,
+        # [bool(SIGNALS)], which a Ctrl-C or a SIGTERM sets. On a pod, every host must stop after
+        # the same step ("stopping", second read, follows a SIGTERM through).
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # 10 skipped updates in a row: the spike guard cannot rescue the run, so it stops with an
         # error (every checkpoint holds good weights, since a skipped update changes none)
         if late_metrics.skipped >= 10:
             log.flush()
+            # (the metrics read so far reach step - 1)
             raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
                              "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
@@ -167,8 +169,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            # writes metrics.jsonl and log.txt, and redraws loss.png. metrics.jsonl is always
-            # written just before a save, so a resume can drop any records past its checkpoint.
+            # writes metrics.jsonl and log.txt, and redraws loss.png: always just before a save
+            # (Log says what a resume relies on this for)
             log.flush()
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
@@ -365,8 +367,9 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
     #                   advance it, and --init-from carries it into the next stage. The LR
-    #                   cannot follow it, as optax.adamw's does: stage 2 would start at stage 1's
-    #                   count, 1,413,814, past its own 47,684 steps, and its LR would be 0.
+    #                   cannot follow such a count, as optax.adamw's does (its schedule keeps
+    #                   one in opt_state beside Adam's): stage 2 would start at 1,413,814, past
+    #                   its own 47,684 steps, and its LR would be 0.
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -466,7 +469,7 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # longer than its warmup valid, since optax needs decay_steps > warmup.
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
-    # "linear" is LinearWithWarmup above: join_schedules starts counting its second part at W
+    # "linear" is LinearWithWarmup above: join_schedules hands its second part k - W
     if r.schedule == "linear":
         return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
                                      optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
@@ -476,9 +479,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. It is written out because the LR follows the run's step s, and Adam's bias
-# correction Adam's own count (opt_state's), where optax.adamw takes both from Adam's count
-# (train_step's counters say why).
+# the embedding. It is written out, instead of optax.adamw, so that the LR follows the run's
+# step s, while Adam's bias correction follows Adam's own count (train_step's counters say why).
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -548,6 +550,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
+    # metrics.jsonl and the checkpoints: the loop flushes the files just before each save, and
+    # Orbax commits the save a little later. Two things rely on that order:
+    #   rewind               A kill between the flush and the commit leaves records past the
+    #                        checkpoint that the rerun resumes from; rewind drops them, so no
+    #                        step's record is written twice.
+    #   refuse_fresh_start   A run directory with metrics.jsonl has trained, so if it has no
+    #                        checkpoint, something was lost, and the run refuses to start over.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -576,8 +585,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # Drops the records past step. flush runs before Orbax commits a save, so a kill in between
-    # leaves records that the checkpoint it resumes from does not reach.
+    # drops the records past step (the class comment says why)
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
@@ -671,8 +679,8 @@ def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     # whatever mesh wrote them.
     resuming = r is not None  # a resume passes its recipe; --init-from and evaluation.py do not
     # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
-    theirs = must_match(saved_settings(step_dir), resuming)
-    ours = must_match(run_settings(cfg, r, data_fingerprint), resuming)
+    theirs = compared_settings(saved_settings(step_dir), resuming)
+    ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
     # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
     # as 'd_model=4096 (command line: 2048)'
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
@@ -687,12 +695,14 @@ def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
     return state
 
 
-def must_match(settings, resuming):  # run_settings' -> the fields that must match, in one dict
+def compared_settings(settings, resuming):  # run_settings' -> the fields that must match (a dict)
     # What must match:
     #   the model's settings   all but NUMERICS, and YaRN's too for --init-from (stage 3 turns
     #                          YaRN on over stage 2's weights)
     #   the data order         DATA_ORDER's fields, for a resume
     #   the data               the token files' fingerprint, for a resume
+    # For a tiny resume: {"d_model": 256, ..., "seq_len": 256, "global_batch": 16, ...,
+    # "data": the fingerprint}. For --init-from: the model's fields alone, without yarn_*.
     exempt = lambda f: f in olmo3.NUMERICS or (not resuming and f.startswith("yarn_"))
     fields = {f: v for f, v in settings["model"].items() if not exempt(f)}
     if resuming:  # (a checkpoint of another version may lack the recipe: its fields are None)
@@ -758,7 +768,8 @@ def refuse_fresh_start(out):
     #   the directory holds                   which means                       so it
     #   no metrics.jsonl                      nothing trained here              starts fresh
     #   metrics.jsonl and a temporary step    the first save was cut short      starts fresh
-    #                                         (no step was ever committed)
+    #                                         (no step was ever committed, so
+    #                                         starting fresh loses nothing)
     #   metrics.jsonl, no temporary step      a run trained; its checkpoints    refuses
     #                                         are gone
     #   a step renamed .unreadable            resume could read none of them    refuses
