@@ -145,8 +145,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # so while the host waits for step 149's metrics, step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # Second, the run can stop early: with an error after 10 skipped updates in a row, or (5)
-    # after --stop-at or a signal, when it saves the step and exits with code 75.
+    # Second, the run can stop early: with an error after 10 skipped updates in a row, or after
+    # --stop-at or a signal, when it saves the step (4) and exits with code 75 (5).
     batches = loader.iterate(done, r.steps)  # yields batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
@@ -165,15 +165,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
                              "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)  # logs the results
-        # (5) is decided here, because a stop saves first: why the run stops, or None to go on
+        # (4) A save comes every save_every steps, at the last step, and when the run stops, so
+        # whether it stops is decided first: stop_reason says why it stops, or None to go on
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
-        if step % r.save_every == 0 or step == r.steps or stop is not None:  # (4) a save
+        if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
             # writes metrics.jsonl and log.txt, and redraws loss.png: always just before a save
             # (Log says what a resume relies on this for)
             log.flush()
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
-        if stop is not None and step < r.steps:  # (5) (after the last step, the run ends anyway)
+        if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # waits until the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
@@ -293,7 +294,9 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
             "history": whole((2, HISTORY), jnp.float32)}
 
 
-# jit with out_shardings: each device computes only its own shards of the new state
+# jit with out_shardings: each device computes only its own shards of the new state, so no
+# device ever holds the whole 7B (JAX's random numbers, too, are drawn shard by shard: its
+# jax_threefry_partitionable is on by default)
 def init_state(cfg, r, target):
     make = lambda key: fresh_state(r, olmo3.init(cfg, key))
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
@@ -315,9 +318,9 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     if not args.init_from:
         return state, "fresh start"
     # restore (second read) reads what the checkpoint has: params alone from a converted model,
-    # the whole state from a run. Without r, it checks only that the model's settings match,
+    # the whole state from a run. Not resuming, it checks only that the model's settings match,
     # since another run's data and data order may differ from this one's.
-    restored = restore(latest_checkpoint(args.init_from), target, cfg, r=None)
+    restored = restore(latest_checkpoint(args.init_from), target, cfg, resuming_recipe=None)
     # "Warm Adam": params and opt_state (Adam's moments and its count) carry over, nothing else
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
@@ -366,10 +369,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   the LR          schedule(r)(s): s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
-    #                   advance it, and --init-from carries it into the next stage. The LR
-    #                   cannot follow such a count, as optax.adamw's does (its schedule keeps
-    #                   one in opt_state beside Adam's): stage 2 would start at 1,413,814, past
-    #                   its own 47,684 steps, and its LR would be 0.
+    #                   advance it, and --init-from carries it into the next stage (so the LR
+    #                   does not follow it: adamw's note)
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -398,7 +399,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    lr = schedule(r)(step)  # from this step's number s, not Adam's count (the counters above)
+    lr = schedule(r)(step)  # from this step's number s, not Adam's count (adamw's note)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -480,7 +481,10 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
 # the embedding. It is written out, instead of optax.adamw, so that the LR follows the run's
-# step s, while Adam's bias correction follows Adam's own count (train_step's counters say why).
+# step s, while Adam's bias correction follows Adam's own count. optax.adamw's LR follows a count
+# that its schedule keeps in opt_state, beside Adam's, and --init-from would carry both into the
+# next stage: stage 2 would start at stage 1's 1,413,814, past its own 47,684 steps, with an LR
+# of 0 throughout.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -671,16 +675,16 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# A resume passes this run's r and data_fingerprint (as save wrote them), so that the data order
-# and the data must match too. --init-from passes neither: it reads another run's checkpoint (or
-# a converted one), whose data may differ.
-def restore(step_dir, target, cfg, r=None, data_fingerprint=None):
+# A resume passes resuming_recipe, this run's Recipe, and its data_fingerprint, so that the data
+# order and the data must match too. --init-from, evaluation.py and convert.py pass neither: they
+# read another run's checkpoint (or a converted one), whose data may differ.
+def restore(step_dir, target, cfg, resuming_recipe=None, data_fingerprint=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them.
-    resuming = r is not None  # a resume passes its recipe; --init-from and evaluation.py do not
+    resuming = resuming_recipe is not None
     # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
     theirs = compared_settings(saved_settings(step_dir), resuming)
-    ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
+    ours = compared_settings(run_settings(cfg, resuming_recipe, data_fingerprint), resuming)
     # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
     # as 'd_model=4096 (command line: 2048)'
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
@@ -730,7 +734,7 @@ def resume(cfg, r, manager, target, loader, log):
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
-        # r and the fingerprint make restore check the model, the data order and the data
+        # resuming: restore checks the model, the data order (r) and the data (the fingerprint)
         state = read_retrying(restore, step_dir, target, cfg, r, loader.fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
