@@ -170,8 +170,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            # writes metrics.jsonl and log.txt, and redraws loss.png: always just before a save
-            # (Log says what a resume relies on this for)
+            # writes metrics.jsonl and log.txt, and redraws loss.png: always just before a save,
+            # so a resume can drop the records past its checkpoint (more in Log)
             log.flush()
             save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
@@ -358,8 +358,8 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. flags [devices] holds each device's process's stop flag
-    # (signal_flags, second read): on one host, all of them say whether a signal came.
+    # packed), each [batch, seq_len]. flags [devices] are the stop flags (signal_flags): on a
+    # first read, skip them; they only pass through, to metrics["signalled"], at the end.
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -636,7 +636,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 
 
-def checkpoints(directory, r=Recipe(), read_only=False):  # r says which steps to keep
+# r says which steps to keep (a read-only manager, as latest_checkpoint's, deletes none anyway)
+def checkpoints(directory, r=Recipe(), read_only=False):
     path = directory if "://" in directory else os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every,
                                            create=not read_only, read_only=read_only)
