@@ -48,9 +48,10 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         # results for eval.json; logged: the same numbers under AI2's log keys, for the log
         # (eval/lm/SET/PPL, eval/downstream/...)
         results, logged = {}, {}
-        # Perplexity and tasks each follow their reference, so they use different vocabularies
+        # The two kinds of score take different vocabularies, each as its reference does:
+        #   perplexity   cfg.padded_vocab (the 7B's 100,352): OLMo-core's, the training loss's
+        #   tasks        cfg.vocab_size (100,278): HF's, as olmo_eval runs tasks on HF models
         for name, rows in ppl_rows.items():
-            # the padded vocabulary: this is the training loss, as OLMo-core computes it
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
             # CE = the summed loss of a document's n - 1 targets / its n tokens, as OLMo-core's LM
             # evaluator counts the last, unlabelled position as a loss of 0 (lm_evaluator.py since
@@ -61,8 +62,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
             logged |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
         for name, (metric, requests, rows) in tasks.items():
-            # HF's real vocabulary, as olmo_eval runs tasks on HF models (the padding columns
-            # would take a little probability mass; convert.from_hf bounds how much)
+            # (the padding columns would take a little probability mass: convert.from_hf bounds it)
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, step_rows, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
             logged[f"eval/downstream/{name}/{metric}"] = results[name][metric]

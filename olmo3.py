@@ -162,18 +162,16 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
 
 
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], through the layers
-    # The math is nanoGPT's `for l in range(32): x = block(...)`. The code scans over the layers
-    # instead, so that the compiler traces one unit once rather than 32 layers (as MaxText does).
-    # The unit is a group of 4 layers, not one layer, because a layer's window is a Python value
-    # baked into its program, and every scan step runs the same program. In plain Python, for
-    # the 7B's 32 layers in 8 groups of 4, where windows is [4096, 4096, 4096, None] (three
-    # sliding-window layers, then a full one):
+    # The math is nanoGPT's `for l in range(32): x = block(...)`, but a scan compiles one unit
+    # once instead of 32 layers (as MaxText does). Every scan step runs the same program, and a
+    # layer's window is baked into its program, so the unit is a group of 4 layers (3 sliding,
+    # 1 full), not one layer. In plain Python, for the 7B's 32 layers in 8 groups of 4 (tiny's
+    # 4 layers are 1 group), with windows [4096, 4096, 4096, None]:
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
     # On a first read, take `layer` as `block`: its jax.checkpoint only decides what the backward
-    # pass keeps. (tiny is one group of 4; when global_every does not divide n_layers, all the
-    # layers are one group.)
+    # pass keeps. (When global_every does not divide n_layers, all the layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -189,9 +187,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # group, as group_size is global_every or all the layers). tiny's: [64, 64, 64, None].
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # layer(...) is block(p, x, window, rope, cfg, segments) under jax.checkpoint (remat_policy
-    # says why). Static: argument 2, window, and argument 4, cfg, Python values that Python `if`s
-    # read (attention's `if window`). (By number: JAX 0.10.2's jax.checkpoint ignores
-    # static_argnames.)
+    # says why). Static, by number: argument 2, window, and argument 4, cfg, Python values that
+    # Python `if`s read (attention's `if window`).
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=remat_policy(cfg))
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
@@ -376,10 +373,11 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). By AXIS_RULES (above), data
 # and fsdp cut a batch's rows; fsdp also cuts each weight matrix along its embed (D) dimension, as
 # ZeRO-3 does; tensor cuts a weight's heads, MLP or vocab dimension, as Megatron does. A mesh axis
-# cuts at most one dimension of an array. The code sets three kinds of sharding, and XLA chooses the
-# rest: the weights' (abstract_params, below), the batch's (batch_sharding) and a few activations'
-# (constrain, which reads the mesh that `jax.set_mesh` set: train.main does). train.compile_step
-# hands the first two to jit.
+# cuts at most one dimension of an array. The key fact: fsdp cuts a weight's D, but an
+# activation's rows, never its D (part two shows it). The code sets three kinds of sharding, and
+# XLA chooses the rest: the weights' (abstract_params, below), the batch's (batch_sharding) and
+# a few activations' (constrain, which reads the mesh that `jax.set_mesh` set: train.main does).
+# train.compile_step hands the first two to jit.
 #
 # Second, what a device holds. The example: the 7B with `--mesh fsdp=4,tensor=2` on those 8
 # devices (data is 1; device d sits at fsdp index i = d // 2 and tensor index j = d % 2, as
@@ -401,8 +399,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
 # - Rows. It holds rows 128*i to 128*i + 127 of the batch, and each micro-batch takes 2 of them:
-#   train.split_micro (stop 5) gives every micro-batch rows from every device, so no row moves
-#   between devices. Its tensor partner (same i) holds the same rows.
+#   row r goes to micro-batch r % 64 (train.split_micro), so every micro-batch has rows on every
+#   device, and no row moves between devices. Its tensor partner (same i) holds the same rows.
 # - Activations keep D whole. What each mesh axis cuts:
 #     axis     in a weight                                    in an activation
 #     fsdp     D (stored in shards, gathered whole for use)   the batch's rows

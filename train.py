@@ -96,6 +96,7 @@ def main(argv=None):
     start_jax(args)  # uses fake CPU devices if asked, then joins the hosts of a pod
     if args.dry_run:
         # data.beside imports a file that sits beside the core, or says clearly that it is missing
+        # (it is in data.py only because the core's three files had to hold it somewhere)
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
