@@ -50,7 +50,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         results, logged = {}, {}
         # The two kinds of score take different vocabularies, each as its reference does:
         #   perplexity   cfg.padded_vocab (the 7B's 100,352): OLMo-core's, the training loss's
-        #   tasks        cfg.vocab_size (100,278): HF's, as olmo_eval runs tasks on HF models
+        #   tasks        cfg.vocab_size (the 7B's 100,278): HF's, as olmo_eval runs tasks on HF
         for name, rows in ppl_rows.items():
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
             # CE = the summed loss of a document's n - 1 targets / its n tokens, as OLMo-core's LM
