@@ -152,31 +152,26 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = olmo3.device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        # The step also takes the stop flags, signal_flags(mesh): on one host, one flag,
-        # [bool(SIGNALS)], which a Ctrl-C or a SIGTERM sets. On a pod, every host must stop after
-        # the same step ("stopping", second read, follows a SIGTERM through).
+        # signal_flags: has this process had a Ctrl-C or a SIGTERM? On a pod, every host must
+        # stop after the same step, so the answer goes through the step ("stopping")
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # 10 skipped updates in a row: the spike guard cannot rescue the run, so it stops with an
-        # error (every checkpoint holds good weights, since a skipped update changes none)
+        # The spike guard cannot rescue the run; every checkpoint holds good weights, since a
+        # skipped update changes none
         if late_metrics.skipped >= 10:
             log.flush()
-            # (the metrics read so far reach step - 1)
             raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
                              "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
-            evals(state["params"], step)  # logs the results
-        # (4) A save comes every save_every steps, at the last step, and when the run stops, so
-        # whether it stops is decided first: stop_reason says why it stops, or None to go on
-        stop = stop_reason(step, args.stop_at, late_metrics.signalled)
+            evals(state["params"], step)
+        # (4) A save comes every save_every steps, at the last step, and when the run stops
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            # writes metrics.jsonl and log.txt, and redraws loss.png: always just before a save,
-            # so a resume can drop the records past its checkpoint (more in Log)
-            log.flush()
-            save(manager, step, state, cfg, r, loader.fingerprint)  # in the background
+            log.flush()  # metrics.jsonl and log.txt: always just before a save (Log says why)
+            save(manager, step, state, cfg, r, loader.fingerprint)  # Orbax writes in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
-            manager.wait_until_finished()  # waits until the save is committed
+            manager.wait_until_finished()  # until the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
@@ -343,18 +338,17 @@ def compile_step(cfg, r, mesh, target):
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
 
     n_micro = r.global_batch // micro
-    update = lambda state, batch, flags: train_step(state, batch, flags, cfg, r, n_micro)
-    # On one device, this would be:
-    #   step_fn = jax.jit(train_step, static_argnums=(3, 4, 5), donate_argnums=0)
-    # The lines below do the same:
-    # - update fixes cfg, r and the micro-batch count, as static arguments would.
-    # - donate_argnums=0 lets the new state reuse the old one's buffers, so memory holds one copy.
-    # - out_shardings keeps the new state's shardings (None lets XLA choose the metrics').
-    # - lower(...).compile() compiles for these shapes and shardings before any data exists, so
-    #   jit needs no in_shardings. flags_spec describes the stop flags (under "stopping").
-    # The result: step_fn(state, batch, flags) -> (the new state, metrics)
-    jitted = jax.jit(update, donate_argnums=0, out_shardings=(shardings_of(target), None))
-    return jitted.lower(target, batch, flags_spec(mesh)).compile()
+    # jit's arguments:
+    # - static_argnums: cfg, r and n_micro (arguments 3-5) are Python values, fixed when the
+    #   step is traced (frozen dataclasses are hashable, as jit needs).
+    # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy.
+    # - out_shardings: the new state keeps its shardings (None lets XLA choose the metrics').
+    # lower(...).compile() compiles for these shapes and shardings before any data exists, so jit
+    # needs no in_shardings (flags_spec describes the stop flags: "stopping"). The static
+    # arguments go to lower, not to the result: step_fn(state, batch, flags) -> (state, metrics)
+    jitted = jax.jit(train_step, static_argnums=(3, 4, 5), donate_argnums=0,
+                     out_shardings=(shardings_of(target), None))
+    return jitted.lower(target, batch, flags_spec(mesh), cfg, r, n_micro).compile()
 
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
