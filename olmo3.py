@@ -441,8 +441,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over 
 def local_rows(mesh: Mesh, global_batch: int):  # -> the rows this process's devices hold
     # With 2 processes of 2 devices each and fsdp=4, process 1 holds rows 8-15 of 16. held maps
     # each of this process's devices to its (rows, columns) slices of the batch: {device 2:
-    # (slice(8, 12), slice(None)), device 3: (slice(12, 16), slice(None))}. The shape asks for a
-    # width of 1, since only the rows are used. On one host, every row is held: 0 to 15.
+    # (slice(8, 12), slice(None)), device 3: (slice(12, 16), slice(None))}. The sharding is for
+    # [batch, seq] arrays, so the shape needs two dimensions; any width gives the same rows (seq
+    # is not cut), so it is 1. On one host, every row is held: 0 to 15.
     held = batch_sharding(mesh).addressable_devices_indices_map((global_batch, 1))
     # np.unique lists each row once, in order: a tensor axis's devices hold the same rows
     return np.unique(np.concatenate([np.arange(global_batch)[rows] for rows, _ in held.values()]))

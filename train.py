@@ -168,7 +168,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            log.flush()  # metrics.jsonl and log.txt: always just before a save (Log says why)
+            log.flush()  # metrics.jsonl and log.txt, before the save: a resume drops later records
             save(manager, step, state, cfg, r, loader.fingerprint)  # Orbax writes in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
@@ -305,18 +305,17 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     #   --init-from  Fresh, then another checkpoint's params, and its Adam state too if it has
     #                one (stages 2 and 3). Step and history, and so the LR schedule, start at 0.
     if manager.latest_step() is not None:
-        # resume (second read) restores the newest step; on a pod, the newest that every host
-        # can read
+        # resume restores the newest step (on a pod, the newest that every host can read)
         state = resume(cfg, r, manager, target, loader, log)
         return state, f"resumed from step {int(state['step'])}"
-    refuse_fresh_start(args.out)  # (second read) stops if a run already trained in args.out
+    refuse_fresh_start(args.out)  # stops if a run trained in args.out but left no checkpoint
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
-    # restore (second read) reads what the checkpoint has: params alone from a converted model,
-    # the whole state from a run. Not resuming, it checks only that the model's settings match,
-    # since another run's data and data order may differ from this one's.
-    restored = restore(latest_checkpoint(args.init_from), target, cfg, resuming_recipe=None)
+    # restore reads what the checkpoint has: params alone from a converted model, the whole
+    # state from a run. Not resuming, it checks only that the model's settings match, since
+    # another run's data and data order may differ from this one's.
+    restored = restore(latest_checkpoint(args.init_from), target, cfg, resuming=False)
     # "Warm Adam": params and opt_state (Adam's moments and its count) carry over, nothing else
     carried = [k for k in ("params", "opt_state") if k in restored]
     return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
@@ -364,8 +363,11 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   the LR          schedule(r)(s): s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
-    #                   advance it, and --init-from carries it into the next stage (so the LR
-    #                   does not follow it: adamw's note)
+    #                   advance it, and --init-from carries it into the next stage
+    # So the LR must follow s, never Adam's count: stage 2 decays its LR over 47,684 steps, and
+    # at its step 1, Adam's count is stage 1's 1,413,814, past the end, where the LR is 0. (This
+    # is why adamw is written out: optax.adamw's LR follows a count that it keeps in opt_state,
+    # beside Adam's, and --init-from would carry that one over too.)
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -394,7 +396,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    lr = schedule(r)(step)  # from this step's number s, not Adam's count (adamw's note)
+    lr = schedule(r)(step)  # from s, not from Adam's count (the counters above say why)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -476,10 +478,7 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
 # the embedding. It is written out, instead of optax.adamw, so that the LR follows the run's
-# step s, while Adam's bias correction follows Adam's own count. optax.adamw's LR follows a count
-# that its schedule keeps in opt_state, beside Adam's, and --init-from would carry both into the
-# next stage: stage 2 would start at stage 1's 1,413,814, past its own 47,684 steps, with an LR
-# of 0 throughout.
+# step s (train_step's counters say why), while Adam's bias correction follows Adam's own count.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -671,16 +670,15 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
               "source_permutation_seed")  # a resumed run must keep these and its data
 
 
-# A resume passes resuming_recipe, this run's Recipe, and its data_fingerprint, so that the data
-# order and the data must match too. --init-from, evaluation.py and convert.py pass neither: they
-# read another run's checkpoint (or a converted one), whose data may differ.
-def restore(step_dir, target, cfg, resuming_recipe=None, data_fingerprint=None):
+# What must match the checkpoint: the model's settings, always; the data order (r's DATA_ORDER
+# fields) and the data (data_fingerprint) too when resuming, since the run goes on where it
+# stopped. --init-from, evaluation.py and convert.py do not resume (resuming=False): they read
+# another run's checkpoint (or a converted one), whose data may differ.
+def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them.
-    resuming = resuming_recipe is not None
-    # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
     theirs = compared_settings(saved_settings(step_dir), resuming)
-    ours = compared_settings(run_settings(cfg, resuming_recipe, data_fingerprint), resuming)
+    ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
     # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
     # as 'd_model=4096 (command line: 2048)'
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
@@ -730,8 +728,8 @@ def resume(cfg, r, manager, target, loader, log):
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
-        # resuming: restore checks the model, the data order (r) and the data (the fingerprint)
-        state = read_retrying(restore, step_dir, target, cfg, r, loader.fingerprint)
+        # restore(step_dir, target, cfg, resuming=True, r, the data's fingerprint), with retries
+        state = read_retrying(restore, step_dir, target, cfg, True, r, loader.fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state
