@@ -115,9 +115,12 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Some helpers called here belong to the second read. On one host, they come to this:
+    # Some helpers called here and in the first read's helpers belong to the second read. On one
+    # host, they come to this:
     #   Log                   print, plus the files log.txt and metrics.jsonl
-    #   resume                Orbax's restore of the run's newest checkpoint (in starting_state)
+    #   resume, restore       Orbax's restore of a checkpoint, after checking its settings
+    #   refuse_fresh_start    stops if args.out holds a trained run but no checkpoint
+    #   check_processes_agree nothing (on a pod: every host has the same value)
     #   olmo3.device_batch    jax.device_put
     #   signal_flags          [bool(SIGNALS)], one flag for the one device
     #   stop_reason           "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
@@ -152,8 +155,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
         batch = olmo3.device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        # signal_flags: has this process had a Ctrl-C or a SIGTERM? On a pod, every host must
-        # stop after the same step, so the answer goes through the step ("stopping")
+        # The stop flags, signal_flags(mesh): on one host, [bool(SIGNALS)], True after a Ctrl-C or
+        # a SIGTERM. The step returns them as metrics["signalled"]; on a pod, it is True if any
+        # host's flag is, so that every host stops after the same step ("stopping")
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # The spike guard cannot rescue the run; every checkpoint holds good weights, since a
@@ -164,7 +168,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
                              "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
-        # (4) A save comes every save_every steps, at the last step, and when the run stops
+        # (4) A save comes every save_every steps, at the last step, and when the run stops, so
+        # the stop is decided first, from what the host has read: signalled is from step - 1's
+        # metrics. A SIGTERM during step 150 sets step 151's flag; step 152 reads it (in step
+        # 151's metrics), saves step 152 and stops.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
@@ -291,8 +298,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
 
 
 # jit with out_shardings: each device computes only its own shards of the new state, so no
-# device ever holds the whole 7B (JAX's random numbers, too, are drawn shard by shard: its
-# jax_threefry_partitionable is on by default)
+# device ever holds the whole 7B. Even the random draws are made shard by shard (JAX's default,
+# the setting jax_threefry_partitionable), and give the same numbers on any mesh.
 def init_state(cfg, r, target):
     make = lambda key: fresh_state(r, olmo3.init(cfg, key))
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
@@ -343,7 +350,7 @@ def compile_step(cfg, r, mesh, target):
     # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy.
     # - out_shardings: the new state keeps its shardings (None lets XLA choose the metrics').
     # lower(...).compile() compiles for these shapes and shardings before any data exists, so jit
-    # needs no in_shardings (flags_spec describes the stop flags: "stopping"). The static
+    # needs no in_shardings (flags_spec describes the stop flags, one bool per device). The static
     # arguments go to lower, not to the result: step_fn(state, batch, flags) -> (state, metrics)
     jitted = jax.jit(train_step, static_argnums=(3, 4, 5), donate_argnums=0,
                      out_shardings=(shardings_of(target), None))
@@ -352,8 +359,8 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. flags [devices] are the stop flags (signal_flags): on a
-    # first read, skip them; they only pass through, to metrics["signalled"], at the end.
+    # packed), each [batch, seq_len]. flags are the stop flags (the loop says what they are);
+    # they only pass through, to metrics["signalled"], at the end.
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -396,7 +403,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    lr = schedule(r)(step)  # from s, not from Adam's count (the counters above say why)
+    lr = schedule(r)(step)  # s, not Adam's count
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -408,8 +415,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     old = {"params": params, "opt_state": state["opt_state"]}  # before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
-    # Has any process received a signal? On a pod, jnp.any over every device's flag is an
-    # all-reduce across the hosts, so every process reads the same answer ("stopping" says why).
+    # The stop flags (see the loop): on a pod, jnp.any over every device's flag is an all-reduce
+    # across the hosts, so every process reads the same answer
     metrics["signalled"] = jnp.any(flags)
     return new | {"step": step, "history": history}, metrics
 
@@ -728,8 +735,8 @@ def resume(cfg, r, manager, target, loader, log):
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
-        # restore(step_dir, target, cfg, resuming=True, r, the data's fingerprint), with retries
-        state = read_retrying(restore, step_dir, target, cfg, True, r, loader.fingerprint)
+        state = read_retrying(restore, step_dir, target, cfg, resuming=True, r=r,
+                              data_fingerprint=loader.fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state
@@ -743,10 +750,10 @@ def resume(cfg, r, manager, target, loader, log):
                      "restore one from a copy, or move them away to start again")
 
 
-def read_retrying(read, step_dir, *args, tries=4):  # read(step_dir, *args), or None
+def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, ...), or None
     for attempt in range(tries):
         try:
-            return read(step_dir, *args)
+            return read(step_dir, *args, **kwargs)
         except jax.errors.JaxRuntimeError:  # a failing device, not the files
             raise
         # Orbax and tensorstore raise many kinds of errors. restore's one-line mismatch error is
