@@ -169,9 +169,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
         # (4) A save comes every save_every steps, at the last step, and when the run stops, so
-        # the stop is decided first, from what the host has read: signalled is from step - 1's
-        # metrics. A SIGTERM during step 150 sets step 151's flag; step 152 reads it (in step
-        # 151's metrics), saves step 152 and stops.
+        # the stop is decided first, from the metrics read so far (step - 1's): a signal stops
+        # the run a step or two after it arrives ("stopping" traces one)
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
@@ -345,14 +344,14 @@ def compile_step(cfg, r, mesh, target):
 
     n_micro = r.global_batch // micro
     # jit's arguments:
-    # - static_argnums: cfg, r and n_micro (arguments 3-5) are Python values, fixed when the
-    #   step is traced (frozen dataclasses are hashable, as jit needs).
-    # - donate_argnums=0: the new state reuses the old one's buffers, so memory holds one copy.
+    # - static_argnames: cfg, r and n_micro are Python values, fixed when the step is traced
+    #   (frozen dataclasses are hashable, as jit needs).
+    # - donate_argnames: the new state reuses the old one's buffers, so memory holds one copy.
     # - out_shardings: the new state keeps its shardings (None lets XLA choose the metrics').
     # lower(...).compile() compiles for these shapes and shardings before any data exists, so jit
     # needs no in_shardings (flags_spec describes the stop flags, one bool per device). The static
     # arguments go to lower, not to the result: step_fn(state, batch, flags) -> (state, metrics)
-    jitted = jax.jit(train_step, static_argnums=(3, 4, 5), donate_argnums=0,
+    jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh), cfg, r, n_micro).compile()
 
