@@ -125,20 +125,22 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   signal_flags          [bool(SIGNALS)], one flag for the one device
     #   stop_reason           "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
     #   save                  manager.save(step, state), which writes in the background
-    loader, heldout = load_data(cfg, r, args, mesh)
+    loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
     log = Log(cfg, r, args.out, mesh)
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target describes the state: each array's shape, dtype and sharding, with nothing allocated
     target = abstract_state(cfg, r, mesh)
+    # nanoGPT's init_from: "scratch" (a fresh start), "resume" (torch.load) or "gpt2" (here,
+    # --init-from)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     # drops metrics.jsonl's records past the checkpoint's step, which a kill can leave (Log)
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
-    step_fn = compile_step(cfg, r, mesh, target)
+    step_fn = compile_step(cfg, r, mesh, target)  # nanoGPT's torch.compile, ahead of time
     # On one device, nanoGPT would write the loop below like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -168,9 +170,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
                              "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
-        # (4) A save comes every save_every steps, at the last step, and when the run stops, so
-        # the stop is decided first, from the metrics read so far (step - 1's): a signal stops
-        # the run a step or two after it arrives ("stopping" traces one)
+        # (4) A save comes every save_every steps, at the last step, and when the run stops. A
+        # stop forces a save, so the loop decides whether to stop before it checks whether to
+        # save. It decides from the metrics read so far (step - 1's), so a signal stops the run a
+        # step or two after it arrives ("stopping" traces one)
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
@@ -268,15 +271,9 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
-HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
-
-# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
-
-
 def fresh_state(r, params):  # the training state before step 1
-    # opt_state is Adam's (count, mu, nu). history [2, 128] holds the spike guard's last 128
-    # losses and grad norms.
+    # opt_state is Adam's (count, mu, nu): `adam`, with adamw. history [2, HISTORY = 128] holds
+    # the spike guard's last 128 losses and grad norms.
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
@@ -370,10 +367,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
     #                   advance it, and --init-from carries it into the next stage
-    # So the LR must follow s, never Adam's count: stage 2 decays its LR over 47,684 steps, and
-    # at its step 1, Adam's count is stage 1's 1,413,814, past the end, where the LR is 0. (This
-    # is why adamw is written out: optax.adamw's LR follows a count that it keeps in opt_state,
-    # beside Adam's, and --init-from would carry that one over too.)
+    # The LR follows s, never Adam's count (adamw says why).
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -402,7 +396,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
-    lr = schedule(r)(step)  # s, not Adam's count
+    lr = schedule(r)(step)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
     # spikes [2] says whether the loss and whether the grad norm spiked.
@@ -431,6 +425,9 @@ def split_micro(x, n_micro: int):
 
 
 # ----------------------------------------------------------------------------- the spike guard
+
+HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+
 
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. From step 64 on, a value
@@ -482,9 +479,16 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
 
 
+# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
+
+
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. It is written out, instead of optax.adamw, so that the LR follows the run's
-# step s (train_step's counters say why), while Adam's bias correction follows Adam's own count.
+# the embedding. Why not optax.adamw: it would give stage 2 an LR of 0 at every step. Its LR
+# follows a step count that it keeps in opt_state, and --init-from carries opt_state from stage
+# 1 into stage 2, so stage 2 would start at count 1,413,814, past the end of its own 47,684-step
+# decay. Here, the LR follows the run's step s (schedule(r)(s), in train_step), and only Adam's
+# bias correction follows Adam's count, which must carry over ("warm Adam").
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -632,6 +636,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   read_item           refuses a layout that this code does not make (another version's)
 #   refuse_fresh_start  refuses to start over where a run trained but left no checkpoint
 #   latest_checkpoint   finds --init-from's step, in a run directory or a converted checkpoint
+# A resume calls resume -> read_retrying -> restore, which checks compared_settings, then reads
+# each item with read_item.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 
@@ -790,6 +796,9 @@ def refuse_fresh_start(out):
 
 
 # ----------------------------------------------------------------------------- stopping
+# A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
+# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> stop_reason ->
+# the loop saves and exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
