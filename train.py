@@ -152,7 +152,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # Second, the run can stop early: with an error after 10 skipped updates in a row, or after
-    # --stop-at or a signal, when it saves the step (4) and exits with code 75 (5).
+    # --stop-at or a signal, when it saves the step (4) and exits with code 75 (5). For the
+    # signals, the step takes a third input, the stop flags.
     batches = loader.iterate(done, r.steps)  # yields batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step in range(done + 1, r.steps + 1):
@@ -271,9 +272,15 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
+HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+
+# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
+
+
 def fresh_state(r, params):  # the training state before step 1
-    # opt_state is Adam's (count, mu, nu): `adam`, with adamw. history [2, HISTORY = 128] holds
-    # the spike guard's last 128 losses and grad norms.
+    # opt_state is Adam's (count, mu, nu). history [2, 128] holds the spike guard's last 128
+    # losses and grad norms.
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
@@ -350,7 +357,7 @@ def compile_step(cfg, r, mesh, target):
     # arguments go to lower, not to the result: step_fn(state, batch, flags) -> (state, metrics)
     jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
-    return jitted.lower(target, batch, flags_spec(mesh), cfg, r, n_micro).compile()
+    return jitted.lower(target, batch, flags_spec(mesh), cfg=cfg, r=r, n_micro=n_micro).compile()
 
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
@@ -426,9 +433,6 @@ def split_micro(x, n_micro: int):
 
 # ----------------------------------------------------------------------------- the spike guard
 
-HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
-
-
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
     # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. From step 64 on, a value
     # spikes if it is more than 6 standard deviations above the mean of the (up to) 128 values
@@ -477,10 +481,6 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
                                     [warmup])
     # "olmo3" is AI2's stage 1, in two parts (for the 7b presets; olmo3_stage1, second read)
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
-
-
-# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
