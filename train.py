@@ -119,10 +119,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # host, they come to this:
     #   Log                   print, plus the files log.txt and metrics.jsonl
     #   resume, restore       Orbax's restore of a checkpoint, after checking its settings
+    #   latest_checkpoint     the newest step of --init-from's directory
     #   refuse_fresh_start    stops if args.out holds a trained run but no checkpoint
     #   check_processes_agree nothing (on a pod: every host has the same value)
     #   olmo3.device_batch    jax.device_put
     #   signal_flags          [bool(SIGNALS)], one flag for the one device
+    #   flags_spec            signal_flags' shape, dtype and sharding, for compile_step
     #   stop_reason           "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
     #   save                  manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
