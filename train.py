@@ -691,6 +691,7 @@ DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_s
 def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None):
     # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
     # whatever mesh wrote them.
+    # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
     theirs = compared_settings(saved_settings(step_dir), resuming)
     ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
     # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
