@@ -22,8 +22,7 @@
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
 # `python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]` turns
 # text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). Its
-# command line's code is in prepare.py, beside the core, so that the core (olmo3.py, data.py,
-# train.py) stays within its 1,000 lines; `tokenize` is what training needs of it.
+# command line is in prepare.py; `tokenize` itself, which training needs, is here.
 # (`have` and `beside`, at the end, are for train.py: `have` asks whether a module beside the core
 # is here, and `beside` imports one where a flag needs it.)
 import bisect
@@ -430,8 +429,8 @@ def stdlib_files():  # every .py file under the stdlib folder, outside site-pack
                   if not (skip & set(d.split(os.sep))) for f in files if f.endswith(".py"))
 
 
-# Is this module beside the core here? (It finds it without importing it.) train.py, too, uses
-# have and beside for the modules beside the core (evaluation, prepare).
+# Is this module beside the core here? (It finds it without importing it.) train.py uses have
+# and beside for evaluation.py and prepare.py, which the core trains without.
 have = lambda name: importlib.util.find_spec(name) is not None
 
 
@@ -442,6 +441,6 @@ def beside(name):  # imports a module beside the core where a flag needs it, or 
 
 
 # `python data.py tokenize`: its command line and its readers of text and JSON files sit in
-# prepare.py, beside the core (for the line budget), and it calls data.tokenize above.
+# prepare.py, which calls data.tokenize above.
 if __name__ == "__main__":
     beside("prepare").main()

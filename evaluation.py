@@ -1,7 +1,6 @@
 """What a trained model does, beside the core: evaluations, text, and the loss plot."""
-# None of its jobs is needed to train, so they sit here, beside the core, which trains without
-# them (the README's line budget). All but the loss plot run the model on given text; the plot
-# is here only because the core has no lines to spare for it.
+# None of its jobs is needed to train, so the core trains without this file. All but the loss
+# plot run the model on given text.
 # Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
 # score (perplexity, tasks) comes down to (the summed log-probability of each row's labelled
 # positions, sharded over the mesh as training is); then the perplexity sets, the commands

@@ -1,8 +1,8 @@
 """Preparing a run, beside the core: token files, TinyShakespeare, a plan for a pod."""
 # It serves three commands that share no code but all come before training: python data.py
 # tokenize (your documents; data.tokenize itself is core, as the tiny run tokenizes its corpus),
-# --data shakespeare (a download) and train.py --dry-run (a plan). They sit here, not in the core,
-# to keep the core's thousand lines for training.
+# --data shakespeare (a download) and train.py --dry-run (a plan). None is needed to train, so
+# the core trains without this file.
 import argparse
 import gzip
 import json
