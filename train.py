@@ -32,11 +32,10 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# The training settings. The defaults are AI2's stage 1 (batch, length, AdamW, clipping, z-loss,
-# spike guard), except schedule="cosine": a plain cosine fits a run of any length, such as the
-# tiny preset's 500 steps (MaxText's reproduction used a cosine too). The 7b presets set AI2's
-# own two-part schedule, "olmo3", aimed at the 7B's 1.4M steps, and 7b-long stage 3's linear
-# one. RECIPES changes a few fields for each preset.
+# The training settings. The defaults are AI2's stage 1: batch, length, AdamW, clipping, z-loss,
+# spike guard, and its two-part schedule "olmo3", aimed at the 7B's 1.4M steps. RECIPES changes a
+# few fields for each preset. The tiny one takes a plain cosine, which fits a run of any length
+# (MaxText's reproduction used a cosine too).
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -45,7 +44,7 @@ class Recipe:
     steps: int = 1_413_814             # one epoch of the mix, ~5.93T tokens
     lr: float = 3e-4
     warmup_steps: int = 2000
-    schedule: str = "cosine"           # "cosine" (to min_lr_ratio * lr), "linear" or "olmo3"
+    schedule: str = "olmo3"            # "olmo3", "cosine" (to min_lr_ratio * lr) or "linear"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -70,11 +69,11 @@ class Recipe:
 
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
-                   log_every=25, eval_every=100, save_every=100),
+                   schedule="cosine", log_every=25, eval_every=100, save_every=100),
     # A micro-batch of 64 fits v5p-128 (39 GiB per device). Saving every 250 steps saves about
     # every 70 minutes on v5p-128 (Cloud TPU advises about an hour).
-    "7b": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
-    "7b-wide": Recipe(schedule="olmo3", micro_batch=64, save_every=250),
+    "7b": Recipe(micro_batch=64, save_every=250),
+    "7b-wide": Recipe(micro_batch=64, save_every=250),
     # Stage 3, long context, as AI2 ran it (OLMo-core's OLMo3-7B-long-context.py): 50B tokens,
     # packed, from stage 2's weights and Adam state (--init-from). The README says why 4123, 0.033.
     "7b-long": Recipe(seq_len=65536, global_batch=64, steps=11_921, lr=2.0712352850360292e-4,
@@ -96,7 +95,6 @@ def main(argv=None):
     start_jax(args)  # uses fake CPU devices if asked, then joins the hosts of a pod
     if args.dry_run:
         # data.beside imports a file that sits beside the core, or says clearly that it is missing
-        # (it is in data.py only because the core's three files had to hold it somewhere)
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
@@ -156,13 +154,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # Second, the run can stop early: with an error after 10 skipped updates in a row, or after
     # --stop-at or a signal, when it saves the step (4) and exits with code 75 (5). For the
     # signals, the step takes a third input, the stop flags.
-    batches = loader.iterate(done, r.steps)  # yields batches done, done + 1, ..., r.steps - 1
+    batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
-    for step in range(done + 1, r.steps + 1):
-        batch = olmo3.device_batch(next(batches), mesh)  # (1) batch step - 1, on the devices
-        # The stop flags, signal_flags(mesh): on one host, [bool(SIGNALS)], True after a Ctrl-C or
-        # a SIGTERM. The step returns them as metrics["signalled"]; on a pod, it is True if any
-        # host's flag is, so that every host stops after the same step ("stopping")
+    for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
+        batch = olmo3.device_batch(batch, mesh)  # (1) on the devices
+        # the stop flags: on one host, [True] once a Ctrl-C or SIGTERM came ("stopping")
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # The spike guard cannot rescue the run; every checkpoint holds good weights, since a
@@ -173,14 +169,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
                              "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
-        # (4) A save comes every save_every steps, at the last step, and when the run stops. A
-        # stop forces a save, so the loop decides whether to stop before it checks whether to
-        # save. It decides from the metrics read so far (step - 1's), so a signal stops the run a
-        # step or two after it arrives ("stopping" traces one)
+        # (4) Save every save_every steps, at the last step, and before stopping early. Whether
+        # to stop is decided first, since a stop needs a save. The decision uses the metrics read
+        # so far, so a signal stops the run a step or two after it comes ("stopping" traces one).
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            log.flush()  # metrics.jsonl and log.txt, before the save: a resume drops later records
+            log.flush()  # writes metrics.jsonl before the save (Log says why)
             save(manager, step, state, cfg, r, loader.fingerprint)  # Orbax writes in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
@@ -329,8 +324,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     # another run's data and data order may differ from this one's.
     restored = restore(latest_checkpoint(args.init_from), target, cfg, resuming=False)
     # "Warm Adam": params and opt_state (Adam's moments and its count) carry over, nothing else
-    carried = [k for k in ("params", "opt_state") if k in restored]
-    return state | {k: restored[k] for k in carried}, f"{' and '.join(carried)} of {args.init_from}"
+    carried = {k: restored[k] for k in ("params", "opt_state") if k in restored}
+    return state | carried, f"{' and '.join(carried)} of {args.init_from}"
 
 
 # ----------------------------------------------------------------------------- the step
@@ -349,14 +344,15 @@ def compile_step(cfg, r, mesh, target):
     batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
 
     n_micro = r.global_batch // micro
-    # jit's arguments:
-    # - static_argnames: cfg, r and n_micro are Python values, fixed when the step is traced
-    #   (frozen dataclasses are hashable, as jit needs).
-    # - donate_argnames: the new state reuses the old one's buffers, so memory holds one copy.
-    # - out_shardings: the new state keeps its shardings (None lets XLA choose the metrics').
-    # lower(...).compile() compiles for these shapes and shardings before any data exists, so jit
-    # needs no in_shardings (flags_spec describes the stop flags, one bool per device). The static
-    # arguments go to lower, not to the result: step_fn(state, batch, flags) -> (state, metrics)
+    # jax.jit's arguments:
+    #   static_argnames   cfg, r and n_micro are Python values, fixed when the step is traced
+    #                     (frozen dataclasses are hashable, as jit needs)
+    #   donate_argnames   the new state reuses the old one's buffers, so memory holds one copy
+    #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
+    # jit needs no in_shardings: lower() is given ShapeDtypeStructs (target, batch, flags_spec),
+    # which carry their shardings. lower() traces the step for them and compile() compiles it,
+    # before any data exists. The static values are given here, once, so the compiled step
+    # takes only arrays: step_fn(state, batch, flags) -> (state, metrics)
     jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh), cfg=cfg, r=r, n_micro=n_micro).compile()
@@ -364,8 +360,7 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. flags are the stop flags (the loop says what they are);
-    # they only pass through, to metrics["signalled"], at the end.
+    # packed), each [batch, seq_len]. The stop flags only pass through, to metrics["signalled"].
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -417,9 +412,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     old = {"params": params, "opt_state": state["opt_state"]}  # before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
-    # The stop flags (see the loop): on a pod, jnp.any over every device's flag is an all-reduce
-    # across the hosts, so every process reads the same answer
-    metrics["signalled"] = jnp.any(flags)
+    metrics["signalled"] = jnp.any(flags)  # on a pod, over every host's flag ("stopping")
     return new | {"step": step, "history": history}, metrics
 
 
