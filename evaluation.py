@@ -77,7 +77,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
     sums = -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # [rows]
-    return olmo3.constrain(sums, None)  # on every device whole, so that every host can read it
+    # P(None): cut over no mesh axis, so every device holds it whole, and every host can read it
+    return olmo3.constrain(sums, None)
 
 
 # vocab: the softmax's size; step_rows: rows a step runs (as training's micro-batch); width: a

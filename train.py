@@ -113,18 +113,11 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Some helpers called here and in the first read's helpers belong to the second read. On one
-    # host, they come to this:
-    #   Log                   print, plus the files log.txt and metrics.jsonl
-    #   resume, restore       Orbax's restore of a checkpoint, after checking its settings
-    #   latest_checkpoint     the newest step of --init-from's directory
-    #   refuse_fresh_start    stops if args.out holds a trained run but no checkpoint
-    #   check_processes_agree nothing (on a pod: every host has the same value)
-    #   olmo3.device_batch    jax.device_put
-    #   signal_flags          [bool(SIGNALS)], one flag for the one device
-    #   flags_spec            signal_flags' shape, dtype and sharding, for compile_step
-    #   stop_reason           "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
-    #   save                  manager.save(step, state), which writes in the background
+    # The loop calls four helpers of the second read. On one host, they come to this:
+    #   Log            print, plus the files log.txt and metrics.jsonl
+    #   signal_flags   [True] once a Ctrl-C or a SIGTERM came, else [False]
+    #   stop_reason    "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
+    #   save           manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -153,13 +146,14 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # Second, the run can stop early: with an error after 10 skipped updates in a row, or after
     # --stop-at or a signal, when it saves the step (4) and exits with code 75 (5). For the
-    # signals, the step takes a third input, the stop flags.
+    # signals, the step takes a third input, the stop flags. On a pod, every host must stop after
+    # the same step, though a signal reaches each at its own moment. The step combines every
+    # host's flag, and the answer comes back with the metrics, which are read anyway.
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
-        batch = olmo3.device_batch(batch, mesh)  # (1) on the devices
-        # the stop flags: on one host, [True] once a Ctrl-C or SIGTERM came ("stopping")
-        state, metrics = step_fn(state, batch, signal_flags(mesh))
+        batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
+        state, metrics = step_fn(state, batch, signal_flags(mesh))  # signal_flags: the stop flags
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # The spike guard cannot rescue the run; every checkpoint holds good weights, since a
         # skipped update changes none
@@ -171,12 +165,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save. The decision uses the metrics read
-        # so far, so a signal stops the run a step or two after it comes ("stopping" traces one).
+        # so far, so a signal stops the run a step or two after it comes. A SIGTERM that reaches
+        # one process during step 150, just after the loop made step 150's flags:
+        #   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
+        #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152
+        #             and exits with code 75, and a rerun resumes at step 153.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
             log.flush()  # writes metrics.jsonl before the save (Log says why)
-            save(manager, step, state, cfg, r, loader.fingerprint)  # Orbax writes in the background
+            # Orbax copies the state to host memory, then writes it in the background. So the next
+            # step may reuse the state's device memory (donation, in compile_step)
+            save(manager, step, state, cfg, r, loader.fingerprint)
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -371,7 +371,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
     #                   advance it, and --init-from carries it into the next stage
-    # The LR follows s, never Adam's count (adamw says why).
+    # The LR follows s, never Adam's count: --init-from carries the count into the next stage,
+    # which would start its schedule 1.4M steps in (adamw says more).
     step = state["step"] + 1  # s, this step
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
@@ -801,11 +802,7 @@ def refuse_fresh_start(out):
 # train_step reduces it with jnp.any, an all-reduce across the hosts, and adds the answer to
 # its metrics, "signalled". Every process reads the same answer, a step late, with the
 # rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
-# this simply means that a signal stops the run within two steps. A trace: a SIGTERM reaches one
-# process during step 150, just after the loop made step 150's flags.
-#   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
-#   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
-#             exits with code 75, and a rerun resumes at step 153.
+# this simply means that a signal stops the run within two steps (the loop traces one).
 # Why through the step, and not a host all-gather of the flags: that would make every host wait
 # for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
