@@ -22,7 +22,8 @@
 # 5. `corpus("stdlib" | "shakespeare")` prepares two small default corpora through tokenize.
 # `python data.py tokenize INPUT... --out DIR [--heldout FRACTION] [--tokenizer bytes]` turns
 # text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). Its
-# command line is in prepare.py; `tokenize` itself, which training needs, is here.
+# command line is in prepare.py, as the core's three files are at their 1,000-line budget;
+# `tokenize` itself, which training needs, is here.
 # (`have` and `beside`, at the end, are for train.py: `have` asks whether a module beside the core
 # is here, and `beside` imports one where a flag needs it.)
 import bisect
