@@ -294,8 +294,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
-    cudnn_dtype = q.dtype in (jnp.bfloat16, jnp.float16)  # the only dtypes cuDNN takes
-    if name == "cudnn" or (name == "auto" and backend == "gpu" and cudnn_dtype):
+    cudnn_takes_it = q.dtype in (jnp.bfloat16, jnp.float16)  # the only dtypes cuDNN takes
+    if name == "cudnn" or (name == "auto" and backend == "gpu" and cudnn_takes_it):
         return attention_cudnn(q, k, v, window, segments)
     # --- The reference. Heads go first so that both products are plain batched matmuls.
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a

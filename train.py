@@ -95,7 +95,6 @@ def main(argv=None):
     start_jax(args)  # uses fake CPU devices if asked, then joins the hosts of a pod
     if args.dry_run:
         # data.beside imports a file that sits beside the core, or says clearly that it is missing
-        # (the core's three files are at their 1,000-line budget, so this helper went to data.py)
         return data.beside("prepare").dry_run(cfg, r, args)
     if args.eval_only or args.generate is not None:
         return data.beside("evaluation").main(cfg, r, args)
@@ -628,10 +627,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   read_retrying       retries a read that may succeed next time (a bucket's hiccup)
 #   restore             refuses a checkpoint made with other settings or data, then reads it
 #   read_item           refuses a layout that this code does not make (another version's)
-#   refuse_fresh_start  refuses to start over where a run trained but left no checkpoint
 #   latest_checkpoint   finds --init-from's step, in a run directory or a converted checkpoint
-# A resume calls resume -> read_retrying -> restore, which checks compared_settings, then reads
-# each item with read_item.
+#   refuse_fresh_start  refuses to start over where a run trained but left no checkpoint
+# They come in that order, the writing first: a resume calls resume -> read_retrying ->
+# restore, which checks compared_settings, then reads each item with read_item.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 
@@ -642,14 +641,6 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     options = ocp.CheckpointManagerOptions(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every,
                                            create=not read_only, read_only=read_only)
     return ocp.CheckpointManager(path, options=options)
-
-
-def latest_checkpoint(path):  # the newest step of a run directory or of a converted checkpoint
-    for directory in (f"{path}/checkpoints", path):
-        step = checkpoints(directory, read_only=True).latest_step()  # None if there is none
-        if step is not None:
-            return epath.Path(directory) / str(step)
-    raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
 # r and data_fingerprint are optional, since convert.py saves a converted model's params alone
@@ -666,65 +657,6 @@ def save(manager, step, state, cfg, r=None, data_fingerprint=None):
 def run_settings(cfg, r=None, data_fingerprint=None):
     return {"model": dataclasses.asdict(cfg), "data": data_fingerprint,
             "recipe": dataclasses.asdict(r) if r is not None else {}}
-
-
-# a step's run_settings, read back
-saved_settings = lambda step: ocp.JsonCheckpointHandler().restore(epath.Path(step) / "config")
-
-
-DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
-              "source_permutation_seed")  # a resumed run must keep these and its data
-
-
-# What must match the checkpoint: the model's settings, always; the data order (r's DATA_ORDER
-# fields) and the data (data_fingerprint) too when resuming, since the run goes on where it
-# stopped. --init-from, evaluation.py and convert.py do not resume (resuming=False): they read
-# another run's checkpoint (or a converted one), whose data may differ.
-def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None):
-    # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
-    # whatever mesh wrote them.
-    # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
-    theirs = compared_settings(saved_settings(step_dir), resuming)
-    ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
-    # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
-    # as 'd_model=4096 (command line: 2048)'
-    diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
-            if theirs.get(f) != ours.get(f)]
-    if diff:
-        raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
-                         "or the settings and data it was made with")
-    state = {"params": read_item(step_dir / "params", target["params"])}
-    # A converted checkpoint holds params alone, and evaluation.py's target asks for params alone
-    if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
-        state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
-    return state
-
-
-def compared_settings(settings, resuming):  # run_settings' -> the fields that must match (a dict)
-    # What must match:
-    #   the model's settings   all but NUMERICS, and YaRN's too for --init-from (stage 3 turns
-    #                          YaRN on over stage 2's weights)
-    #   the data order         DATA_ORDER's fields, for a resume
-    #   the data               the token files' fingerprint, for a resume
-    # For a tiny resume: {"d_model": 256, ..., "seq_len": 256, "global_batch": 16, ...,
-    # "data": the fingerprint}. For --init-from: the model's fields alone, without yarn_*.
-    exempt = lambda f: f in olmo3.NUMERICS or (not resuming and f.startswith("yarn_"))
-    fields = {f: v for f, v in settings["model"].items() if not exempt(f)}
-    if resuming:  # (a checkpoint of another version may lack the recipe: its fields are None)
-        recipe = settings.get("recipe", {})
-        fields |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": settings.get("data")}
-    return fields
-
-
-def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
-    handler = ocp.StandardCheckpointHandler()
-    # each leaf's path and shape, such as [("opt_state/mu/embed", (384, 256)), ...]
-    layout = lambda tree: sorted((jax.tree_util.keystr(k, simple=True, separator="/"),
-                                  tuple(x.shape)) for k, x in jax.tree.leaves_with_path(tree))
-    if layout(handler.metadata(path)) != layout(tree):  # the code changed: fail, and never retry
-        raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
-                         "does not make; resume with the version that wrote it, or a new --out")
-    return handler.restore(path, args=ocp.args.StandardRestore(tree))
 
 
 def resume(cfg, r, manager, target, loader, log):
@@ -763,6 +695,73 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
             time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
     # every try failed, so it returns None
+
+
+# What must match the checkpoint: the model's settings, always; the data order (r's DATA_ORDER
+# fields) and the data (data_fingerprint) too when resuming, since the run goes on where it
+# stopped. --init-from, evaluation.py and convert.py do not resume (resuming=False): they read
+# another run's checkpoint (or a converted one), whose data may differ.
+def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None):
+    # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
+    # whatever mesh wrote them.
+    # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
+    theirs = compared_settings(saved_settings(step_dir), resuming)
+    ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
+    # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
+    # as 'd_model=4096 (command line: 2048)'
+    diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
+            if theirs.get(f) != ours.get(f)]
+    if diff:
+        raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
+                         "or the settings and data it was made with")
+    state = {"params": read_item(step_dir / "params", target["params"])}
+    # A converted checkpoint holds params alone, and evaluation.py's target asks for params alone
+    if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
+        state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
+    return state
+
+
+# a step's run_settings, read back
+saved_settings = lambda step: ocp.JsonCheckpointHandler().restore(epath.Path(step) / "config")
+
+
+DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
+              "source_permutation_seed")  # a resumed run must keep these and its data
+
+
+def compared_settings(settings, resuming):  # run_settings' -> the fields that must match (a dict)
+    # What must match:
+    #   the model's settings   all but NUMERICS, and YaRN's too for --init-from (stage 3 turns
+    #                          YaRN on over stage 2's weights)
+    #   the data order         DATA_ORDER's fields, for a resume
+    #   the data               the token files' fingerprint, for a resume
+    # For a tiny resume: {"d_model": 256, ..., "seq_len": 256, "global_batch": 16, ...,
+    # "data": the fingerprint}. For --init-from: the model's fields alone, without yarn_*.
+    exempt = lambda f: f in olmo3.NUMERICS or (not resuming and f.startswith("yarn_"))
+    fields = {f: v for f, v in settings["model"].items() if not exempt(f)}
+    if resuming:  # (a checkpoint of another version may lack the recipe: its fields are None)
+        recipe = settings.get("recipe", {})
+        fields |= {f: recipe.get(f) for f in DATA_ORDER} | {"data": settings.get("data")}
+    return fields
+
+
+def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
+    handler = ocp.StandardCheckpointHandler()
+    # each leaf's path and shape, such as [("opt_state/mu/embed", (384, 256)), ...]
+    layout = lambda tree: sorted((jax.tree_util.keystr(k, simple=True, separator="/"),
+                                  tuple(x.shape)) for k, x in jax.tree.leaves_with_path(tree))
+    if layout(handler.metadata(path)) != layout(tree):  # the code changed: fail, and never retry
+        raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
+                         "does not make; resume with the version that wrote it, or a new --out")
+    return handler.restore(path, args=ocp.args.StandardRestore(tree))
+
+
+def latest_checkpoint(path):  # the newest step of a run directory or of a converted checkpoint
+    for directory in (f"{path}/checkpoints", path):
+        step = checkpoints(directory, read_only=True).latest_step()  # None if there is none
+        if step is not None:
+            return epath.Path(directory) / str(step)
+    raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
 def refuse_fresh_start(out):
@@ -821,7 +820,8 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
     spec = flags_spec(mesh)
-    flag = lambda index: np.array([bool(SIGNALS)])  # a device's entry: its process's flag
+    # a device's entry, asked for by its index: every device of this process gets the same flag
+    flag = lambda index: np.array([bool(SIGNALS)])
     return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
 
 
