@@ -189,7 +189,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # layer(...) is block(p, x, window, rope, cfg, segments) under jax.checkpoint (remat_policy
     # says why). window and cfg are Python values that Python `if`s read (attention's `if
     # window`), so they are static: static_argnums counts from 0, and they are arguments 2 and 4.
-    # (jax.checkpoint's static_argnames, given cfg by name, fails in JAX 0.10.2: TypeError.)
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=remat_policy(cfg))
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
