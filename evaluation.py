@@ -129,7 +129,8 @@ def document_rows(files, eos, seq_len, limit):
         # (and our packing) drop them, as iter_document_indices yields only documents that end
         # with an EOS; AI2's token files end with one, so the two agree on them. Kept, so that
         # a set with no EOS at all (a plain text file) still scores, as one document.
-        docs += [d[:seq_len] for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1) if len(d)]
+        ends = np.flatnonzero(tokens == eos) + 1  # each document ends just after its EOS
+        docs += [d[:seq_len] for d in np.split(tokens, ends) if len(d)]  # cut to seq_len
     # input t predicts label t = d[t + 1]; score() pads the one-shorter labels with -100
     return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
 
@@ -332,23 +333,27 @@ def is_right(req):  # the right-only rule: is req its document's right continuat
     return req["idx"] == right_idx
 
 
+# (inputs, labels) of each request: the continuation's tokens labelled, all else -100
 def request_rows(requests, tokenizer, seq_len):
-    """(inputs, labels) of each request: the continuation's tokens labelled, all else -100."""
     rows = []
     for req in requests:
         context = tokenizer.encode(req["request"]["context"])
         continuation = tokenizer.encode(req["request"]["continuation"])
-        query = (context + continuation[:-1])[-seq_len:]  # the context cut from the left
-        # labels[t] is the token after query[t]: the continuation fills the last positions.
-        # Context [a b c] and continuation [x y] give query [a b c x], labels [-100 -100 x y]. A
-        # continuation longer than the row keeps its last len(query) tokens as labels.
-        labels = ([-100] * (len(query) - len(continuation)) + continuation)[-len(query):]
-        rows.append((np.array(query), np.array(labels)))
+        # the last seq_len + 1 tokens (the context cut from the left), then shifted, as nanoGPT's
+        # x and y: inputs[t] predicts labels[t] = tokens[t + 1]
+        tokens = np.array(context + continuation)[-(seq_len + 1):]
+        inputs, labels = tokens[:-1], tokens[1:].copy()
+        # Only the continuation is scored: its tokens are the last labels. Context [a b c] and
+        # continuation [x y] give inputs [a b c x] and labels [-100 -100 x y]. (A continuation
+        # longer than the row fills every label.)
+        labels[:max(len(labels) - len(continuation), 0)] = -100
+        rows.append((inputs, labels))
     return rows
 
 
-def metric_value(metric, requests, scores, n_labels):  # n_labels: each one's labelled tokens
-    """olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`."""
+# olmo_eval's ICLMetric (its metric class): the requests' scores (log-probs) -> `metric`.
+# n_labels: each request's labelled tokens.
+def metric_value(metric, requests, scores, n_labels):
     # by_doc = {doc_id: choices}, where choices = {idx: score / size}, each continuation's
     # normalised score (size: 1, its characters, tokens or bytes, as SIZE says for the metric),
     # and gold = {doc_id: the right idx}. For ARC's question 1 (the section's
