@@ -95,8 +95,7 @@ class Spec(NamedTuple):
 # weight (not only the embedding), "heads" the query heads x head_dim, "mlp" the hidden width. A
 # norm's weight follows the activation it scales: d_model is "norm", never split (a norm weight
 # is tiny, and the activations' D is whole on every device), and q_norm and k_norm follow their
-# heads. AXIS_RULES (stop 4) maps these names to
-# how each weight is cut over the devices.
+# heads. AXIS_RULES (stop 4) maps these names to how each weight is cut over the devices.
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim

@@ -401,7 +401,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     lr = schedule(r)(step)
     new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
     # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
-    # spikes [2] says whether the loss and whether the grad norm spiked.
+    # spikes [2] says whether the loss and whether the grad norm spiked. It watches CE, without
+    # the z-loss, as OLMo-core's train module hands its optimizer the CE (latest_loss).
     spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
     # A NaN or inf is always skipped: even with --spike-guard false, and even before step 64,
     # when the spike guard does not check yet
@@ -438,7 +439,8 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    # from step 64 on: OLMo-core waits for half a window of values before it checks
+    # from step 64 on: OLMo-core checks once it holds half a window of values, this step's
+    # included (at step 64, the 63 before it and this one)
     checking = step >= HISTORY // 2
     # Only a rise counts, as in OLMo-core. NaN and +inf make `within` False, so they spike.
     within = values - mean <= 6 * std
@@ -826,7 +828,8 @@ def signal_flags(mesh):  # -> [devices] bool: has each device's process received
 
 
 def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
-    # its one dimension is cut over all three mesh axes, so each device holds one entry
+    # P(("data", "fsdp", "tensor")): one dimension, cut over all three mesh axes together (a
+    # tuple in one place, not three dimensions), so each device holds one entry
     each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
 
