@@ -113,11 +113,8 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # The loop calls four helpers of the second read. On one host, they come to this:
-    #   Log            print, plus the files log.txt and metrics.jsonl
-    #   signal_flags   [True] once a Ctrl-C or a SIGTERM came, else [False]
-    #   stop_reason    "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
-    #   save           manager.save(step, state), which writes in the background
+    # Some helpers it calls belong to the second read: the table just after this function says
+    # what each comes to on one host.
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -185,6 +182,24 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
+
+
+# The second read's helpers that the first read calls, and what each comes to on one host (on
+# a pod, each does more: the second read says what):
+#   start_jax              one process, on this machine's devices
+#   check_run_directory    makes the run directory
+#   checkpoints            Orbax's CheckpointManager for RUN_DIR/checkpoints
+#   Log                    print, plus the files log.txt and metrics.jsonl
+#   check_processes_agree  nothing (on a pod: checks that every host has the same value)
+#   resume                 restore of the newest checkpoint
+#   restore                Orbax's restore, after checking that the settings match
+#   latest_checkpoint      the newest step of --init-from's directory
+#   refuse_fresh_start     stops if the run directory holds a trained run but no checkpoint
+#   olmo3.device_batch     jax.device_put
+#   signal_flags           [True] once a Ctrl-C or a SIGTERM came, else [False]
+#   flags_spec             signal_flags' shape, dtype and sharding, for compile_step
+#   stop_reason            "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
+#   save                   manager.save(step, state), which writes in the background
 
 
 class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
@@ -371,6 +386,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # The LR follows s, never Adam's count: --init-from carries the count into the next stage,
     # which would start its schedule 1.4M steps in (adamw says more).
     step = state["step"] + 1  # s, this step
+    # -- The loss and its gradients, over the micro-batches (nanoGPT's forward and backward)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
     n_tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1)
@@ -394,13 +410,16 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
         zeros = (jax.tree.map(jnp.zeros_like, params), 0.0)
         micros = jax.tree.map(lambda x: split_micro(x, n_micro), batch)
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
+    # -- Clipping (nanoGPT's clip_grad_norm_)
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
     # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
     # out because the spike guard needs the same norm)
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
+    # -- AdamW, at this step's LR (nanoGPT's optimizer.step())
     lr = schedule(r)(step)
-    new = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)  # {params, opt_state}
-    # OLMo-core's spike guard may skip the update, keeping params and opt_state as they were.
+    # updated: {params, opt_state} after the update
+    updated = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)
+    # -- The spike guard (OLMo-core's), which may skip the update
     # spikes [2] says whether the loss and whether the grad norm spiked. It watches CE, without
     # the z-loss, as OLMo-core's train module hands its optimizer the CE (latest_loss).
     spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
@@ -409,7 +428,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)
     # A skip keeps the old params and Adam state (its count too); step and history advance
     old = {"params": params, "opt_state": state["opt_state"]}  # before this step
-    new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), new, old)
+    new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), updated, old)
+    # -- The metrics, which the loop reads a step late
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     metrics["signalled"] = jnp.any(flags)  # on a pod, over every host's flag ("stopping")
     return new | {"step": step, "history": history}, metrics
