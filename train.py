@@ -110,11 +110,29 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
+# The second read's helpers that the first read calls, and what each comes to on one host (on
+# a pod, each does more: the second read says what):
+#   start_jax              one process, on this machine's devices
+#   check_run_directory    makes the run directory
+#   checkpoints            Orbax's CheckpointManager for RUN_DIR/checkpoints
+#   Log                    print, plus the files log.txt and metrics.jsonl
+#   check_processes_agree  nothing (on a pod: checks that every host has the same value)
+#   resume                 restore of the newest checkpoint
+#   restore                Orbax's restore, after checking that the settings match
+#   latest_checkpoint      the newest step of --init-from's directory
+#   refuse_fresh_start     stops if the run directory holds a trained run but no checkpoint
+#   olmo3.device_batch     jax.device_put
+#   signal_flags           [True] once a Ctrl-C or a SIGTERM came, else [False]
+#   flags_spec             signal_flags' shape, dtype and sharding, for compile_step
+#   stop_reason            "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
+#   save                   manager.save(step, state), which writes in the background
+
+
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Some helpers it calls belong to the second read: the table just after this function says
-    # what each comes to on one host.
+    # Some helpers it calls belong to the second read: the table just above says what each
+    # comes to on one host.
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -182,24 +200,6 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
-
-
-# The second read's helpers that the first read calls, and what each comes to on one host (on
-# a pod, each does more: the second read says what):
-#   start_jax              one process, on this machine's devices
-#   check_run_directory    makes the run directory
-#   checkpoints            Orbax's CheckpointManager for RUN_DIR/checkpoints
-#   Log                    print, plus the files log.txt and metrics.jsonl
-#   check_processes_agree  nothing (on a pod: checks that every host has the same value)
-#   resume                 restore of the newest checkpoint
-#   restore                Orbax's restore, after checking that the settings match
-#   latest_checkpoint      the newest step of --init-from's directory
-#   refuse_fresh_start     stops if the run directory holds a trained run but no checkpoint
-#   olmo3.device_batch     jax.device_put
-#   signal_flags           [True] once a Ctrl-C or a SIGTERM came, else [False]
-#   flags_spec             signal_flags' shape, dtype and sharding, for compile_step
-#   stop_reason            "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
-#   save                   manager.save(step, state), which writes in the background
 
 
 class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
@@ -459,8 +459,8 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    # from step 64 on: OLMo-core checks once it holds half a window of values, this step's
-    # included (at step 64, the 63 before it and this one)
+    # Checking starts at step 64, when OLMo-core holds half a window of values (the 63 before
+    # this step, and this step's). The mean and std above cover only the values before it.
     checking = step >= HISTORY // 2
     # Only a rise counts, as in OLMo-core. NaN and +inf make `within` False, so they spike.
     within = values - mean <= 6 * std
