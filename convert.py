@@ -119,13 +119,12 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #   legacy:  rope_theta: 500000, rope_scaling: {rope_type: yarn, factor: 8, ...}
     #   newer:   rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
     #                              sliding_attention: {rope_type: default, rope_theta: 500000}}
-    # Either gives full = {rope_theta: 500000, rope_type: yarn, factor: 8, ...}, the full-attention
-    # layers' RoPE. `full` gathers the three places its keys can be: rope_theta, then the newer
-    # form's full_attention, then the legacy rope_scaling, each overriding the one before (a file
-    # in one form leaves the other's empty). Without YaRN (stages 1 and 2), factor is 0.
-    rope = hf.get("rope_parameters", {})
-    full = {"rope_theta": hf.get("rope_theta", 5e5), **rope.get("full_attention", {}),
-            **hf.get("rope_scaling", {})}
+    # A legacy file is first rewritten in the newer form (its rope_scaling is the full layers').
+    # Then full, the full-attention layers' RoPE, is rope_theta (500,000 if absent) with the
+    # full_attention keys over it: {rope_theta: 500000, rope_type: yarn, factor: 8, ...} for
+    # either form above. Without YaRN (stages 1 and 2), factor is 0.
+    rope = hf.get("rope_parameters", {"full_attention": hf.get("rope_scaling", {})})
+    full = {"rope_theta": hf.get("rope_theta", 5e5)} | rope.get("full_attention", {})
     plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # what sliding must be
     sliding = plain | rope.get("sliding_attention", {})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0

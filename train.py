@@ -110,29 +110,15 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# The second read's helpers that the first read calls, and what each comes to on one host (on
-# a pod, each does more: the second read says what):
-#   start_jax              one process, on this machine's devices
-#   check_run_directory    makes the run directory
-#   checkpoints            Orbax's CheckpointManager for RUN_DIR/checkpoints
-#   Log                    print, plus the files log.txt and metrics.jsonl
-#   check_processes_agree  nothing (on a pod: checks that every host has the same value)
-#   resume                 restore of the newest checkpoint
-#   restore                Orbax's restore, after checking that the settings match
-#   latest_checkpoint      the newest step of --init-from's directory
-#   refuse_fresh_start     stops if the run directory holds a trained run but no checkpoint
-#   olmo3.device_batch     jax.device_put
-#   signal_flags           [True] once a Ctrl-C or a SIGTERM came, else [False]
-#   flags_spec             signal_flags' shape, dtype and sharding, for compile_step
-#   stop_reason            "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
-#   save                   manager.save(step, state), which writes in the background
-
-
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Some helpers it calls belong to the second read: the table just above says what each
-    # comes to on one host.
+    # Five helpers it calls belong to the second read. On one host, they come to this:
+    #   Log                  print, plus the files log.txt and metrics.jsonl
+    #   olmo3.device_batch   jax.device_put
+    #   signal_flags         [True] once a Ctrl-C or a SIGTERM came, else [False]
+    #   stop_reason          "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
+    #   save                 manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -383,8 +369,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
     #                   advance it, and --init-from carries it into the next stage
-    # The LR follows s, never Adam's count: --init-from carries the count into the next stage,
-    # which would start its schedule 1.4M steps in (adamw says more).
+    # The LR follows s, never Adam's count (adamw says why).
     step = state["step"] + 1  # s, this step
     # -- The loss and its gradients, over the micro-batches (nanoGPT's forward and backward)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
@@ -459,8 +444,9 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    # Checking starts at step 64, when OLMo-core holds half a window of values (the 63 before
-    # this step, and this step's). The mean and std above cover only the values before it.
+    # Checking starts at step 64: OLMo-core checks once its list of values holds 64 (half a
+    # window), this step's included. The mean and std above are of the earlier values alone (63
+    # at step 64), which this step's value is compared with.
     checking = step >= HISTORY // 2
     # Only a rise counts, as in OLMo-core. NaN and +inf make `within` False, so they spike.
     within = values - mean <= 6 * std
