@@ -114,11 +114,10 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Five helpers it calls belong to the second read. On one host, they come to this:
+    # Four helpers it calls belong to the second read. On one host, they come to this:
     #   Log                  print, plus the files log.txt and metrics.jsonl
     #   olmo3.device_batch   jax.device_put
     #   signal_flags         [True] once a Ctrl-C or a SIGTERM came, else [False]
-    #   stop_reason          "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
     #   save                 manager.save(step, state), which writes in the background
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
@@ -146,40 +145,21 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # so while the host waits for step 149's metrics, step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # Second, the run can stop early: with an error after 10 skipped updates in a row, or after
-    # --stop-at or a signal, when it saves the step (4) and exits with code 75 (5). For the
-    # signals, the step takes a third input, the stop flags. On a pod, every host must stop after
-    # the same step, though a signal reaches each at its own moment. The step combines every
-    # host's flag, and the answer comes back with the metrics, which are read anyway.
+    # Second, the run can stop early: with an error after 10 skipped updates in a row (raised by
+    # late_metrics.add), or after --stop-at or a signal, when it saves the step (4) and exits with
+    # code 75 (5); save_or_stop, just below, does both. For the signals, the step takes a third
+    # input, the stop flags. On a pod, every host must stop after the same step, though a signal
+    # reaches each at its own moment. The step combines every host's flag, and the answer comes back
+    # with the metrics, which are read anyway.
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # signal_flags: the stop flags
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # The spike guard cannot rescue the run; every checkpoint holds good weights, since a
-        # skipped update changes none
-        if late_metrics.skipped >= 10:
-            log.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
-                             "lower --lr (a resume may change it) or check the data")
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
-        # (4) Save every save_every steps, at the last step, and before stopping early. Whether
-        # to stop is decided first, since a stop needs a save. The decision uses the metrics read
-        # so far, so a signal stops the run a step or two after it comes ("stopping" follows a
-        # SIGTERM from step to step).
-        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
-        if step % r.save_every == 0 or step == r.steps or stop is not None:
-            late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            log.flush()  # writes metrics.jsonl before the save (Log says why)
-            # Orbax copies the state to host memory, then writes it in the background. So the next
-            # step may reuse the state's device memory (donation, in compile_step)
-            save(manager, step, state, cfg, r, loader.fingerprint)
-        if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
-            manager.wait_until_finished()  # until the save is committed
-            log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
-            log.flush()
+        if save_or_stop(step, state, manager, log, late_metrics, loader, cfg, r, args):  # (4), (5)
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
     manager.wait_until_finished()
     if args.samples and data.have("evaluation"):  # only with evaluation.py
@@ -187,6 +167,28 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
+
+
+# The loop's (4) and (5): a save every save_every steps, at the last step, and before an early
+# stop; then, if the run stops early, the loop exits with code 75. Whether to stop is decided
+# first, since a stop needs a save. It is decided from the metrics read so far, so a signal stops
+# the run a step or two after it comes ("stopping" follows a SIGTERM from step to step).
+def save_or_stop(step, state, manager, log, late_metrics, loader, cfg, r, args):  # -> stops?
+    stop = "--stop-at" if step == args.stop_at else None  # why the run stops after step, or None
+    if stop is None and late_metrics.signalled:  # some process received a signal ("stopping")
+        stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+    if step % r.save_every == 0 or step == r.steps or stop is not None:
+        late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
+        log.flush()  # writes metrics.jsonl before the save (Log says why)
+        # Orbax copies the state to host memory, then writes it in the background. So the next
+        # step may reuse the state's device memory (donation, in compile_step)
+        save(manager, step, state, cfg, r, loader.fingerprint)
+    if stop is None or step == r.steps:  # no stop (after the last step, the run simply ends)
+        return False
+    manager.wait_until_finished()  # until the save is committed
+    log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
+    log.flush()
+    return True
 
 
 class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
@@ -197,7 +199,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     #   add(199)                    reads 198's metrics, keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
-    # Reading also counts the updates skipped in a row (the loop stops the run at 10).
+    # Reading also counts the updates skipped in a row: add stops the run at 10.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -207,6 +209,12 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
+        # The spike guard cannot rescue the run; every checkpoint holds good weights, since a
+        # skipped update changes none
+        if self.skipped >= 10:
+            self.log.flush()
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
+                             "lower --lr (a resume may change it) or check the data")
         self.pending = (step, metrics)
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
@@ -800,8 +808,8 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 # A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
-# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> stop_reason ->
-# the loop saves and exits 75.
+# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> save_or_stop,
+# which saves, and the loop exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
@@ -828,10 +836,9 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    spec = flags_spec(mesh)
-    # a device's entry, asked for by its index: every device of this process gets the same flag
-    flag = lambda index: np.array([bool(SIGNALS)])
-    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
+    sharding = flags_spec(mesh).sharding  # one entry per device
+    # the callback gives each device's entry, whatever its index (_): this process's flag
+    return jax.make_array_from_callback((mesh.size,), sharding, lambda _: np.array([bool(SIGNALS)]))
 
 
 def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
@@ -839,13 +846,6 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
     # tuple in one place, not three dimensions), so each device holds one entry
     each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
-
-
-def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
-    if step == stop_at:
-        return "--stop-at"
-    if signalled:  # LateMetrics.signalled, read a step late
-        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
