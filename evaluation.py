@@ -11,6 +11,8 @@
 #
 # Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
 # to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
+# Its softmax runs over the padded vocabulary, as OLMo-core's does; the tasks' runs over the real
+# one, as HF's model does (evaluate says why, at each score).
 #
 # Downstream tasks (OLMES) follow olmo_eval: a request's score is the summed log-probability of
 # its continuation (an answer) after its context (the question); the section at the end explains.

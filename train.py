@@ -106,7 +106,7 @@ def main(argv=None):
     check_run_directory(args.out)  # makes the directory; a pod's hosts must all see it
     mesh = olmo3.make_mesh(**args.mesh)  # args.mesh is a dict: {"data": 1, "fsdp": -1, "tensor": 1}
     # The manager is Orbax's CheckpointManager. It lists the saved steps and saves in the
-    # background.
+    # background; leaving the `with` waits for its last save, and closes it.
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
         return train(cfg, r, args, mesh, manager)
 
@@ -114,11 +114,14 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Four helpers it calls belong to the second read. On one host, they come to this:
+    # Some names it and save_or_stop use belong to the second read. On one host, they come to:
     #   Log                  print, plus the files log.txt and metrics.jsonl
     #   olmo3.device_batch   jax.device_put
+    #   SIGNALS              the signals this process received, such as ["SIGINT"] after a Ctrl-C
     #   signal_flags         [True] once a Ctrl-C or a SIGTERM came, else [False]
+    #   flags_spec           signal_flags' shape, dtype and sharding, for compile_step
     #   save                 manager.save(step, state), which writes in the background
+    # Other second-read helpers are glossed where the first read calls them.
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -145,12 +148,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # so while the host waits for step 149's metrics, step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # Second, the run can stop early: with an error after 10 skipped updates in a row (raised by
-    # late_metrics.add), or after --stop-at or a signal, when it saves the step (4) and exits with
-    # code 75 (5); save_or_stop, just below, does both. For the signals, the step takes a third
-    # input, the stop flags. On a pod, every host must stop after the same step, though a signal
-    # reaches each at its own moment. The step combines every host's flag, and the answer comes back
-    # with the metrics, which are read anyway.
+    # Second, the run can end before its last step, in one of two ways:
+    #   10 skipped updates in a row   late_metrics.add raises an error
+    #   --stop-at N, or a signal      save_or_stop saves the step (4), and the loop exits 75 (5)
+    # For the signals, the step takes a third input, the stop flags. On a pod, every host must
+    # stop after the same step, though a signal reaches each at its own moment. The step combines
+    # every host's flag, and the answer comes back with the metrics, which are read anyway.
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
@@ -209,8 +212,8 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
-        # The spike guard cannot rescue the run; every checkpoint holds good weights, since a
-        # skipped update changes none
+        # 10 skips in a row: the run is stuck, and stopping loses nothing (every checkpoint holds
+        # good weights, since a skipped update changes none)
         if self.skipped >= 10:
             self.log.flush()
             raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
