@@ -150,19 +150,41 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # Second, the run can end before its last step, in one of two ways:
     #   10 skipped updates in a row   late_metrics.add raises an error
-    #   --stop-at N, or a signal      save_or_stop saves the step (4), and the loop exits 75 (5)
+    #   --stop-at N, or a signal      save_or_stop (below) saves the step (4); the loop exits 75 (5)
     # For the signals, the step takes a third input, the stop flags. On a pod, every host must
     # stop after the same step, though a signal reaches each at its own moment. The step combines
     # every host's flag, and the answer comes back with the metrics, which are read anyway.
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
+
+    # The loop's (4) and (5): a save every save_every steps, at the last step, and before an early
+    # stop; then, if the run stops early, the loop exits with code 75. Whether to stop is decided
+    # first, since a stop needs a save. It is decided from the metrics read so far, so a signal
+    # stops the run a step or two after it comes ("stopping" follows a SIGTERM from step to step).
+    def save_or_stop(step, state):  # -> whether the run stops after this step
+        stop = "--stop-at" if step == args.stop_at else None  # why the run stops, or None
+        if stop is None and late_metrics.signalled:  # some process received a signal ("stopping")
+            stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+        if step % r.save_every == 0 or step == r.steps or stop is not None:
+            late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
+            log.flush()  # writes metrics.jsonl before the save (Log says why)
+            # Orbax copies the state to host memory, then writes it in the background. So the next
+            # step may reuse the state's device memory (donation, in compile_step)
+            save(manager, step, state, cfg, r, loader.fingerprint)
+        if stop is None or step == r.steps:  # no stop (after the last step, the run simply ends)
+            return False
+        manager.wait_until_finished()  # until the save is committed
+        log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
+        log.flush()
+        return True
+
     for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # signal_flags: the stop flags
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
-        if save_or_stop(step, state, manager, log, late_metrics, loader, cfg, r, args):  # (4), (5)
+        if save_or_stop(step, state):  # (4) and (5)
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
     manager.wait_until_finished()
     if args.samples and data.have("evaluation"):  # only with evaluation.py
@@ -170,28 +192,6 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
     log.flush()
     return 0
-
-
-# The loop's (4) and (5): a save every save_every steps, at the last step, and before an early
-# stop; then, if the run stops early, the loop exits with code 75. Whether to stop is decided
-# first, since a stop needs a save. It is decided from the metrics read so far, so a signal stops
-# the run a step or two after it comes ("stopping" follows a SIGTERM from step to step).
-def save_or_stop(step, state, manager, log, late_metrics, loader, cfg, r, args):  # -> stops?
-    stop = "--stop-at" if step == args.stop_at else None  # why the run stops after step, or None
-    if stop is None and late_metrics.signalled:  # some process received a signal ("stopping")
-        stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
-    if step % r.save_every == 0 or step == r.steps or stop is not None:
-        late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-        log.flush()  # writes metrics.jsonl before the save (Log says why)
-        # Orbax copies the state to host memory, then writes it in the background. So the next
-        # step may reuse the state's device memory (donation, in compile_step)
-        save(manager, step, state, cfg, r, loader.fingerprint)
-    if stop is None or step == r.steps:  # no stop (after the last step, the run simply ends)
-        return False
-    manager.wait_until_finished()  # until the save is committed
-    log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
-    log.flush()
-    return True
 
 
 class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
