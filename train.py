@@ -114,12 +114,12 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Some names it and save_or_stop use belong to the second read. On one host, they come to:
+    # Some names it uses belong to the second read. On one host, they come to this:
     #   Log                  print, plus the files log.txt and metrics.jsonl
     #   olmo3.device_batch   jax.device_put
-    #   SIGNALS              the signals this process received, such as ["SIGINT"] after a Ctrl-C
     #   signal_flags         [True] once a Ctrl-C or a SIGTERM came, else [False]
     #   flags_spec           signal_flags' shape, dtype and sharding, for compile_step
+    #   stop_reason          "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
     #   save                 manager.save(step, state), which writes in the background
     # Other second-read helpers are glossed where the first read calls them.
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
@@ -150,41 +150,33 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # Second, the run can end before its last step, in one of two ways:
     #   10 skipped updates in a row   late_metrics.add raises an error
-    #   --stop-at N, or a signal      save_or_stop (below) saves the step (4); the loop exits 75 (5)
+    #   --stop-at N, or a signal      the loop saves the step (4), then exits with code 75 (5)
     # For the signals, the step takes a third input, the stop flags. On a pod, every host must
     # stop after the same step, though a signal reaches each at its own moment. The step combines
     # every host's flag, and the answer comes back with the metrics, which are read anyway.
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
-
-    # The loop's (4) and (5): a save every save_every steps, at the last step, and before an early
-    # stop; then, if the run stops early, the loop exits with code 75. Whether to stop is decided
-    # first, since a stop needs a save. It is decided from the metrics read so far, so a signal
-    # stops the run a step or two after it comes ("stopping" follows a SIGTERM from step to step).
-    def save_or_stop(step, state):  # -> whether the run stops after this step
-        stop = "--stop-at" if step == args.stop_at else None  # why the run stops, or None
-        if stop is None and late_metrics.signalled:  # some process received a signal ("stopping")
-            stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
-        if step % r.save_every == 0 or step == r.steps or stop is not None:
-            late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            log.flush()  # writes metrics.jsonl before the save (Log says why)
-            # Orbax copies the state to host memory, then writes it in the background. So the next
-            # step may reuse the state's device memory (donation, in compile_step)
-            save(manager, step, state, cfg, r, loader.fingerprint)
-        if stop is None or step == r.steps:  # no stop (after the last step, the run simply ends)
-            return False
-        manager.wait_until_finished()  # until the save is committed
-        log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
-        log.flush()
-        return True
-
     for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # signal_flags: the stop flags
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
-        if save_or_stop(step, state):  # (4) and (5)
+        # (4) Save every save_every steps, at the last step, and before stopping early. Whether
+        # to stop is decided first, since a stop needs a save. It is decided from the metrics
+        # read so far, so a signal stops the run a step or two after it comes ("stopping"
+        # follows a SIGTERM from step to step).
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
+        if step % r.save_every == 0 or step == r.steps or stop is not None:
+            late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
+            log.flush()  # writes metrics.jsonl before the save (Log says why)
+            # Orbax copies the state to host memory, then writes it in the background. So the next
+            # step may reuse the state's device memory (donation, in compile_step)
+            save(manager, step, state, cfg, r, loader.fingerprint)
+        if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
+            manager.wait_until_finished()  # until the save is committed
+            log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
+            log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
     manager.wait_until_finished()
     if args.samples and data.have("evaluation"):  # only with evaluation.py
@@ -811,8 +803,8 @@ def refuse_fresh_start(out):
 
 # ----------------------------------------------------------------------------- stopping
 # A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
-# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> save_or_stop,
-# which saves, and the loop exits 75.
+# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> stop_reason ->
+# the loop saves and exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
@@ -839,9 +831,10 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    sharding = flags_spec(mesh).sharding  # one entry per device
-    # the callback gives each device's entry, whatever its index (_): this process's flag
-    return jax.make_array_from_callback((mesh.size,), sharding, lambda _: np.array([bool(SIGNALS)]))
+    spec = flags_spec(mesh)
+    # a device's entry, asked for by its index: every device of this process gets the same flag
+    flag = lambda index: np.array([bool(SIGNALS)])
+    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
 
 
 def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
@@ -849,6 +842,13 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
     # tuple in one place, not three dimensions), so each device holds one entry
     each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
+
+
+def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
+    if step == stop_at:
+        return "--stop-at"
+    if signalled:  # LateMetrics.signalled, read a step late
+        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
 
 
 # ----------------------------------------------------------------------------- across hosts
