@@ -91,8 +91,8 @@ class Spec(NamedTuple):
     hf: str         # the Hugging Face tensor (convert.py), model.layers.{i}.<hf>.weight in a layer
 
 
-# The logical axes name what a dimension is, whatever the weight: "embed" is d_model in every
-# weight (not only the embedding), "heads" the query heads x head_dim, "mlp" the hidden width. A
+# The logical axes name what a dimension is, whatever the weight: "d_model" is D in every
+# weight (the embedding's too), "heads" the query heads x head_dim, "mlp" the hidden width. A
 # norm's weight follows the activation it scales: d_model is "norm", never split (a norm weight
 # is tiny, and the activations' D is whole on every device), and q_norm and k_norm follow their
 # heads. AXIS_RULES (stop 4) maps these names to how each weight is cut over the devices.
@@ -104,22 +104,22 @@ def param_specs(cfg: Config) -> dict:
         return Spec(tuple(size for size, _ in dims), tuple(axis for _, axis in dims), hf)
     layers = (L, "layers")  # stacked, so each kind of weight is one array whatever the depth
     return {
-        "embed": w("model.embed_tokens", (V, "vocab"), (D, "embed")),
+        "embed": w("model.embed_tokens", (V, "vocab"), (D, "d_model")),
         "blocks": {
-            "q": w("self_attn.q_proj", layers, (D, "embed"), (Q, "heads")),
-            "k": w("self_attn.k_proj", layers, (D, "embed"), (KV, "kv_heads")),
-            "v": w("self_attn.v_proj", layers, (D, "embed"), (KV, "kv_heads")),
-            "o": w("self_attn.o_proj", layers, (Q, "heads"), (D, "embed")),
+            "q": w("self_attn.q_proj", layers, (D, "d_model"), (Q, "heads")),
+            "k": w("self_attn.k_proj", layers, (D, "d_model"), (KV, "kv_heads")),
+            "v": w("self_attn.v_proj", layers, (D, "d_model"), (KV, "kv_heads")),
+            "o": w("self_attn.o_proj", layers, (Q, "heads"), (D, "d_model")),
             "q_norm": w("self_attn.q_norm", layers, (Q, "heads")),
             "k_norm": w("self_attn.k_norm", layers, (KV, "kv_heads")),
             "attn_norm": w("post_attention_layernorm", layers, (D, "norm")),
-            "gate": w("mlp.gate_proj", layers, (D, "embed"), (F, "mlp")),
-            "up": w("mlp.up_proj", layers, (D, "embed"), (F, "mlp")),
-            "down": w("mlp.down_proj", layers, (F, "mlp"), (D, "embed")),
+            "gate": w("mlp.gate_proj", layers, (D, "d_model"), (F, "mlp")),
+            "up": w("mlp.up_proj", layers, (D, "d_model"), (F, "mlp")),
+            "down": w("mlp.down_proj", layers, (F, "mlp"), (D, "d_model")),
             "mlp_norm": w("post_feedforward_layernorm", layers, (D, "norm")),
         },
         "final_norm": w("model.norm", (D, "norm")),
-        "lm_head": w("lm_head", (D, "embed"), (V, "vocab")),
+        "lm_head": w("lm_head", (D, "d_model"), (V, "vocab")),
     }
 
 
@@ -365,12 +365,12 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # style over fsdp and Megatron style over tensor. Axes not named here ("layers", "norm", "seq")
 # are not split. A tuple splits one dimension over several mesh axes, so "batch" is split over
 # data x fsdp devices.
-AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+AXIS_RULES = {"batch": ("data", "fsdp"), "d_model": "fsdp", "heads": "tensor", "kv_heads": "tensor",
               "mlp": "tensor", "vocab": "tensor"}
 
 # Sharding, in three parts. First, the mesh: it arranges the devices in a grid with named axes, as 8
 # devices in fsdp=4,tensor=2 form a 1 x 4 x 2 grid (data, fsdp, tensor). By AXIS_RULES (above), data
-# and fsdp cut a batch's rows; fsdp also cuts each weight matrix along its embed (D) dimension, as
+# and fsdp cut a batch's rows; fsdp also cuts each weight matrix along its d_model (D) dimension, as
 # ZeRO-3 does; tensor cuts a weight's heads, MLP or vocab dimension, as Megatron does. A mesh axis
 # cuts at most one dimension of an array. The key fact: fsdp cuts a weight's D, but an
 # activation's rows, never its D (part two shows it). The code sets three kinds of sharding, and
@@ -384,9 +384,9 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "embed": "fsdp", "heads": "tensor", "kv
 # 8 rows (`--micro-batch 8`: gradient accumulation, stop 5 of the map; a made-up run, not the
 # preset's):
 #   array         shape                what cuts each dimension              one device holds
-#   embed         [100352, 4096]       tensor (vocab), fsdp (embed)          [50176, 1024]
-#   q weight      [32, 4096, 4096]     -, fsdp (embed), tensor (heads)       [32, 1024, 2048]
-#   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (embed)       [32, 2048, 1024]
+#   embed         [100352, 4096]       tensor (vocab), fsdp (d_model)        [50176, 1024]
+#   q weight      [32, 4096, 4096]     -, fsdp (d_model), tensor (heads)     [32, 1024, 2048]
+#   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (d_model)     [32, 2048, 1024]
 #   batch         [512, 8192]          data x fsdp (rows), -                 [128, 8192]
 #   and, in one micro-batch of 8 rows (train.split_micro picks them):
 #   x_BTD         [8, 8192, 4096]      data x fsdp, -, -                     [2, 8192, 4096]
