@@ -239,26 +239,21 @@ def plot(run_dir, lines):  # writes loss.png, the training loss and the evaluati
 # tokenized separately, with no BOS or EOS. A task is named TASK:VARIANT, as arc_easy:rc_5shot:
 # in an rc variant each choice's own text is the continuation (in mc, the choices are listed in
 # the context and the continuation is a letter), 5shot puts five solved examples before the
-# question, and bpb variants score bits per byte. Four rules decide which requests count and how
-# they are scored (all but the limit are olmo_eval's: tasks.py and metrics.py, version 0.9.0).
-# Each is named where the code applies it:
-#   the unconditional rule  (load_task)  requests with a doc_id of 1,000,000 or more are skipped
-#   the limit rule          (load_task)  --eval-limit N keeps the first N documents
-#   the right-only rule     (load_task, is_right, metric_value)  bits per byte scores only each
-#                           document's right continuation
-#   the argmax rule         (metric_value)  accuracy: a document is right if the argmax of its
-#                           continuations' normalised scores is its label
+# question, and bpb variants score bits per byte.
 # End to end, for that question 1 (arc_easy:rc_5shot's primary metric is acc_raw):
-#   load_task reads its four requests and keeps them (the unconditional and limit rules);
+#   load_task reads its four requests and keeps them;
 #   request_rows makes each a row: the context, then the continuation, only the latter labelled;
 #   score gives each row's summed log-probability of its continuation, say -9.1, -8.4, -6.0, -7.2;
 #   metric_value divides each by 1 (acc_raw's size) and counts question 1 right, as the argmax,
-#   idx 2, is its label (the argmax rule).
+#   idx 2, is its label.
 # And for a bits-per-byte task, lambada:bpb_0shot (its primary metric is logits_per_byte):
-#   load_task keeps document 0's one request, its right continuation (the right-only rule),
-#   " signs";
+#   load_task keeps document 0's one request, its right continuation, " signs";
 #   score gives its log-probability, say -12.0 nats over its 6 bytes;
 #   metric_value scores 12.0 / 6 * log2(e) = 2.885 bits per byte.
+# Four rules decide which requests count and how they are scored, each spelled out where the
+# code applies it: the unconditional rule and the limit rule (load_task), the right-only rule
+# (load_task, is_right, metric_value) and the argmax rule (metric_value). All but the limit are
+# olmo_eval's (tasks.py and metrics.py, version 0.9.0).
 
 LOG2_E = 1.44269504089  # log2(e), written as olmo_eval's metrics.py writes it (LOG_2_OF_E)
 # The primary metrics scored here, and what each divides a continuation's score by, given its
