@@ -380,26 +380,24 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "d_model": "fsdp", "heads": "tensor", "
 #
 # Second, what a device holds. The example: the 7B with `--mesh fsdp=4,tensor=2` on those 8
 # devices (data is 1; device d sits at fsdp index i = d // 2 and tensor index j = d % 2, as
-# make_mesh reshapes jax.devices() in order), and a batch of 512 x 8192 in 64 micro-batches of
-# 8 rows (`--micro-batch 8`: gradient accumulation, stop 5 of the map; a made-up run, not the
-# preset's):
+# make_mesh reshapes jax.devices() in order), and a batch of 16 x 8192 (a made-up run, small
+# enough to hold all its activations at once):
 #   array         shape                what cuts each dimension              one device holds
 #   embed         [100352, 4096]       tensor (vocab), fsdp (d_model)        [50176, 1024]
 #   q weight      [32, 4096, 4096]     -, fsdp (d_model), tensor (heads)     [32, 1024, 2048]
 #   o weight      [32, 4096, 4096]     -, tensor (heads), fsdp (d_model)     [32, 2048, 1024]
-#   batch         [512, 8192]          data x fsdp (rows), -                 [128, 8192]
-#   and, in one micro-batch of 8 rows (train.split_micro picks them):
-#   x_BTD         [8, 8192, 4096]      data x fsdp, -, -                     [2, 8192, 4096]
-#   q = x @ Wq    [8, 8192, 4096]      data x fsdp, -, tensor                [2, 8192, 2048]
-#   logits        [8, 8192, 100352]    data x fsdp, -, tensor (vocab)        [2, 8192, 50176]
+#   batch         [16, 8192]           data x fsdp (rows), -                 [4, 8192]
+#   x_BTD         [16, 8192, 4096]     data x fsdp, -, -                     [4, 8192, 4096]
+#   q = x @ Wq    [16, 8192, 4096]     data x fsdp, -, tensor                [4, 8192, 2048]
+#   logits        [16, 8192, 100352]   data x fsdp, -, tensor (vocab)        [4, 8192, 50176]
 # - Weights. The device holds q[:, 1024*i : 1024*(i+1), 2048*j : 2048*(j+1)] of the weight,
 #   and an eighth of its Adam moments. Before each matmul, XLA gathers a layer's weight over fsdp
-#   (part three), so the device multiplies its x [2, 8192, 4096] by q's [4096, 2048], one layer
+#   (part three), so the device multiplies its x [4, 8192, 4096] by q's [4096, 2048], one layer
 #   at a time, inside the layer scan. (tiny's q, in the README's dry run: [4, 256, 256] -> (4, 64,
 #   128).)
-# - Rows. It holds rows 128*i to 128*i + 127 of the batch, and each micro-batch takes 2 of them:
-#   row r goes to micro-batch r % 64 (train.split_micro), so every micro-batch has rows on every
-#   device, and no row moves between devices. Its tensor partner (same i) holds the same rows.
+# - Rows. It holds rows 4*i to 4*i + 3 of the batch, and every activation keeps those rows, so no
+#   row moves between devices. Its tensor partner (same i) holds the same rows. (A large batch
+#   runs as micro-batches: train.split_micro takes each from every device's rows.)
 # - Activations keep D whole. What each mesh axis cuts:
 #     axis     in a weight                                    in an activation
 #     fsdp     D (stored in shards, gathered whole for use)   the batch's rows

@@ -114,14 +114,7 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # Some names it uses belong to the second read. On one host, they come to this:
-    #   Log                  print, plus the files log.txt and metrics.jsonl
-    #   olmo3.device_batch   jax.device_put
-    #   signal_flags         [True] once a Ctrl-C or a SIGTERM came, else [False]
-    #   flags_spec           signal_flags' shape, dtype and sharding, for compile_step
-    #   stop_reason          "--stop-at" at that step, "SIGINT received" after a Ctrl-C, else None
-    #   save                 manager.save(step, state), which writes in the background
-    # Other second-read helpers are glossed where the first read calls them.
+    # The second read's helpers are glossed where this function calls them.
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
@@ -153,25 +146,31 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   --stop-at N, or a signal      the loop saves the step (4), then exits with code 75 (5)
     # For the signals, the step takes a third input, the stop flags. On a pod, every host must
     # stop after the same step, though a signal reaches each at its own moment. The step combines
-    # every host's flag, and the answer comes back with the metrics, which are read anyway.
+    # every host's flag, and the answer comes back with the metrics, which are read anyway. So a
+    # SIGTERM that comes during step 150, after its flags were made, stops the run at step 152:
+    #   step 151  its flag says yes; the host reads step 150's metrics: no signal
+    #   step 152  the host reads step 151's metrics: a signal. Every host saves step 152 and
+    #             exits with code 75, and a rerun resumes at step 153
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
-        state, metrics = step_fn(state, batch, signal_flags(mesh))  # signal_flags: the stop flags
+        state, metrics = step_fn(state, batch, signal_flags(mesh))  # stop flags: did a signal come?
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
-        # to stop is decided first, since a stop needs a save. It is decided from the metrics
-        # read so far, so a signal stops the run a step or two after it comes ("stopping"
-        # follows a SIGTERM from step to step).
+        # to stop is decided first, since a stop needs a save (the timeline above).
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            log.flush()  # writes metrics.jsonl before the save (Log says why)
-            # Orbax copies the state to host memory, then writes it in the background. So the next
-            # step may reuse the state's device memory (donation, in compile_step)
+            # metrics.jsonl is written before the save, so a checkpoint never lacks its steps'
+            # records. A kill before Orbax commits leaves extra ones, which a resume drops
+            # (log.rewind, above)
+            log.flush()
+            # manager.save(step, state) with the run's settings. Orbax copies the state to host
+            # memory, then writes it in the background, so the next step may reuse the state's
+            # device memory (donation, in compile_step)
             save(manager, step, state, cfg, r, loader.fingerprint)
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
@@ -373,7 +372,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
     #                   advance it, and --init-from carries it into the next stage
-    # The LR follows s, never Adam's count (adamw says why).
+    # The LR follows s, never Adam's count: stage 2's step 1 must get its own schedule's first
+    # LR, while Adam's count goes on from stage 1's 1,413,814 (adamw says more).
     step = state["step"] + 1  # s, this step
     # -- The loss and its gradients, over the micro-batches (nanoGPT's forward and backward)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
@@ -437,6 +437,8 @@ def split_micro(x, n_micro: int):
 # ----------------------------------------------------------------------------- the spike guard
 
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
+    # In short: history holds the values of the steps before this one; this step's values are
+    # compared with them, then stored.
     # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. From step 64 on, a value
     # spikes if it is more than 6 standard deviations above the mean of the (up to) 128 values
     # before it. history [2, 128] is a ring buffer of the last 128 steps' values: step k's go to
@@ -811,11 +813,8 @@ def refuse_fresh_start(out):
 # train_step reduces it with jnp.any, an all-reduce across the hosts, and adds the answer to
 # its metrics, "signalled". Every process reads the same answer, a step late, with the
 # rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
-# this simply means that a signal stops the run within two steps. For example, a SIGTERM
-# reaches one process during step 150, just after the loop made step 150's flags:
-#   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
-#   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
-#             exits with code 75, and a rerun resumes at step 153.
+# this simply means that a signal stops the run within two steps (see the example above the
+# loop in train).
 # Why through the step, and not a host all-gather of the flags: that would make every host wait
 # for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
