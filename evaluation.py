@@ -9,13 +9,17 @@
 # The downstream tasks come last (`load_task`, `request_rows`, `metric_value`): OLMES's own rules,
 # slow going, and only for --eval-tasks. `r` is the Recipe.
 #
-# Perplexity sets follow OLMo-core's LM evaluator: each document, with its EOS, is one row cut
-# to seq_len. CE is the summed loss over its targets divided by the document tokens; PPL = e^CE.
-# Its softmax runs over the padded vocabulary, as OLMo-core's does; the tasks' runs over the real
-# one, as HF's model does (evaluate says why, at each score).
-#
-# Downstream tasks (OLMES) follow olmo_eval: a request's score is the summed log-probability of
-# its continuation (an answer) after its context (the question); the section at the end explains.
+# Two kinds of score, each computed as its reference computes it:
+#   perplexity sets   OLMo-core's LM evaluator: each document, with its EOS, is one row cut to
+#                     seq_len. CE is the summed loss over its targets divided by the document's
+#                     tokens; PPL = e^CE. The softmax runs over the padded vocabulary (the 7B's
+#                     100,352), as OLMo-core's does, and as training's does.
+#   tasks (OLMES)     olmo_eval: a request's score is the summed log-probability of its
+#                     continuation (an answer) after its context (the question); the section at
+#                     the end explains. The softmax runs over the real vocabulary (100,278), as
+#                     olmo_eval's does: it runs HF's model, which has no padding.
+# With converted weights, the two softmaxes differ by at most 0.00074 nats a token
+# (convert.from_hf measures it).
 import dataclasses
 import functools
 import gzip
@@ -50,8 +54,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
         # (eval/lm/SET/PPL, eval/downstream/...)
         results, logged = {}, {}
         for name, rows in ppl_rows.items():
-            # the softmax over all cfg.padded_vocab logits (the 7B's 100,352), as OLMo-core's
-            # evaluator takes it, like the training loss
+            # the padded vocabulary, as OLMo-core's evaluator (the header says why)
             logp = score(params, cfg, mesh, rows, cfg.padded_vocab, step_rows, r.seq_len)
             # CE divides by tokens, not targets. A document of 5 tokens has 4 targets (each token
             # predicts the next). OLMo-core's LM evaluator also counts the last token, which has
@@ -62,9 +65,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
             results[name] = {"CE loss": float(ce), "PPL": math.exp(min(ce, 50))}
             logged |= {f"eval/lm/{name}/{m}": v for m, v in results[name].items()}
         for name, (metric, requests, rows) in tasks.items():
-            # the softmax over the cfg.vocab_size real tokens (the 7B's 100,278), as olmo_eval
-            # takes it: it runs tasks on HF's model, which has no padding. The two softmaxes
-            # differ by at most 0.00074 nats a token with converted weights (convert.from_hf).
+            # the real vocabulary, as olmo_eval on HF's model (the header says why)
             logp = score(params, cfg, mesh, rows, cfg.vocab_size, step_rows, r.seq_len)
             results[name] = metric_value(metric, requests, logp, [np.sum(y >= 0) for _, y in rows])
             logged[f"eval/downstream/{name}/{metric}"] = results[name][metric]
@@ -80,7 +81,8 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
     sums = -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # [rows]
-    # P(None): cut over no mesh axis, so every device holds it whole, and every host can read it
+    # P(None): cut over no mesh axis, so every device holds it whole. On a pod, a host can read
+    # only what its own devices hold, so this lets score's np.asarray read it on every host.
     return olmo3.constrain(sums, None)
 
 

@@ -91,11 +91,13 @@ class Spec(NamedTuple):
     hf: str         # the Hugging Face tensor (convert.py), model.layers.{i}.<hf>.weight in a layer
 
 
-# The logical axes name what a dimension is, whatever the weight: "d_model" is D in every
-# weight (the embedding's too), "heads" the query heads x head_dim, "mlp" the hidden width. A
-# norm's weight follows the activation it scales: d_model is "norm", never split (a norm weight
-# is tiny, and the activations' D is whole on every device), and q_norm and k_norm follow their
-# heads. AXIS_RULES (stop 4) maps these names to how each weight is cut over the devices.
+# The logical axes name what a dimension is, whatever the weight: "d_model" is D in every matrix
+# (the embedding's too), "heads" the query heads x head_dim, "mlp" the hidden width. A norm's weight
+# follows the activation it scales. attn_norm, mlp_norm and final_norm scale D, and their D is
+# labelled "norm", so it is never split (a norm weight is tiny, and the activations' D is whole on
+# every device). q_norm and k_norm scale q and k, so they are labelled, and split, as q's and k's
+# heads ("heads", "kv_heads"). AXIS_RULES (stop 4) maps these names to how each weight is cut over
+# the devices.
 def param_specs(cfg: Config) -> dict:
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.mlp_hidden, cfg.padded_vocab
     Q, KV = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim

@@ -3,8 +3,9 @@
 Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75."""
 # Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
 # counter). Every log_every steps, the run prints a progress line like this one (tiny, on a
-# 2-core CPU; tok/s and ETA vary with the machine):
-# step 50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a | ETA 0:04:15
+# 2-core CPU; tok/s and ETA vary with the machine; one line, wrapped here):
+# step     50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a
+#   | ETA 0:04:15
 # Read it from the top down: the recipe, `main`, `train` (setup, then the loop), then the helpers
 # down to the optimizer. That is the first read. Below it, a banner starts the "second read": the
 # 7B's schedule, the progress line, and what a pod needs. On a first read, trust those helpers
@@ -147,10 +148,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # For the signals, the step takes a third input, the stop flags. On a pod, every host must
     # stop after the same step, though a signal reaches each at its own moment. The step combines
     # every host's flag, and the answer comes back with the metrics, which are read anyway. So a
-    # SIGTERM that comes during step 150, after its flags were made, stops the run at step 152:
-    #   step 151  its flag says yes; the host reads step 150's metrics: no signal
-    #   step 152  the host reads step 151's metrics: a signal. Every host saves step 152 and
-    #             exits with code 75, and a rerun resumes at step 153
+    # signal stops the run a step or two after it comes ("stopping", in the second read, follows
+    # one from step to step).
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # step s trains on batch s - 1
@@ -160,17 +159,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
-        # to stop is decided first, since a stop needs a save (the timeline above).
+        # to stop is decided first, since a stop needs a save.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
-            late_metrics.read_pending()  # this step's metrics too (the save waits for it anyway)
-            # metrics.jsonl is written before the save, so a checkpoint never lacks its steps'
-            # records. A kill before Orbax commits leaves extra ones, which a resume drops
-            # (log.rewind, above)
+            # Before the save, this step's metrics are read too, and metrics.jsonl is written, so
+            # a checkpoint never lacks its steps' records (a kill before Orbax commits leaves extra
+            # ones, which log.rewind drops on resume). save is manager.save(step, state), with the
+            # run's settings: Orbax copies the state to host memory, then writes it in the
+            # background, so the next step may reuse the state's device memory (donation).
+            late_metrics.read_pending()
             log.flush()
-            # manager.save(step, state) with the run's settings. Orbax copies the state to host
-            # memory, then writes it in the background, so the next step may reuse the state's
-            # device memory (donation, in compile_step)
             save(manager, step, state, cfg, r, loader.fingerprint)
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
@@ -437,8 +435,10 @@ def split_micro(x, n_micro: int):
 # ----------------------------------------------------------------------------- the spike guard
 
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
-    # In short: history holds the values of the steps before this one; this step's values are
-    # compared with them, then stored.
+    # As plain Python, for each of the two values (before: its values at the steps before this):
+    #   window = before[-128:]
+    #   spike = step >= 64 and not value - mean(window) <= 6 * std(window)  # NaN spikes too
+    #   before.append(value if isfinite(value) else mean(window))
     # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. From step 64 on, a value
     # spikes if it is more than 6 standard deviations above the mean of the (up to) 128 values
     # before it. history [2, 128] is a ring buffer of the last 128 steps' values: step k's go to
@@ -565,13 +565,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # metrics.jsonl and the checkpoints: the loop flushes the files just before each save, and
-    # Orbax commits the save a little later. Two things rely on that order:
-    #   rewind               A kill between the flush and the commit leaves records past the
-    #                        checkpoint that the rerun resumes from; rewind drops them, so no
-    #                        step's record is written twice.
-    #   refuse_fresh_start   A run directory with metrics.jsonl has trained, so if it has no
-    #                        checkpoint, something was lost, and the run refuses to start over.
+    # The loop flushes the files just before each save (it says why), and Orbax commits the save
+    # a little later. rewind and refuse_fresh_start rely on that order.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -600,7 +595,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops the records past step (the class comment says why)
+    # drops the records past step: a kill between the loop's flush and Orbax's commit leaves
+    # records past the checkpoint that the rerun resumes from, and no step's record is kept twice
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
@@ -813,8 +809,11 @@ def refuse_fresh_start(out):
 # train_step reduces it with jnp.any, an all-reduce across the hosts, and adds the answer to
 # its metrics, "signalled". Every process reads the same answer, a step late, with the
 # rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
-# this simply means that a signal stops the run within two steps (see the example above the
-# loop in train).
+# this simply means that a signal stops the run within two steps. For example, a SIGTERM
+# reaches one process during step 150, just after the loop made step 150's flags:
+#   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
+#   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
+#             exits with code 75, and a rerun resumes at step 153.
 # Why through the step, and not a host all-gather of the flags: that would make every host wait
 # for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
