@@ -139,8 +139,9 @@ class PackedLoader(Loader):
     # for attention.
 
     def __init__(self, *args, tokenizer="dolma2", group_size=1, cache=".", rank=0, **kwargs):
-        # Loader's __init__ finds the files and counts fixed-length instances. The packed ones
-        # replace that count below (set_instances).
+        # *args and **kwargs are Loader's: (source, seq_len, global_batch, seed, rows=...). Its
+        # __init__ finds the files and counts fixed-length instances; the packed ones replace
+        # that count below (set_instances).
         super().__init__(*args, tokenizer=tokenizer, **kwargs)
         self.eos, self.pad = get_tokenizer(tokenizer).eos_id, get_tokenizer(tokenizer).pad_id
         # The packing's file is named by what decides it. The fingerprint hashes the files in

@@ -81,8 +81,9 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
     sums = -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # [rows]
-    # P(None): cut over no mesh axis, so every device holds it whole. On a pod, a host can read
-    # only what its own devices hold, so this lets score's np.asarray read it on every host.
+    # Replicated: constrain given no axis name cuts nothing (its other calls cut rows), so every
+    # device holds all of [rows]. On a pod, a host can read only what its own devices hold, so
+    # this lets score's np.asarray read the result on every host.
     return olmo3.constrain(sums, None)
 
 
@@ -92,7 +93,8 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
     # The rows go through logprobs in padded batches [step_rows, width], always the same shape,
     # so logprobs compiles once for each vocab. The batch's rows are cut over the data-parallel
-    # devices, as in training, so step_rows is rounded up to a multiple of their count.
+    # devices, as in training, and each must get as many: step_rows is rounded up to a multiple
+    # of their count.
     sharding = olmo3.batch_sharding(mesh)
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     out = []

@@ -413,9 +413,11 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "d_model": "fsdp", "heads": "tensor", "
 # Third, what XLA communicates (the README's "Seeing the communication" counts it in a dump). It
 # inserts the communication itself, and typically chooses:
 #   all-gather over fsdp: each layer's weights, before its matmuls (q's becomes [4096, 2048]);
-#   all-reduce over tensor: after o and down, whose input dimension tensor cuts, so each partner
-#     holds a partial sum over its half of the heads or of the MLP, and the two are added (and,
-#     in the backward pass, for the gradient of x entering q, k, v, gate and up, likewise);
+#   all-reduce over tensor, forward: after o and down, whose input dimension tensor cuts, so
+#     each partner holds a partial sum over its half of the heads or of the MLP, and the two
+#     are added;
+#   all-reduce over tensor, backward: the gradient of the x that enters q, k, v, gate and up, for
+#     the same reason (each partner's half of those weights gives a partial sum);
 #   all-reduce over tensor, small: QK-norm's statistics (a mean over all the heads, which tensor
 #     cuts) and the loss's logsumexp (over the vocabulary, which tensor cuts);
 #   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;

@@ -445,8 +445,8 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     # slot (k - 1) % 128. At step 4, slots 0-2 hold the values of steps 1-3, and this step's go
     # to slot 3. At step 200, all 128 slots are full, and this step's values overwrite slot 71,
     # which held step 72's, the oldest.
-    n_filled = jnp.minimum(step - 1, HISTORY)  # how many values the history holds
     filled = jnp.arange(HISTORY) < step - 1  # [128]: which slots hold a value (from step 129, all)
+    n_filled = jnp.sum(filled)  # how many values the history holds
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
@@ -643,6 +643,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # restore, which checks compared_settings, then reads each item with read_item.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
+DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
+              "source_permutation_seed")  # Recipe's fields a resumed run must keep (restore)
 
 
 # r says which steps to keep (a read-only manager, as latest_checkpoint's, deletes none anyway)
@@ -733,10 +735,6 @@ def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None
 
 # a step's run_settings, read back
 saved_settings = lambda step: ocp.JsonCheckpointHandler().restore(epath.Path(step) / "config")
-
-
-DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
-              "source_permutation_seed")  # a resumed run must keep these and its data
 
 
 def compared_settings(settings, resuming):  # run_settings' -> the fields that must match (a dict)
