@@ -121,8 +121,8 @@ class Loader:
         return x
 
     def iterate(self, start, stop):  # -> batch(i) for i from start to stop - 1
-        # (train's step s trains on batch s - 1.) A thread reads the next batch while a step
-        # trains, which hides a mounted bucket's latency. The thread's errors are raised here.
+        # A thread reads the next batch while a step trains, which hides a mounted bucket's
+        # latency. The thread's errors are raised here.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ahead = pool.submit(self.batch, start)
             for i in range(start, stop):
