@@ -127,7 +127,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # --init-from)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # drops metrics.jsonl's records past the checkpoint's step, which a kill can leave (Log)
+    # drops metrics.jsonl's records past the checkpoint's step, which a kill can leave (the
+    # loop's save, below, says how)
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
@@ -165,8 +166,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             # Before the save, this step's metrics are read too, and metrics.jsonl is written, so
             # a checkpoint never lacks its steps' records (a kill before Orbax commits leaves extra
             # ones, which log.rewind drops on resume). save is manager.save(step, state), with the
-            # run's settings: Orbax copies the state to host memory, then writes it in the
-            # background, so the next step may reuse the state's device memory (donation).
+            # run's settings. It returns once Orbax has copied the state to host memory, and the
+            # files are written in the background, so the next step may safely reuse the state's
+            # device memory (donation).
             late_metrics.read_pending()
             log.flush()
             save(manager, step, state, cfg, r, loader.fingerprint)
@@ -565,8 +567,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop flushes the files just before each save (it says why), and Orbax commits the save
-    # a little later. rewind and refuse_fresh_start rely on that order.
+    # The loop writes the files just before each save; its comment there says why, and rewind
+    # and refuse_fresh_start rely on that order.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -595,8 +597,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops the records past step: a kill between the loop's flush and Orbax's commit leaves
-    # records past the checkpoint that the rerun resumes from, and no step's record is kept twice
+    # drops the records past step, left by a kill between the loop's flush and Orbax's commit,
+    # so that no step's record is kept twice
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
