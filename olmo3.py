@@ -170,9 +170,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # 4 layers are 1 group), with windows [4096, 4096, 4096, None]:
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
-    #           x = layer(weights of layer 4 g + j, x, windows[j], ropes[its kind], cfg, segments)
-    # On a first read, take `layer` as `block`: its jax.checkpoint only decides what the backward
-    # pass keeps. (When global_every does not divide n_layers, all the layers are one group.)
+    #           x = block(weights of layer 4 g + j, x, windows[j], ropes[windows[j]], cfg, segments)
+    # The code calls block through jax.checkpoint, which only decides what the backward pass
+    # keeps. (When global_every does not divide n_layers, all the layers are one group.)
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
@@ -181,21 +181,20 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # absolute within the row, even for packed documents, as OLMo-core's when OLMo 3 ran (README,
     # Fidelity)
     positions = jnp.arange(x.shape[1])
-    # the RoPE tables, (cos_TE, sin_TE) each, of sliding and of full-attention layers (YaRN
-    # applies to full ones only; without it the two are the same)
-    ropes = {kind: rope_tables(positions, cfg, kind == "full") for kind in ("sliding", "full")}
     # windows[j]: the window of layer j of every group (layer j has the same kind in every
     # group, as group_size is global_every or all the layers). tiny's: [64, 64, 64, None].
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # layer(...) is block(p, x, window, rope, cfg, segments) under jax.checkpoint (remat_policy
-    # says why). window and cfg are Python values that Python `if`s read (attention's `if
-    # window`), so they are static: static_argnums counts from 0, and they are arguments 2 and 4.
-    layer = jax.checkpoint(block, static_argnums=(2, 4), policy=remat_policy(cfg))
+    # ropes[window]: the RoPE tables, (cos_TE, sin_TE), of the layers with that window (YaRN
+    # applies to full-attention layers, window None, only; without it the tables are the same)
+    ropes = {window: rope_tables(positions, cfg, window is None) for window in set(windows)}
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
-            x = layer(p, x, window, ropes["full" if window is None else "sliding"], cfg, segments)
+            # block, with this layer's window, rope, cfg and segments fixed, under jax.checkpoint
+            # (remat_policy says why). window and cfg stay Python values that block's `if`s read.
+            layer = lambda p, x: block(p, x, window, ropes[window], cfg, segments)
+            x = jax.checkpoint(layer, policy=remat_policy(cfg))(p, x)
         return x, None
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]
