@@ -193,6 +193,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             # block, with this layer's window, rope, cfg and segments fixed, under jax.checkpoint
             # (remat_policy says why). window and cfg stay Python values that block's `if`s read.
+            # (jax.checkpoint traces the lambda at once, so it reads this iteration's window.)
             layer = lambda p, x: block(p, x, window, ropes[window], cfg, segments)
             x = jax.checkpoint(layer, policy=remat_policy(cfg))(p, x)
         return x, None
@@ -361,7 +362,6 @@ def flops_per_token(cfg: Config, seq_len: int, windows: bool = True) -> float:
 MESH_AXES = ("data", "fsdp", "tensor")
 # AXIS_RULES, below, is the one table from logical axes to mesh axes. Every sharding the code sets
 # (the weights', the batch's, the constrained activations') comes from it, and XLA chooses the rest.
-# (train.py sets two more by hand: `whole`, replicated, and flags_spec, one entry per device.)
 # A batch's rows (sequences) are split over both data-parallel axes. Weights are split ZeRO-3
 # style over fsdp and Megatron style over tensor. Axes not named here ("layers", "norm", "seq")
 # are not split. A tuple splits one dimension over several mesh axes, so "batch" is split over
