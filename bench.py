@@ -69,7 +69,7 @@ def jax_worker(conn, name, dtype, code=HERE):
         x, y = (jax.device_put(a, olmo3.batch_sharding(mesh)) for a in (tokens, labels))
         new = hasattr(train, "device_batch") or hasattr(olmo3, "device_batch")
         batch = (dict(inputs=x, labels=y),) if new else (x, y)
-        if hasattr(train, "signal_flags"):  # the step also takes each process's stop flag
+        if hasattr(train, "signal_flags"):  # the step also takes each process's signal flag
             batch += (train.signal_flags(mesh),)
         state, metrics = step(state, *batch)
         jax.block_until_ready(metrics)

@@ -147,7 +147,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # Second, a signal (Ctrl-C, a SIGTERM) stops the run as --stop-at does. On a pod, every host
     # must stop after the same step, though a signal reaches each at its own moment. So the step
-    # takes a third input, the stop flags: it combines every host's flag, and the answer comes
+    # takes a third input, the signal flags: it combines every host's flag, and the answer comes
     # back with the metrics, which are read anyway. A signal thus stops the run a step or two
     # after it comes ("stopping", in the second read, follows one from step to step). (One more
     # way to end early: 10 skipped updates in a row, an error that late_metrics.add raises.)
@@ -155,7 +155,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
-        state, metrics = step_fn(state, batch, signal_flags(mesh))  # stop flags: did a signal come?
+        state, metrics = step_fn(state, batch, signal_flags(mesh))  # did a signal come?
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
             evals(state["params"], step)
@@ -342,9 +342,9 @@ def compile_step(cfg, r, mesh, target):
                          "data-parallel devices do not divide; pick multiples of each other")
     # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
     # data-parallel devices
-    rows = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
-                                sharding=olmo3.batch_sharding(mesh))
-    batch = dict(inputs=rows, labels=rows) | (dict(segments=rows) if r.packing else {})
+    array = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
+                                 sharding=olmo3.batch_sharding(mesh))
+    batch = dict(inputs=array, labels=array) | (dict(segments=array) if r.packing else {})
 
     n_micro = r.global_batch // micro
     # jax.jit's arguments:
@@ -363,7 +363,7 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. The stop flags only pass through, to metrics["signalled"].
+    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"].
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
