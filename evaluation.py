@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import data
 import olmo3
@@ -80,11 +81,7 @@ def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
 @functools.partial(jax.jit, static_argnums=(3, 4))  # cfg, vocab
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
-    sums = -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # [rows]
-    # Replicated: constrain given no axis name cuts nothing (its other calls cut rows), so every
-    # device holds all of [rows]. On a pod, a host can read only what its own devices hold, so
-    # this lets score's np.asarray read the result on every host.
-    return olmo3.constrain(sums, None)
+    return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # [rows], cut as the rows are
 
 
 # vocab: the softmax's size; step_rows: rows a step runs (as training's micro-batch); width: a
@@ -96,6 +93,9 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     # devices, as in training, and each must get as many: step_rows is rounded up to a multiple
     # of their count.
     sharding = olmo3.batch_sharding(mesh)
+    # whole: every device holds all of the array (P() cuts no dimension). On a pod, a host can
+    # read only what its own devices hold, so the sums are put whole before np.asarray reads them.
+    whole = NamedSharding(mesh, P())
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     out = []
     for start in range(0, len(rows), step_rows):
@@ -105,7 +105,7 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
         # Every process builds the same whole batch (the sets are small), so device_put works on
         # a pod as on one host: JAX checks that the processes agree, and each keeps its rows.
         x, y = jax.device_put((x, y), sharding)
-        out.append(np.asarray(logprobs(params, x, y, cfg, vocab)))
+        out.append(np.asarray(jax.device_put(logprobs(params, x, y, cfg, vocab), whole)))
     return np.concatenate(out)[:len(rows)]
 
 

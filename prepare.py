@@ -16,7 +16,8 @@ SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/d
                    "tinyshakespeare/input.txt")
 
 
-def main(argv=None):  # `python data.py tokenize ...` lands here, so its help is data.py's docstring
+# `python data.py tokenize ...` lands here, so its --help opens with data.py's docstring
+def main(argv=None):
     ap = argparse.ArgumentParser(description=data.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["tokenize"])
