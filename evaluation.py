@@ -184,23 +184,23 @@ def main(cfg, r, args):
 # (static_argnames makes these static whether they are passed by name or by position)
 @functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
-    """Prompts [B, P] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""
-    # Each new token comes from a forward pass over the whole buffer [B, P + n_new], the
+    """Prompts [B, T] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""
+    # Each new token comes from a forward pass over the whole buffer [B, T + n_new], the
     # prompt and the tokens so far (later positions do not change earlier ones). This uses no
     # KV cache, and one compiled program. (With splash, a prompt batch that does not divide the
     # data-parallel devices is padded inside olmo3.attention_splash, not here.)
     key = jax.random.key(0) if key is None else key
-    P = prompts.shape[1]  # the prompt's length (not a PartitionSpec here)
-    tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # [B, P + n_new]
+    T = prompts.shape[1]  # the prompts' length
+    tokens = jnp.pad(prompts, ((0, 0), (0, n_new)))  # [B, T + n_new]
 
     def next_token(tokens, i_key):
         i, key = i_key
-        logits = olmo3.forward(params, tokens, cfg)[:, P - 1 + i, :cfg.vocab_size]
+        logits = olmo3.forward(params, tokens, cfg)[:, T - 1 + i, :cfg.vocab_size]
         if temperature == 0:
-            return tokens.at[:, P + i].set(jnp.argmax(logits, -1)), None
-        return tokens.at[:, P + i].set(jax.random.categorical(key, logits / temperature)), None
+            return tokens.at[:, T + i].set(jnp.argmax(logits, -1)), None
+        return tokens.at[:, T + i].set(jax.random.categorical(key, logits / temperature)), None
     tokens, _ = jax.lax.scan(next_token, tokens, (jnp.arange(n_new), jax.random.split(key, n_new)))
-    return tokens[:, P:]
+    return tokens[:, T:]
 
 
 def samples(params, cfg, r, loader, n, log, new=128):
