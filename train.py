@@ -270,15 +270,10 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
 
-HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
-
-# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
-
-
 def fresh_state(r, params):  # the training state before step 1
-    # opt_state is Adam's (count, mu, nu). history [2, 128] holds the spike guard's last 128
-    # losses and grad norms.
+    # opt_state is Adam's (count, mu, nu): adam(r) is optax's Adam, defined beside adamw (the
+    # optimizer, below). history [2, HISTORY] holds the spike guard's last 128 losses and grad
+    # norms (HISTORY is defined beside spike_guard).
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
@@ -437,6 +432,9 @@ def split_micro(x, n_micro: int):
 
 # ----------------------------------------------------------------------------- the spike guard
 
+HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+
+
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
     # As plain Python, for each of the two values (before: its values at the steps before this):
     #   window = before[-128:]
@@ -493,6 +491,10 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
                                     [warmup])
     # "olmo3" is AI2's stage 1, in two parts (for the 7b presets; olmo3_stage1, second read)
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
+
+
+# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
