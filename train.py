@@ -127,8 +127,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # --init-from)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # drops metrics.jsonl's records past the checkpoint's step, which a kill can leave (the
-    # loop's save, below, says how)
+    # drops metrics.jsonl's records past the checkpoint's step, which a kill can leave (save
+    # says how)
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
@@ -165,15 +165,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # to stop is decided first, since a stop needs a save.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
-            # Before the save, this step's metrics are read too, and metrics.jsonl is written, so
-            # a checkpoint never lacks its steps' records (a kill before Orbax commits leaves extra
-            # ones, which log.rewind drops on resume). save is manager.save(step, state), with the
-            # run's settings. It returns once Orbax has copied the state to host memory, and the
-            # files are written in the background, so the next step may safely reuse the state's
-            # device memory (donation).
-            late_metrics.read_pending()
-            log.flush()
-            save(manager, step, state, cfg, r, loader.fingerprint)
+            late_metrics.read_pending()  # this step's metrics too, so that the records are whole
+            log.flush()  # writes metrics.jsonl before the checkpoint (save says why)
+            save(manager, step, state, cfg, r, loader.fingerprint)  # written in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -574,7 +568,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop writes the files just before each save; its comment there says why, and rewind
+    # The loop writes the files just before each save; save's comment says why, and rewind
     # and refuse_fresh_start rely on that order.
 
     def __init__(self, cfg, r, run_dir, mesh):
@@ -664,7 +658,12 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# r and data_fingerprint are optional, since convert.py saves a converted model's params alone
+# manager.save(step, state), with the run's settings. It returns once Orbax has copied the state
+# to host memory, and writes the files in the background, so the next step may reuse the state's
+# device memory (donation). The loop writes metrics.jsonl just before each save, for two reasons:
+# a checkpoint then never lacks its steps' records (a kill before Orbax commits leaves extra
+# ones, which log.rewind drops on resume), and refuse_fresh_start can read metrics.jsonl as "a run
+# trained here". r and data_fingerprint are optional: convert.py saves a model's params alone.
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
