@@ -133,24 +133,26 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
     step_fn = compile_step(cfg, r, mesh, target)  # nanoGPT's torch.compile, ahead of time
-    # On one device, with only --stop-at to stop early, nanoGPT would write the loop like this:
+    # On one device, nanoGPT would write the loop like this (SIGNALS lists the signals received,
+    # Ctrl-C or a SIGTERM, each of which stops the run as --stop-at does):
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
     #       log.metrics(step, jax.device_get(metrics))  # (2) waits for this step
     #       if step % r.eval_every == 0: evals(state["params"], step)  # (3)
-    #       if step % r.save_every == 0 or step == args.stop_at: manager.save(step, state)  # (4)
-    #       if step == args.stop_at: return 75  # (5) exits; the same command resumes the run
+    #       stop = step == args.stop_at or bool(SIGNALS)
+    #       if step % r.save_every == 0 or stop: manager.save(step, state)  # (4)
+    #       if stop: return 75  # (5) exits; the same command resumes the run
     # The loop below differs in two ways. First, the metrics are read a step late. step_fn
     # returns at once, so while the host waits for step 149's metrics, step 150 keeps the
     # devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # Second, a signal (Ctrl-C, a SIGTERM) stops the run as --stop-at does. On a pod, every host
-    # must stop after the same step, though a signal reaches each at its own moment. So the step
-    # takes a third input, the signal flags: it combines every host's flag, and the answer comes
-    # back with the metrics, which are read anyway. A signal thus stops the run a step or two
-    # after it comes ("stopping", in the second read, follows one from step to step). (One more
-    # way to end early: 10 skipped updates in a row, an error that late_metrics.add raises.)
+    # Second, on a pod, every host must stop after the same step, though a signal reaches each
+    # at its own moment. So the step takes a third input, the signal flags (each host's
+    # bool(SIGNALS)): it combines every host's flag, and the answer comes back with the metrics,
+    # which are read anyway. A signal thus stops the run a step or two after it comes
+    # ("stopping", in the second read, follows one from step to step). (One more way to end
+    # early: 10 skipped updates in a row, an error that late_metrics.add raises.)
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
