@@ -570,8 +570,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop writes the files just before each save; save's comment says why, and rewind
-    # and refuse_fresh_start rely on that order.
+    # The loop writes the files just before each save (save's comment says why).
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -600,7 +599,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops the records past step, left by a kill between the loop's flush and Orbax's commit,
+    # drops the records past step, which a kill during a save leaves (save's comment shows one),
     # so that no step's record is kept twice
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
@@ -662,10 +661,14 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 
 # manager.save(step, state), with the run's settings. It returns once Orbax has copied the state
 # to host memory, and writes the files in the background, so the next step may reuse the state's
-# device memory (donation). The loop writes metrics.jsonl just before each save, for two reasons:
-# a checkpoint then never lacks its steps' records (a kill before Orbax commits leaves extra
-# ones, which log.rewind drops on resume), and refuse_fresh_start can read metrics.jsonl as "a run
-# trained here". r and data_fingerprint are optional: convert.py saves a model's params alone.
+# device memory (donation). r and data_fingerprint are optional: convert.py saves params alone.
+# The loop writes metrics.jsonl just before each save. So a checkpoint never lacks its steps'
+# records, and refuse_fresh_start can read metrics.jsonl as "a run trained here". A kill between
+# the two leaves records past the newest checkpoint, which log.rewind drops:
+#   step 200   the loop writes metrics.jsonl (steps 1-200), save starts, and a kill comes
+#              before Orbax commits step 200
+#   rerun      resumes from step 100; log.rewind(100) drops records 101-200, which steps 101-200
+#              then write again
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
@@ -785,7 +788,7 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 def refuse_fresh_start(out):
     # A directory where a run trained never starts over silently. starting_state calls this
     # when it finds no checkpoint to resume. Two facts tell what happened: the loop writes
-    # metrics.jsonl just before each save, and Orbax names a step that it has not committed yet
+    # metrics.jsonl just before each save (save's comment), and Orbax names a step not committed yet
     # "<step>.orbax-checkpoint-tmp...". So:
     #   the directory holds                   which means                       so it
     #   no metrics.jsonl                      nothing trained here              starts fresh
