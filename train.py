@@ -127,8 +127,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # --init-from)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # drops metrics.jsonl's records past the checkpoint's step, which a kill can leave (save
-    # says how)
+    # a kill during a save can leave metrics.jsonl records past the checkpoint's step: drops them
     log.rewind(done)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
     log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
@@ -168,7 +167,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too, so that the records are whole
-            log.flush()  # writes metrics.jsonl before the checkpoint (save says why)
+            log.flush()  # metrics.jsonl first, so that a checkpoint never lacks its records
             save(manager, step, state, cfg, r, loader.fingerprint)  # written in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
@@ -267,11 +266,14 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
+# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
+adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
+HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
+
 
 def fresh_state(r, params):  # the training state before step 1
-    # opt_state is Adam's (count, mu, nu): adam(r) is optax's Adam, defined beside adamw (the
-    # optimizer, below). history [2, HISTORY] holds the spike guard's last 128 losses and grad
-    # norms (HISTORY is defined beside spike_guard).
+    # opt_state is Adam's (count, mu, nu). history [2, HISTORY] holds the spike guard's last 128
+    # losses and grad norms.
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
@@ -345,10 +347,11 @@ def compile_step(cfg, r, mesh, target):
     #                     (frozen dataclasses are hashable, as jit needs)
     #   donate_argnames   the new state reuses the old one's buffers, so memory holds one copy
     #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
-    # jit needs no in_shardings: lower() is given ShapeDtypeStructs (target, batch, flags_spec),
-    # which carry their shardings. lower() traces the step for them and compile() compiles it,
-    # before any data exists. The static values are given here, once, so the compiled step
-    # takes only arrays: step_fn(state, batch, flags) -> (state, metrics)
+    # jit needs no in_shardings: lower() is given ShapeDtypeStructs, which carry their shardings:
+    # target, batch, and flags_spec(mesh), the signal flags' [devices] bool (one per device).
+    # lower() traces the step for them and compile() compiles it, before any data exists. The
+    # static values are given here, once, so the compiled step takes only arrays:
+    #   step_fn(state, batch, flags) -> (state, metrics)
     jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh), cfg=cfg, r=r, n_micro=n_micro).compile()
@@ -367,7 +370,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
     #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
     #                   advance it, and --init-from carries it into the next stage
-    # The LR follows s, never Adam's count (adamw says why).
+    # The LR follows s, never Adam's count: the count carries over from stage to stage, and
+    # each stage's schedule starts again at s = 1.
     step = state["step"] + 1  # s, this step
     # -- The loss and its gradients, over the micro-batches (nanoGPT's forward and backward)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
@@ -430,9 +434,6 @@ def split_micro(x, n_micro: int):
 
 # ----------------------------------------------------------------------------- the spike guard
 
-HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
-
-
 def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the history with them)
     # As plain Python, for each of the two values (before: its values at the steps before this):
     #   window = before[-128:]
@@ -489,10 +490,6 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
                                     [warmup])
     # "olmo3" is AI2's stage 1, in two parts (for the 7b presets; olmo3_stage1, second read)
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
-
-
-# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
-adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
@@ -570,7 +567,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop writes the files just before each save (save's comment says why).
+    # The loop writes the files just before each save, so that a checkpoint never lacks its
+    # steps' records.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -599,8 +597,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops the records past step, which a kill during a save leaves (save's comment shows one),
-    # so that no step's record is kept twice
+    # drops the records past step, which a kill during a save leaves (save's comment has an
+    # example), so that no step's record is kept twice
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
