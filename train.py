@@ -1,16 +1,9 @@
 """Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
 
 Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75."""
-# Steps count from 1, as in OLMo-core. The counters at step s:
-#   the batch       s - 1 (the loader counts batches from 0)
-#   the LR          schedule(r)(s): s is OLMo-core's k
-#   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-#   Adam's count    the updates made, for Adam's bias correction alone: a skip does not advance
-#                   it, and --init-from carries it into the next stage
-# The LR follows s, never Adam's count: the count carries over from stage to stage, and each
-# stage's schedule starts again at s = 1.
-# Every log_every steps, the run prints a progress line like this one (tiny, on a 2-core CPU;
-# tok/s and ETA vary with the machine; one line, wrapped here):
+# Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
+# counter). Every log_every steps, the run prints a progress line like this one (tiny, on a
+# 2-core CPU; tok/s and ETA vary with the machine; one line, wrapped here):
 # step     50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a
 #   | ETA 0:04:15
 # Read it from the top down: the recipe, `main`, `train` (setup, then the loop), then the helpers
@@ -254,9 +247,9 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 
 def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
-    # evaluation.py evaluates --eval-data and --eval-tasks if either is given, or else the
-    # corpus's held-out set, if there is one. Without evaluation.py, the held-out set is skipped,
-    # and the two flags are an error (data.beside says which file is missing).
+    # evaluation.py measures perplexity on --eval-data's sets, or else on the corpus's held-out
+    # set if there is one, and scores --eval-tasks' tasks. Without evaluation.py, the held-out
+    # set is skipped, and the two flags are an error (data.beside says which file is missing).
     if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks,
@@ -375,7 +368,15 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
     params = state["params"]
-    step = state["step"] + 1  # s, this step (the counters at step s: the table at the top)
+    # The counters at step s:
+    #   the batch       s - 1 (the loader counts batches from 0)
+    #   the LR          schedule(r)(s): s is OLMo-core's k
+    #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
+    #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
+    #                   advance it, and --init-from carries it into the next stage
+    # The LR follows s, never Adam's count: the count carries over from stage to stage, and
+    # each stage's schedule starts again at s = 1.
+    step = state["step"] + 1  # s, this step
     # -- The loss and its gradients, over the micro-batches (nanoGPT's forward and backward)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
     # micro-batches is the batch's mean loss.
