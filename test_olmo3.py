@@ -1355,6 +1355,34 @@ def test_a_resume_writes_each_step_once_when_the_log_outran_the_checkpoint(
     assert train_losses(records) == clean_losses
 
 
+def test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints_is_refused(
+    tmp_path, token_files, clean_losses
+):
+    """A real process killed after the loop writes metrics.jsonl for its first save, before
+    Orbax has begun it: no step was committed, and the same command starts fresh and trains
+    exactly. Then, with every checkpoint gone, the directory holds a run that trained past its
+    first save: the same command refuses in one line and leaves metrics.jsonl as it was."""
+    out = tmp_path / "run"
+    args = run_args(token_files, out, "--steps", "10", "--save-every", "3")
+    killed_at_save = ("import os, signal, sys, train; train.save = lambda *a, **k: "
+                      "os.kill(os.getpid(), signal.SIGKILL); sys.exit(train.main())")
+    died = subprocess.run([sys.executable, "-c", killed_at_save, *args], cwd=HERE)
+    assert died.returncode == -9 and not list((out / "checkpoints").iterdir())
+    assert max(train_losses(records_of(out))) == 3  # written for the save that never began
+    rerun = subprocess.run([sys.executable, "train.py", *args], cwd=HERE, capture_output=True,
+                           text=True)
+    assert rerun.returncode == 0 and "| fresh start |" in rerun.stdout, rerun.stderr
+    assert [r["step"] for r in records_of(out) if "loss" in r] == list(range(1, 11))
+    assert train_losses(records_of(out)) == clean_losses
+    for step_dir in (out / "checkpoints").iterdir():
+        shutil.rmtree(step_dir)
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match=r"^error: .* holds a run \(metrics.jsonl\) but no "
+                       r"checkpoint to resume; restore its checkpoints, or use a new --out$"):
+        train.main(args)
+    assert (out / "metrics.jsonl").read_text() == before
+
+
 def test_resume_refuses_another_model_or_data_order(tmp_path, token_files):
     run_train(tmp_path / "r", token_files, "--steps", "2")
     with pytest.raises(

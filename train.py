@@ -315,7 +315,8 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
         # resume restores the newest step (on a pod, the newest that every host can read)
         state = resume(cfg, r, manager, target, loader, log)
         return state, f"resumed from step {int(state['step'])}"
-    refuse_fresh_start(args.out)  # stops if a run trained in args.out but left no checkpoint
+    # stops if a run trained in args.out past its first save but left no checkpoint
+    refuse_fresh_start(args.out, log.lines["metrics.jsonl"], r.save_every)
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -787,24 +788,27 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
-def refuse_fresh_start(out):
+# records: metrics.jsonl's lines, as Log read them
+def refuse_fresh_start(out, records, save_every):
     # A directory where a run trained never starts over silently. starting_state calls this
     # when it finds no checkpoint to resume. Two facts tell what happened: the loop writes
-    # metrics.jsonl just before each save (save's comment), and Orbax names a step not committed yet
-    # "<step>.orbax-checkpoint-tmp...". So:
-    #   the directory holds                   which means                       so it
-    #   no metrics.jsonl                      nothing trained here              starts fresh
-    #   metrics.jsonl and a temporary step    the first save was cut short      starts fresh
-    #                                         (no step was ever committed, so
-    #                                         starting fresh loses nothing)
-    #   metrics.jsonl, no temporary step      a run trained; its checkpoints    refuses
-    #                                         are gone
-    #   a step renamed .unreadable            resume could read none of them    refuses
-    # A later save cut short leaves the earlier checkpoints: the run resumes from the newest,
-    # and never comes here.
+    # metrics.jsonl just before each save (save's comment), the first at step save_every or
+    # before; and Orbax names a step not committed yet "<step>.orbax-checkpoint-tmp...". So:
+    #   the directory holds                      which means                        so it
+    #   no record past step save_every           the run went no further than its   starts fresh
+    #                                            first save (a kill may have cut
+    #                                            it short, even before Orbax began)
+    #   records past it and a temporary step     a kill during a save, before any   starts fresh
+    #                                            step was committed
+    #   records past it, no temporary step       a run trained; its checkpoints     refuses
+    #                                            are gone
+    #   a step renamed .unreadable               resume could read none of them     refuses
+    # Starting fresh thus loses no committed step, or at most the save_every steps of a run whose
+    # first checkpoint is gone. A later save cut short leaves the earlier checkpoints: the run
+    # resumes from the newest, and never comes here.
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
-    trained = epath.Path(out, "metrics.jsonl").exists()  # written at every save
+    trained = any(json.loads(x)["step"] > save_every for x in records)  # past the first save
     save_cut_short = any(".orbax-checkpoint-tmp" in n for n in names)
     if unreadable or (trained and not save_cut_short):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
