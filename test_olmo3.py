@@ -1374,9 +1374,13 @@ def test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints
     assert rerun.returncode == 0 and "| fresh start |" in rerun.stdout, rerun.stderr
     assert [r["step"] for r in records_of(out) if "loss" in r] == list(range(1, 11))
     assert train_losses(records_of(out)) == clean_losses
+    before = (out / "metrics.jsonl").read_text()
+    for step_dir in (out / "checkpoints").iterdir():  # as resume leaves steps none can read
+        step_dir.rename(step_dir.with_name(f"{step_dir.name}.unreadable"))
+    with pytest.raises(SystemExit, match=r"^error: .* holds a run \(checkpoints \d+.unreadable, "):
+        train.main(args)
     for step_dir in (out / "checkpoints").iterdir():
         shutil.rmtree(step_dir)
-    before = (out / "metrics.jsonl").read_text()
     with pytest.raises(SystemExit, match=r"^error: .* holds a run \(metrics.jsonl\) but no "
                        r"checkpoint to resume; restore its checkpoints, or use a new --out$"):
         train.main(args)
