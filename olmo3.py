@@ -193,7 +193,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             # block, with this layer's window, rope, cfg and segments fixed, under jax.checkpoint
             # (remat_policy says why). window and cfg stay Python values that block's `if`s read.
-            # (jax.checkpoint traces the lambda at once, so it sees this iteration's window.)
+            # (The lambda is called in this iteration, so it sees this iteration's window.)
             layer = lambda p, x: block(p, x, window, ropes[window], cfg, segments)
             x = jax.checkpoint(layer, policy=remat_policy(cfg))(p, x)
         return x, None

@@ -141,7 +141,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       stop = step == args.stop_at or bool(SIGNALS)
     #       if step % r.save_every == 0 or stop: manager.save(step, state)  # (4)
     #       if stop: return 75  # (5) exits; the same command resumes the run
-    # The loop below differs in two ways. First, the metrics are read a step late. step_fn
+    # The loop below differs in three ways. First, the metrics are read a step late. step_fn
     # returns at once, so while the host waits for step 149's metrics, step 150 keeps the
     # devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
@@ -150,7 +150,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # at its own moment. So the step takes a third input, the signal flags (each host's
     # bool(SIGNALS)): it combines every host's flag, and the answer comes back with the metrics,
     # which are read anyway. A signal thus stops the run a step or two after it comes
-    # ("stopping", in the second read, follows one from step to step). (One more way to end
+    # ("stopping", in the second read, follows one from step to step). Third, a save comes after
+    # this step's metrics are read and metrics.jsonl is written, so that a checkpoint never lacks
+    # its steps' records, and a stop waits until its save is committed. (One more way to end
     # early: 10 skipped updates in a row, an error that late_metrics.add raises.)
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
@@ -315,8 +317,9 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
         # resume restores the newest step (on a pod, the newest that every host can read)
         state = resume(cfg, r, manager, target, loader, log)
         return state, f"resumed from step {int(state['step'])}"
-    # stops if a run trained in args.out past its first save but left no checkpoint
-    refuse_fresh_start(args.out, log.lines["metrics.jsonl"], r.save_every)
+    # stops if a run trained in args.out past its first save (its metrics.jsonl, which log has
+    # read, says so) but left no checkpoint
+    refuse_fresh_start(args.out, log, r.save_every)
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -788,27 +791,30 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
-# records: metrics.jsonl's lines, as Log read them
-def refuse_fresh_start(out, records, save_every):
-    # A directory where a run trained never starts over silently. starting_state calls this
-    # when it finds no checkpoint to resume. Two facts tell what happened: the loop writes
-    # metrics.jsonl just before each save (save's comment), the first at step save_every or
-    # before; and Orbax names a step not committed yet "<step>.orbax-checkpoint-tmp...". So:
+def refuse_fresh_start(out, log, save_every):
+    # The rule: with no checkpoint to resume, a directory where a run trained past its first save
+    # refuses to start over; one where nothing was committed yet starts fresh, losing nothing.
+    # starting_state calls this when it finds no checkpoint. Two facts tell what happened: the
+    # loop writes metrics.jsonl just before each save (save's comment), the first at step
+    # save_every or before; and Orbax names a step not committed yet
+    # "<step>.orbax-checkpoint-tmp...". So:
     #   the directory holds                      which means                        so it
     #   no record past step save_every           the run went no further than its   starts fresh
     #                                            first save (a kill may have cut
     #                                            it short, even before Orbax began)
     #   records past it and a temporary step     a kill during a save, before any   starts fresh
-    #                                            step was committed
+    #                                            step was committed (below)
     #   records past it, no temporary step       a run trained; its checkpoints     refuses
     #                                            are gone
     #   a step renamed .unreadable               resume could read none of them     refuses
-    # Starting fresh thus loses no committed step, or at most the save_every steps of a run whose
-    # first checkpoint is gone. A later save cut short leaves the earlier checkpoints: the run
-    # resumes from the newest, and never comes here.
+    # The second row, with --save-every 1: step 1's save is still being written in the background
+    # when the loop writes metrics.jsonl for step 2's save, and a kill comes. Starting fresh loses
+    # no committed step, or at most the save_every steps of a run whose first checkpoint is gone.
+    # A later save cut short leaves the earlier checkpoints: the run resumes from the newest.
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
-    trained = any(json.loads(x)["step"] > save_every for x in records)  # past the first save
+    # past the first save, by metrics.jsonl's records (as Log read them)
+    trained = any(json.loads(x)["step"] > save_every for x in log.lines["metrics.jsonl"])
     save_cut_short = any(".orbax-checkpoint-tmp" in n for n in names)
     if unreadable or (trained and not save_cut_short):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
