@@ -1385,6 +1385,24 @@ def test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints
                        r"checkpoint to resume; restore its checkpoints, or use a new --out$"):
         train.main(args)
     assert (out / "metrics.jsonl").read_text() == before
+    # A temporary step: a later save's leftover still refuses; the first save's, cut short while
+    # the loop wrote metrics.jsonl for the next save, may start fresh (nothing was committed).
+    log = train.Log(*train.parse_args(args)[:2], str(out), olmo3.make_mesh())
+    (out / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()
+    with pytest.raises(SystemExit, match="holds a run"):
+        train.refuse_fresh_start(str(out), log, 3)
+    (out / "checkpoints" / "3.orbax-checkpoint-tmp-2").mkdir()
+    train.refuse_fresh_start(str(out), log, 3)
+
+
+def test_a_read_error_without_a_message_is_retried_and_named(capsys):
+    """A bucket's timeout may raise TimeoutError() with no message: it is retried like any read
+    error, and the retry's line names its type."""
+    def read(step_dir):
+        raise TimeoutError()
+
+    assert train.read_retrying(read, "gs://b/run/checkpoints/7", tries=1) is None
+    assert "reading gs://b/run/checkpoints/7 (try 1): TimeoutError: " in capsys.readouterr().out
 
 
 def test_resume_refuses_another_model_or_data_order(tmp_path, token_files):

@@ -202,8 +202,8 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
-        # 10 skips in a row: the run is stuck, and stopping loses nothing (every checkpoint holds
-        # good weights, since a skipped update changes none)
+        # 10 skips in a row: the run is stuck, and it stops without a save. The newest checkpoint
+        # holds good weights (a skipped update changes none), but the updates since it are lost.
         if self.skipped >= 10:
             self.log.flush()
             raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
@@ -710,7 +710,7 @@ def resume(cfg, r, manager, target, loader, log):
         multihost_utils.sync_global_devices("unreadable checkpoint renamed")
         manager.reload()
     raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); "
-                     "restore one from a copy, or move them away to start again")
+                     "restore one from a copy, or use a new --out")
 
 
 def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, ...), or None
@@ -722,7 +722,7 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
         # Orbax and tensorstore raise many kinds of errors. restore's one-line mismatch error is
         # a SystemExit, which is not an Exception, so it passes through and is never retried.
         except Exception as e:
-            why = str(e).splitlines()[0][:200]
+            why = type(e).__name__ + ": " + str(e).split("\n")[0][:200]  # the message may be empty
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
             time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
     # every try failed, so it returns None
@@ -802,9 +802,9 @@ def refuse_fresh_start(out, log, save_every):
     #   no record past step save_every           the run went no further than its   starts fresh
     #                                            first save (a kill may have cut
     #                                            it short, even before Orbax began)
-    #   records past it and a temporary step     a kill during a save, before any   starts fresh
-    #                                            step was committed (below)
-    #   records past it, no temporary step       a run trained; its checkpoints     refuses
+    #   records past it, and the first save's    a kill during a save, before any   starts fresh
+    #   temporary step (at save_every or before) step was committed (below)
+    #   records past it, and no such step        a run trained; its checkpoints     refuses
     #                                            are gone
     #   a step renamed .unreadable               resume could read none of them     refuses
     # The second row, with --save-every 1: step 1's save is still being written in the background
@@ -815,7 +815,8 @@ def refuse_fresh_start(out, log, save_every):
     unreadable = [n for n in names if n.endswith(".unreadable")]
     # past the first save, by metrics.jsonl's records (as Log read them)
     trained = any(json.loads(x)["step"] > save_every for x in log.lines["metrics.jsonl"])
-    save_cut_short = any(".orbax-checkpoint-tmp" in n for n in names)
+    # the first save's temporary step (an older run's leftover of a later save does not count)
+    save_cut_short = any(int(n.split(".")[0]) <= save_every for n in names if "-tmp" in n)
     if unreadable or (trained and not save_cut_short):
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
