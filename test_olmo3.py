@@ -1509,8 +1509,10 @@ def test_kill_9_at_any_moment_then_the_same_command_resumes_exactly(
 def test_sigterm_checkpoints_exits_75_and_the_run_resumes_exactly(
     tmp_path, token_files, clean_losses
 ):
+    """The step that stops skips its evaluation (the grace period is for the save); every other
+    step evaluates, here, and the resumed run's losses are those of an uninterrupted run."""
     out = tmp_path / "run"
-    cmd = command(token_files, out, "--steps", "10", "--save-every", "100")
+    cmd = command(token_files, out, "--steps", "10", "--save-every", "100", "--eval-every", "1")
     proc = subprocess.Popen(
         cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=UNBUFFERED
     )
@@ -1525,6 +1527,8 @@ def test_sigterm_checkpoints_exits_75_and_the_run_resumes_exactly(
     assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)]
     subprocess.run(cmd, cwd=HERE, check=True, capture_output=True)
     assert train_losses(records_of(out)) == clean_losses
+    evaluated = [r["step"] for r in records_of(out) if "eval/lm/heldout/CE loss" in r]
+    assert evaluated == [s for s in range(1, 11) if s != step]
 
 
 # ----------------------------------------------------------------------------- the pod simulator

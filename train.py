@@ -162,7 +162,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # whole pod comes back in the metrics)
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        if evals and (step % r.eval_every == 0 or step == r.steps):  # (3)
+        # (3) Evaluate, but not when a signal is stopping the run: a preempted host's grace
+        # period, before it is killed, is for the save
+        if evals and (step % r.eval_every == 0 or step == r.steps) and not late_metrics.signalled:
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save.
