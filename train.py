@@ -851,7 +851,9 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     if SIGNALS and signum == signal.SIGINT:
         raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
     SIGNALS.append(signal.Signals(signum).name)
-    print(f"{SIGNALS[0]}: checkpointing within two steps, then stopping (Ctrl-C again: now)")
+    # os.write, not print: Python's buffered streams are not reentrant (its io docs), so a print
+    # here, in a signal handler that interrupted another print, may raise RuntimeError
+    os.write(1, f"{SIGNALS[0]}: checkpointing within two steps (Ctrl-C again: now)\n".encode())
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
