@@ -711,8 +711,9 @@ def resume(cfg, r, manager, target, loader, log):
             step_dir.rename(manager.directory / f"{step}.unreadable")
         multihost_utils.sync_global_devices("unreadable checkpoint renamed")
         manager.reload()
-    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); "
-                     "restore one from a copy, or use a new --out")
+    # (A cause on this side, as expired credentials, fails every step: the renames undo by hand.)
+    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); fix "
+                     "the cause and rename the .unreadable steps back, or use a new --out")
 
 
 def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, ...), or None
