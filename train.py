@@ -795,25 +795,15 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 
 
 def refuse_fresh_start(out, log, save_every):
-    # The rule: with no checkpoint to resume, a directory where a run trained past its first save
-    # refuses to start over; one where nothing was committed yet starts fresh, losing nothing.
-    # starting_state calls this when it finds no checkpoint. Two facts tell what happened: the
-    # loop writes metrics.jsonl just before each save (save's comment), the first at step
-    # save_every or before; and Orbax names a step not committed yet
-    # "<step>.orbax-checkpoint-tmp...". So:
-    #   the directory holds                      which means                        so it
-    #   no record past step save_every           the run went no further than its   starts fresh
-    #                                            first save (a kill may have cut
-    #                                            it short, even before Orbax began)
-    #   records past it, and the first save's    a kill during a save, before any   starts fresh
-    #   temporary step (at save_every or before) step was committed (below)
-    #   records past it, and no such step        a run trained; its checkpoints     refuses
-    #                                            are gone
-    #   a step renamed .unreadable               resume could read none of them     refuses
-    # The second row, with --save-every 1: step 1's save is still being written in the background
-    # when the loop writes metrics.jsonl for step 2's save, and a kill comes. Starting fresh loses
-    # no committed step, or at most the save_every steps of a run whose first checkpoint is gone.
-    # A later save cut short leaves the earlier checkpoints: the run resumes from the newest.
+    # The rule: with no checkpoint to resume, a run directory that trained past its first save
+    # refuses to start over; one whose first save never committed starts fresh, losing nothing.
+    # starting_state calls this when it finds no checkpoint. The loop writes metrics.jsonl just
+    # before each save, the first at step save_every or before, so a record past save_every
+    # means that the run got past its first save. The one exception: a kill while that first
+    # save was still being written in the background (with --save-every 1, during step 2's save),
+    # which leaves its temporary step, "<step>.orbax-checkpoint-tmp-...", and no step committed.
+    # A step renamed .unreadable (resume could read none) refuses too. (A run that never got past
+    # its first save and lost its checkpoint starts fresh as well: it loses at most save_every.)
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     # past the first save, by metrics.jsonl's records (as Log read them)
