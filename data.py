@@ -268,13 +268,14 @@ def pack(lengths, seq_len):  # OLMo-core's InstancePacker, returning bins of doc
 
 # ----------------------------------------------------------------------------- sources and mixes
 
-def resolve_source(source, tokenizer="dolma2", root=None):
-    # Token files, in order, from paths, a mix file (.txt), a folder with train.txt or a glob.
+def resolve_source(source, tokenizer="dolma2", root=None, split="train"):
+    # Token files, in order, from paths, a mix file (.txt), a tokenize folder (its split's mix:
+    # train.txt, or heldout.txt for evaluation) or a glob.
     named = {}  # each path's mix file line, for errors
     if isinstance(source, list | tuple):
         paths = [os.fspath(p) for p in source]
     elif str(source).endswith(".txt") or os.path.isdir(source):
-        mix = source if str(source).endswith(".txt") else os.path.join(source, "train.txt")
+        mix = source if str(source).endswith(".txt") else os.path.join(source, f"{split}.txt")
         named = {path: where for _, path, where in read_mix(mix, root, tokenizer)}
         paths = list(named)
     else:
@@ -367,8 +368,10 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
     if not 0 <= heldout < 1:
         raise SystemExit(f"error: --heldout {heldout} is not in [0, 1); give a fraction like 0.05")
     os.makedirs(out_dir, exist_ok=True)
-    # Remove an earlier run's heldout.txt. This run writes one only if it holds something out.
-    epath.Path(out_dir, "heldout.txt").unlink(missing_ok=True)
+    # Remove an earlier run's mix files: this run writes train.txt at its end, so a run cut short
+    # leaves none for a later run to trust, and heldout.txt only if it holds something out.
+    for name in ("train.txt", "heldout.txt"):
+        epath.Path(out_dir, name).unlink(missing_ok=True)
     # docs counts the documents written: [train, held out]
     tok, start, done, docs = get_tokenizer(tokenizer), time.time(), 0, [0, 0]
     with open(f"{out_dir}/train.npy", "wb") as train, open(f"{out_dir}/heldout.npy", "wb") as held:

@@ -116,9 +116,9 @@ def perplexity_sets(spec, tokenizer, root=None):  # {name: token files}
     # A mix file's labels group its lines into sets (AI2's v3-small-ppl-validation).
     if "=" in spec:
         pairs = (part.split("=", 1) for part in spec.split(","))
-        return {name: data.resolve_source(source, tokenizer, root) for name, source in pairs}
-    if not spec.endswith(".txt"):
-        return {"heldout": data.resolve_source(spec, tokenizer, root)}
+        return {name: data.resolve_source(src, tokenizer, root, "heldout") for name, src in pairs}
+    if not spec.endswith(".txt"):  # one source (a tokenize folder gives its heldout.txt)
+        return {"heldout": data.resolve_source(spec, tokenizer, root, "heldout")}
     data.resolve_source(spec, tokenizer, root)  # checks the files; an error names a mix line
     sets = {}  # one set per label, its files in the mix's order: {"c4_en": [file 1, file 2], ...}
     for label, path, _ in data.read_mix(spec, root, tokenizer):  # (label, file, "mix line N")

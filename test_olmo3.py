@@ -2000,6 +2000,18 @@ def test_tokenize_then_train_uses_the_held_out_split(tmp_path):
     )
     records = records_of(tmp_path / "run")
     assert [r["step"] for r in records if "eval/lm/heldout/CE loss" in r] == [2]
+    # --eval-data with the folder evaluates the same held-out split, not the training one
+    train.main(SMALL_RUN + ["--data", str(tmp_path / "tok"), "--eval-data", str(tmp_path / "tok"),
+                            "--out", str(tmp_path / "run2"), "--steps", "2"])
+    key = "eval/lm/heldout/CE loss"
+    ce = [[r[key] for r in records_of(tmp_path / run) if key in r] for run in ("run", "run2")]
+    assert ce[0] == ce[1]
+    # A re-tokenize into the folder that stops partway leaves no train.txt to trust
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no text field"}\n')
+    with pytest.raises(SystemExit, match=r"bad\.jsonl line 2"):
+        prepare.main(["tokenize", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "tok")])
+    with pytest.raises(SystemExit, match=r"^error: mix file .*tok/train\.txt does not exist"):
+        train.main(SMALL_RUN + ["--data", str(tmp_path / "tok"), "--out", str(tmp_path / "run3")])
 
 
 # ----------------------------------------------------------------------------- evaluation

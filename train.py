@@ -214,8 +214,8 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
-            step, m = jax.device_get(self.pending)  # waits for the devices, like loss.item()
-            self.pending = None
+            # waits for the devices, like loss.item(); nothing is pending after
+            (step, m), self.pending = jax.device_get(self.pending), None
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
