@@ -262,7 +262,8 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 
 
 # ----------------------------------------------------------------------------- the state
-# The state is one pytree, a dict of four entries; tiny's, with the arrays' shapes:
+# The state is one pytree, a dict of four entries; tiny's, with the arrays' shapes (its 258 byte
+# ids padded to 384 rows, olmo3.Config.padded_vocab):
 #   params      {"embed": [384, 256], "blocks": {"q": [4, 256, 256], ...}, "lm_head": [256, 384]...}
 #   opt_state   Adam's (count [], mu, nu), where mu and nu are shaped as params
 #   step        [], the steps done
@@ -420,8 +421,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # spikes [2] says whether the loss and whether the grad norm spiked. It watches CE, without
     # the z-loss, as OLMo-core's train module hands its optimizer the CE (latest_loss).
     spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
-    # A NaN or inf is always skipped: even with --spike-guard false, and even before step 64,
-    # when the spike guard does not check yet
+    # A NaN or inf in either value (their sum is then not finite) is always skipped: even with
+    # --spike-guard false, and even before step 64, when the spike guard does not check yet
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)
     # A skip keeps the old params and Adam state (its count too); step and history advance
     old = {"params": params, "opt_state": state["opt_state"]}  # before this step
@@ -567,8 +568,8 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
 
 # ----------------------------------------------------------------------------- the progress line
 
-# For the MFU: dense bf16 TFLOP/s per JAX device (Ironwood has two devices per chip). The first
-# name found in the device's kind wins, so "v5 lite" must come before "v5".
+# For the MFU: dense bf16 TFLOP/s per JAX device (Ironwood, TPU7x, has two devices per chip). The
+# first name found in the device's kind wins, so "v5 lite" must come before "v5".
 PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918, "v6e": 918,
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
