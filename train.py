@@ -801,8 +801,9 @@ def refuse_fresh_start(out, log, save_every):
     # starting_state calls this when it finds no checkpoint. The loop writes metrics.jsonl just
     # before each save, the first at step save_every or before, so a record past save_every
     # means that the run got past its first save. The one exception: a kill while that first
-    # save was still being written in the background (with --save-every 1, during step 2's save),
-    # which leaves its temporary step, "<step>.orbax-checkpoint-tmp-...", and no step committed.
+    # save was still being written in the background (with --save-every 1: step 1's save is not
+    # done when the loop writes metrics.jsonl for step 2's), which leaves its temporary step,
+    # "<step>.orbax-checkpoint-tmp-...", and no step committed.
     # A step renamed .unreadable (resume could read none) refuses too. (A run that never got past
     # its first save and lost its checkpoint starts fresh as well: it loses at most save_every.)
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
