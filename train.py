@@ -162,15 +162,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # whole pod comes back in the metrics)
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # (3) Evaluate, but not when a signal is stopping the run: a preempted host's grace
-        # period, before it is killed, is for the save
-        if evals and (step % r.eval_every == 0 or step == r.steps) and not late_metrics.signalled:
+        # (3) Evaluate, but not when a signal is stopping the run early: a preempted host's
+        # grace period, before it is killed, is for the save
+        if evals and (step == r.steps or (step % r.eval_every == 0 and not late_metrics.signalled)):
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too, so that the records are whole
+            manager.wait_until_finished()  # the last save is committed before the next records
             log.flush()  # metrics.jsonl first, so that a checkpoint never lacks its records
             save(manager, step, state, cfg, r, loader.fingerprint)  # written in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
@@ -799,20 +800,18 @@ def refuse_fresh_start(out, log, save_every):
     # The rule: with no checkpoint to resume, a run directory that trained past its first save
     # refuses to start over; one whose first save never committed starts fresh, losing nothing.
     # starting_state calls this when it finds no checkpoint. The loop writes metrics.jsonl just
-    # before each save, the first at step save_every or before, so a record past save_every
-    # means that the run got past its first save. The one exception: a kill while that first
-    # save was still being written in the background (with --save-every 1: step 1's save is not
-    # done when the loop writes metrics.jsonl for step 2's), which leaves its temporary step,
-    # "<step>.orbax-checkpoint-tmp-...", and no step committed.
-    # A step renamed .unreadable (resume could read none) refuses too. (A run that never got past
-    # its first save and lost its checkpoint starts fresh as well: it loses at most save_every.)
+    # before each save, once the save before it is committed. So records past step save_every
+    # (where the first save comes, or before) mean that the first save was committed, and a
+    # run trained here; records up to save_every at most mean that a kill may have cut the first
+    # save short, before anything was committed. A step renamed .unreadable (resume could read
+    # none) refuses too. (A run that never got past its first save, and lost its checkpoint,
+    # starts fresh as well: it loses at most save_every steps. So does one rerun with a larger
+    # --save-every.)
     names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
     unreadable = [n for n in names if n.endswith(".unreadable")]
     # past the first save, by metrics.jsonl's records (as Log read them)
     trained = any(json.loads(x)["step"] > save_every for x in log.lines["metrics.jsonl"])
-    # the first save's temporary step (an older run's leftover of a later save does not count)
-    save_cut_short = any(int(n.split(".")[0]) <= save_every for n in names if "-tmp" in n)
-    if unreadable or (trained and not save_cut_short):
+    if unreadable or trained:
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
                          "restore its checkpoints, or use a new --out")
