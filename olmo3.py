@@ -192,10 +192,10 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             # block, with this layer's window, rope, cfg and segments fixed, under jax.checkpoint
-            # (remat_policy says why). window and cfg stay Python values that block's `if`s read.
+            # (REMAT says why). window and cfg stay Python values that block's `if`s read.
             # (The lambda is called in this iteration, so it sees this iteration's window.)
             layer = lambda p, x: block(p, x, window, ropes[window], cfg, segments)
-            x = jax.checkpoint(layer, policy=remat_policy(cfg))(p, x)
+            x = jax.checkpoint(layer, policy=REMAT[cfg.remat])(p, x)
         return x, None
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]
@@ -204,9 +204,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
 # Every layer is a jax.checkpoint, so the backward pass keeps only what this policy says, and
 # recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
 # elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
-def remat_policy(cfg: Config):
-    policies = jax.checkpoint_policies
-    return policies.nothing_saveable if cfg.remat == "full" else policies.dots_saveable
+REMAT = {"dots": jax.checkpoint_policies.dots_saveable,
+         "full": jax.checkpoint_policies.nothing_saveable}
 
 
 # window is None (full) or W (decoder makes window and cfg static); rope is rope_tables'

@@ -1227,6 +1227,10 @@ def test_flag_errors_are_one_line(capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"^error: --mesh 'fsdp=two': expected data=N"):
         train.parse_args(["--mesh", "fsdp=two"])
+    # a count of 0 would divide by zero mid-run, or (--keep-checkpoints) delete every checkpoint
+    for flag in ("--save-every", "--eval-every", "--log-every", "--keep-checkpoints"):
+        with pytest.raises(SystemExit, match=f"^error: {flag} must be 1 or more$"):
+            train.parse_args([flag, "0"])
 
 
 def test_a_left_out_fsdp_takes_the_devices_the_other_axes_leave():

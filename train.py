@@ -68,6 +68,14 @@ class Recipe:
     keep_checkpoints: int = 3          # the newest ones, plus every keep_every-th step for good
     keep_every: int = 5000
 
+    # A flag that sets one of these counts below 1 stops here, with a one-line error: 0 would
+    # divide by zero in the loop (step % save_every), or keep no checkpoint at all (Orbax).
+    def __post_init__(self):
+        for f in ("seq_len", "global_batch", "log_every", "eval_every", "save_every",
+                  "keep_checkpoints", "keep_every", "source_group_size"):
+            if getattr(self, f) < 1:
+                raise SystemExit(f"error: --{f.replace('_', '-')} must be 1 or more")
+
 
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
@@ -141,25 +149,22 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       stop = step == args.stop_at or bool(SIGNALS)
     #       if step % r.save_every == 0 or stop: manager.save(step, state)  # (4)
     #       if stop: return 75  # (5) exits; the same command resumes the run
-    # The loop below differs in three ways. First, the metrics are read a step late. step_fn
-    # returns at once, so while the host waits for step 149's metrics, step 150 keeps the
-    # devices busy:
-    #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
-    #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # Second, on a pod, every host must stop after the same step, though a signal reaches each
-    # at its own moment. So the step takes a third input, the signal flags (each host's
-    # bool(SIGNALS)): it combines every host's flag, and the answer comes back with the metrics,
-    # which are read anyway. A signal thus stops the run a step or two after it comes
-    # ("stopping", in the second read, follows one from step to step). Third, a save comes after
-    # this step's metrics are read and metrics.jsonl is written, so that a checkpoint never lacks
-    # its steps' records, and a stop waits until its save is committed. (One more way to end
-    # early: 10 skipped updates in a row, an error that late_metrics.add raises.)
+    # The loop below does the same, with three differences, each explained where it happens:
+    #   (2)  the metrics are read a step late, so that the devices never wait for the host
+    #   (1)  the step takes a third input, this host's signal flag, so that every host of a pod
+    #        stops after the same step
+    #   (4)  a save first writes metrics.jsonl, in an order that the save block explains
+    # (One more way to end early: 10 skipped updates in a row, an error that late_metrics.add
+    # raises.)
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
-        # signal_flags(mesh): this host's input, whether it has had a signal (the answer for the
-        # whole pod comes back in the metrics)
+        # signal_flags(mesh): whether this host has had a signal (one bool for each of its
+        # devices). The step combines every host's flags, and its metrics["signalled"] says
+        # whether any host had one: each host reads the same answer, and they stop together.
+        # On one host it is simply bool(SIGNALS). ("stopping", in the second read, follows a
+        # signal from step to step.)
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) Evaluate, but not when a signal is stopping the run early: a preempted host's
@@ -169,10 +174,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
+        # The save block's order is the one rule that metrics.jsonl and the checkpoints keep:
+        # read this step's metrics, wait until the last save is committed, write metrics.jsonl,
+        # then save. It follows that
+        #   (a) a checkpoint never lacks its steps' records;
+        #   (b) records past the newest checkpoint come from a save that a kill cut short, and a
+        #       resume drops them (log.rewind);
+        #   (c) records past step save_every mean that the first save was committed, which
+        #       refuse_fresh_start relies on.
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             late_metrics.read_pending()  # this step's metrics too, so that the records are whole
             manager.wait_until_finished()  # the last save is committed before the next records
-            log.flush()  # metrics.jsonl first, so that a checkpoint never lacks its records
+            log.flush()  # writes metrics.jsonl (and log.txt)
             save(manager, step, state, cfg, r, loader.fingerprint)  # written in the background
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
@@ -189,9 +202,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
 
 class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
     # Keeps each step's metrics on the devices until the next step has been dispatched, then
-    # reads them (see the timeline above the loop). Before a save, read_pending also reads the
-    # step's own metrics, so that the metrics.jsonl saved with a checkpoint has every step.
-    # With save_every 100:
+    # reads them. step_fn returns at once, so while the host waits for step 149's metrics,
+    # step 150 keeps the devices busy:
+    #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
+    #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
+    # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
+    # logs.) Before a save, read_pending also reads the step's own metrics, so that the
+    # metrics.jsonl saved with a checkpoint has every step. With save_every 100:
     #   add(199)                    reads 198's metrics, keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
@@ -579,8 +596,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop writes the files just before each save, so that a checkpoint never lacks its
-    # steps' records.
+    # The loop writes the files just before each save (its save block says why).
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -672,9 +688,8 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 # manager.save(step, state), with the run's settings. It returns once Orbax has copied the state
 # to host memory, and writes the files in the background, so the next step may reuse the state's
 # device memory (donation). r and data_fingerprint are optional: convert.py saves params alone.
-# The loop writes metrics.jsonl just before each save. So a checkpoint never lacks its steps'
-# records, and refuse_fresh_start can read metrics.jsonl as "a run trained here". A kill between
-# the two leaves records past the newest checkpoint, which log.rewind drops:
+# The loop writes metrics.jsonl just before each save (its save block says why). A kill during
+# the save leaves records past the newest checkpoint, which log.rewind drops:
 #   step 200   the loop writes metrics.jsonl (steps 1-200), save starts, and a kill comes
 #              before Orbax commits step 200
 #   rerun      resumes from step 100; log.rewind(100) drops records 101-200, which steps 101-200
@@ -778,14 +793,14 @@ def compared_settings(settings, resuming):  # run_settings' -> the fields that m
 
 
 def read_item(path, tree):  # reads one item of a checkpoint step onto tree's shapes and shardings
-    handler = ocp.StandardCheckpointHandler()
     # each leaf's path and shape, such as [("opt_state/mu/embed", (384, 256)), ...]
     layout = lambda tree: sorted((jax.tree_util.keystr(k, simple=True, separator="/"),
                                   tuple(x.shape)) for k, x in jax.tree.leaves_with_path(tree))
-    if layout(handler.metadata(path)) != layout(tree):  # the code changed: fail, and never retry
+    # another layout means the code changed since the save: fail, and never retry
+    if layout(ocp.StandardCheckpointHandler().metadata(path)) != layout(tree):
         raise SystemExit(f"error: checkpoint {path.parent} holds a {path.name} layout this code "
                          "does not make; resume with the version that wrote it, or a new --out")
-    return handler.restore(path, args=ocp.args.StandardRestore(tree))
+    return ocp.StandardCheckpointHandler().restore(path, args=ocp.args.StandardRestore(tree))
 
 
 def latest_checkpoint(path):  # the newest step of a run directory or of a converted checkpoint
@@ -797,18 +812,17 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 
 
 def refuse_fresh_start(out, log, save_every):
-    # The rule: with no checkpoint to resume, a run directory that trained past its first save
-    # refuses to start over; one whose first save never committed starts fresh, losing nothing.
-    # starting_state calls this when it finds no checkpoint. The loop writes metrics.jsonl just
-    # before each save, once the save before it is committed. So records past step save_every
-    # (where the first save comes, or before) mean that the first save was committed, and a
-    # run trained here; records up to save_every at most mean that a kill may have cut the first
-    # save short, before anything was committed. A step renamed .unreadable (resume could read
-    # none) refuses too. (A run that never got past its first save, and lost its checkpoint,
-    # starts fresh as well: it loses at most save_every steps. So does one rerun with a larger
-    # --save-every.)
-    names = [p.name for p in (epath.Path(out) / "checkpoints").glob("*")]
-    unreadable = [n for n in names if n.endswith(".unreadable")]
+    # starting_state calls this when the run directory has no checkpoint to resume. What the
+    # directory holds, and what a rerun does:
+    #   nothing, or metrics.jsonl records up to   fresh start: a kill may have cut the first
+    #   step save_every at most                   save short, so nothing was committed
+    #   records past step save_every              refuse: the first save was committed (the
+    #                                             loop's save block, rule (c)), so a run trained
+    #                                             here, and its checkpoints are gone
+    #   a step renamed <step>.unreadable          refuse: resume could read none of them
+    # (A run that lost its only checkpoint before its records passed save_every starts fresh
+    # too, as does one rerun with a larger --save-every: each loses at most save_every steps.)
+    unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
     # past the first save, by metrics.jsonl's records (as Log read them)
     trained = any(json.loads(x)["step"] > save_every for x in log.lines["metrics.jsonl"])
     if unreadable or trained:
@@ -849,10 +863,10 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    spec = flags_spec(mesh)
-    # a device's entry, asked for by its index: every device of this process gets the same flag
-    flag = lambda index: np.array([bool(SIGNALS)])
-    return jax.make_array_from_callback(spec.shape, spec.sharding, flag)
+    # this process's entries, one for each of its devices, all the same flag (as device_batch
+    # gives each process's rows, JAX infers the whole [devices] array from the sharding)
+    local = np.full(len(mesh.local_devices), bool(SIGNALS))
+    return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local)
 
 
 def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
@@ -863,10 +877,9 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
 
 
 def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
-    if step == stop_at:
-        return "--stop-at"
     if signalled:  # LateMetrics.signalled, read a step late
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+    return "--stop-at" if step == stop_at else None
 
 
 # ----------------------------------------------------------------------------- across hosts
