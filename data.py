@@ -394,8 +394,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
         if n:
             epath.Path(out_dir, f"{split}.txt").write_text(f"{split},{split}.npy\n")
     if heldout and not docs[1]:
-        print(f"note: no document was held out: {heldout} of {docs[0]:,} rounds to none",
-              file=sys.stderr)
+        print(f"note: {heldout} of {docs[0]:,} documents rounds to none held out", file=sys.stderr)
 
 
 def is_heldout(text_bytes, fraction):  # hashes the content, so every machine agrees

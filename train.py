@@ -150,21 +150,19 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       if step % r.save_every == 0 or stop: manager.save(step, state)  # (4)
     #       if stop: return 75  # (5) exits; the same command resumes the run
     # The loop below does the same, with three differences, each explained where it happens:
-    #   (2)  the metrics are read a step late, so that the devices never wait for the host
     #   (1)  the step takes a third input, this host's signal flag, so that every host of a pod
     #        stops after the same step
-    #   (4)  a save first writes metrics.jsonl, in an order that the save block explains
+    #   (2)  the metrics are read a step late, so that the devices never wait for the host
+    #   (4)  a save writes metrics.jsonl first, then the checkpoint (save_with_records)
     # (One more way to end early: 10 skipped updates in a row, an error that late_metrics.add
     # raises.)
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
-        # signal_flags(mesh): whether this host has had a signal (one bool for each of its
-        # devices). The step combines every host's flags, and its metrics["signalled"] says
-        # whether any host had one: each host reads the same answer, and they stop together.
-        # On one host it is simply bool(SIGNALS). ("stopping", in the second read, follows a
-        # signal from step to step.)
+        # signal_flags(mesh): has this host had a signal? The step returns whether any host had
+        # one, in metrics["signalled"], so every host stops after the same step. On one host it
+        # is simply bool(SIGNALS). ("stopping", in the second read, has the whole path.)
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) Evaluate, but not when a signal is stopping the run early: a preempted host's
@@ -174,19 +172,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
-        # The save block's order is the one rule that metrics.jsonl and the checkpoints keep:
-        # read this step's metrics, wait until the last save is committed, write metrics.jsonl,
-        # then save. It follows that
-        #   (a) a checkpoint never lacks its steps' records;
-        #   (b) records past the newest checkpoint come from a save that a kill cut short, and a
-        #       resume drops them (log.rewind);
-        #   (c) records past step save_every mean that the first save was committed, which
-        #       refuse_fresh_start relies on.
+        # writes metrics.jsonl, then saves in the background (the checkpoints section says why
+        # in that order)
         if step % r.save_every == 0 or step == r.steps or stop is not None:
-            late_metrics.read_pending()  # this step's metrics too, so that the records are whole
-            manager.wait_until_finished()  # the last save is committed before the next records
-            log.flush()  # writes metrics.jsonl (and log.txt)
-            save(manager, step, state, cfg, r, loader.fingerprint)  # written in the background
+            save_with_records(manager, step, state, late_metrics, log, cfg, r, loader.fingerprint)
         if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -276,7 +265,7 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks,
                                                    args.data_root, log)
-    return None  # nothing to evaluate: no flag, and no held-out set (or no evaluation.py)
+    # else None: nothing to evaluate (no flag, and no held-out set or no evaluation.py)
 
 
 # ----------------------------------------------------------------------------- the state
@@ -596,7 +585,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop writes the files just before each save (its save block says why).
+    # The loop writes the files just before each save (save_with_records says why).
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -660,6 +649,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
 # params, train_state and config. What each function here does, and the failure it guards
 # against:
+#   save_with_records   writes the metrics, then a step, in an order that keeps them in step
 #   save                writes a step
 #   resume              finds the newest step that every process can read. A step that some
 #                       process cannot read (a corrupt file) is renamed <step>.unreadable, and
@@ -685,15 +675,28 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
+# The loop's save. Its order is the one rule that metrics.jsonl and the checkpoints keep: read
+# this step's metrics, wait until the last save is committed, write metrics.jsonl, then save.
+# It follows that
+#   (a) a checkpoint never lacks its steps' records;
+#   (b) records past the newest checkpoint come from a save that a kill cut short, and a resume
+#       drops them (log.rewind). With save_every 100:
+#         step 200  metrics.jsonl is written (steps 1-200), the save starts, and a kill comes
+#                   before Orbax commits step 200
+#         rerun     resumes from step 100; log.rewind(100) drops records 101-200, which steps
+#                   101-200 then write again
+#   (c) records past step save_every mean that the first save was committed, so a run trained
+#       here: refuse_fresh_start relies on it.
+def save_with_records(manager, step, state, late_metrics, log, cfg, r, data_fingerprint):
+    late_metrics.read_pending()  # this step's metrics too, so that the records are whole
+    manager.wait_until_finished()  # the last save is committed before the next records
+    log.flush()  # writes metrics.jsonl (and log.txt)
+    save(manager, step, state, cfg, r, data_fingerprint)
+
+
 # manager.save(step, state), with the run's settings. It returns once Orbax has copied the state
 # to host memory, and writes the files in the background, so the next step may reuse the state's
 # device memory (donation). r and data_fingerprint are optional: convert.py saves params alone.
-# The loop writes metrics.jsonl just before each save (its save block says why). A kill during
-# the save leaves records past the newest checkpoint, which log.rewind drops:
-#   step 200   the loop writes metrics.jsonl (steps 1-200), save starts, and a kill comes
-#              before Orbax commits step 200
-#   rerun      resumes from step 100; log.rewind(100) drops records 101-200, which steps 101-200
-#              then write again
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
@@ -816,9 +819,9 @@ def refuse_fresh_start(out, log, save_every):
     # directory holds, and what a rerun does:
     #   nothing, or metrics.jsonl records up to   fresh start: a kill may have cut the first
     #   step save_every at most                   save short, so nothing was committed
-    #   records past step save_every              refuse: the first save was committed (the
-    #                                             loop's save block, rule (c)), so a run trained
-    #                                             here, and its checkpoints are gone
+    #   records past step save_every              refuse: the first save was committed
+    #                                             (save_with_records, rule (c)), so a run
+    #                                             trained here, and its checkpoints are gone
     #   a step renamed <step>.unreadable          refuse: resume could read none of them
     # (A run that lost its only checkpoint before its records passed save_every starts fresh
     # too, as does one rerun with a larger --save-every: each loses at most save_every steps.)
