@@ -1375,7 +1375,7 @@ def test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints
     assert max(train_losses(records_of(out))) == 3  # written for the save that never began
     rerun = subprocess.run([sys.executable, "train.py", *args], cwd=HERE, capture_output=True,
                            text=True)
-    assert rerun.returncode == 0 and "| fresh start |" in rerun.stdout, rerun.stderr
+    assert rerun.returncode == 0 and "\nfresh start\n" in rerun.stdout, rerun.stderr
     assert [r["step"] for r in records_of(out) if "loss" in r] == list(range(1, 11))
     assert train_losses(records_of(out)) == clean_losses
     before = (out / "metrics.jsonl").read_text()

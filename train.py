@@ -124,22 +124,25 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
     # The second read's helpers are glossed where this function calls them.
-    loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
     log = Log(cfg, r, args.out, mesh)
-    evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # target describes the state: each array's shape, dtype and sharding, with nothing allocated
     target = abstract_state(cfg, r, mesh)
+    devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
+    log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | compiling")
+    # nanoGPT's torch.compile, ahead of time. It comes first, so that a batch that does not
+    # split over the devices, or a step that does not fit in their memory, fails at once.
+    step_fn = compile_step(cfg, r, mesh, target)
+    loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
+    evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # nanoGPT's init_from: "scratch" (a fresh start), "resume" (torch.load) or "gpt2" (here,
     # --init-from)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     # a kill during a save can leave metrics.jsonl records past the checkpoint's step: drops them
     log.rewind(done)
-    devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
-    log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | {note} | compiling")
-    step_fn = compile_step(cfg, r, mesh, target)  # nanoGPT's torch.compile, ahead of time
+    log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # On one device, nanoGPT would write the loop like this (SIGNALS lists the signals received,
     # Ctrl-C or a SIGTERM, each of which stops the run as --stop-at does):
     #   for step in range(done + 1, r.steps + 1):
@@ -170,8 +173,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         if evals and (step == r.steps or (step % r.eval_every == 0 and not late_metrics.signalled)):
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
-        # to stop is decided first, since a stop needs a save.
-        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # why it stops, or None
+        # to stop is decided first, since a stop needs a save. stop says why, or is None.
+        stop = "--stop-at" if step == args.stop_at else None
+        if late_metrics.signalled:  # a signal, read a step late, on this host or another
+            stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
         # writes metrics.jsonl, then saves in the background (the checkpoints section says why
         # in that order)
         if step % r.save_every == 0 or step == r.steps or stop is not None:
@@ -221,8 +226,8 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
-            # waits for the devices, like loss.item(); nothing is pending after
-            (step, m), self.pending = jax.device_get(self.pending), None
+            step, m = jax.device_get(self.pending)  # waits for the devices, like loss.item()
+            self.pending = None
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
@@ -535,8 +540,8 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 #                 with code 75 (signal_flags). The same command resumes the run.
 #   across hosts  All along: start_jax joined the hosts' processes at start-up, and each
 #                 process's loader reads only its own devices' rows (olmo3.local_rows).
-# JAX's terms for several hosts (process_allgather, make_array_from_callback, ...) are in the
-# last table of the README's JAX glossary.
+# JAX's terms for several hosts (process_allgather, make_array_from_process_local_data, ...) are in
+# the last table of the README's JAX glossary.
 # =============================================================================
 
 
@@ -836,8 +841,8 @@ def refuse_fresh_start(out, log, save_every):
 
 # ----------------------------------------------------------------------------- stopping
 # A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
-# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> stop_reason ->
-# the loop saves and exits 75.
+# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> the loop's stop
+# -> it saves and exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
@@ -877,12 +882,6 @@ def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one ent
     # tuple in one place, not three dimensions), so each device holds one entry
     each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
     return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
-
-
-def stop_reason(step, stop_at, signalled):  # -> why the run stops after step, or None
-    if signalled:  # LateMetrics.signalled, read a step late
-        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
-    return "--stop-at" if step == stop_at else None
 
 
 # ----------------------------------------------------------------------------- across hosts
