@@ -39,14 +39,15 @@ import olmo3
 import train
 
 
-def evaluator(cfg, r, mesh, sets_spec, tasks_spec, root=None, log=None):
+def evaluator(cfg, r, mesh, sets_spec, args, log=None):
     """Reads the sets and tasks once, here, and returns evaluate(params, step), which logs."""
+    # args: the flags; it reads --eval-tasks (args.eval_tasks) and --data-root (args.data_root)
     tokenizer = data.get_tokenizer(cfg.tokenizer)
-    sets = perplexity_sets(sets_spec, cfg.tokenizer, root) if sets_spec else {}
+    sets = perplexity_sets(sets_spec, cfg.tokenizer, args.data_root) if sets_spec else {}
     ppl_rows = {name: document_rows(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
                 for name, files in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
-             for name in filter(None, tasks_spec.split(","))}
+             for name in filter(None, args.eval_tasks.split(","))}
     # rows a forward pass takes, over all devices: what a training step's memory holds
     step_rows = r.micro_batch if r.micro_batch else r.global_batch
 
@@ -168,7 +169,7 @@ def main(cfg, r, args):
             new = generate(params, cfg, prompt, args.max_new_tokens, args.temperature)
             print(args.generate + tokenizer.decode(np.asarray(new[0])))
             return 0
-        results = evaluator(cfg, r, mesh, args.eval_data, args.eval_tasks, args.data_root)(params)
+        results = evaluator(cfg, r, mesh, args.eval_data, args)(params)
     for name, metrics in results.items():
         print(f"{name:40s} " + "  ".join(f"{m} {round(v, 4)}" for m, v in metrics.items()))
     if jax.process_index() == 0:

@@ -1908,6 +1908,9 @@ def test_wrong_init_checkpoint_and_batch_not_dividing_are_one_line_errors(tmp_pa
         r"data-parallel devices do not divide",
     ):
         train.main(SMALL_RUN + ["--dry-run", "--global-batch", "12"])
+    # training too: the step compiles, and checks, before the loader cuts the batch over hosts
+    with pytest.raises(SystemExit, match=r"^error: global batch 12 / micro batch 12 / 8 "):
+        run_train(tmp_path / "b", token_files, "--global-batch", "12")
     with pytest.raises(SystemExit, match=r"^error: --data is required with the dolma2 tokenizer"):
         train.main(["--preset", "7b", "--out", str(tmp_path / "7b")])
 
@@ -2243,7 +2246,7 @@ def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     assert [len(d) for d, _ in got] == [6, 32, 4] and got[1][0][-1] == 31
     cfg, r, args = train.parse_args(SMALL_RUN + ["--global-batch", "4"])
     params = olmo3.init(cfg, jax.random.key(0))
-    result = evaluation.evaluator(cfg, r, olmo3.make_mesh(fsdp=2), str(tmp_path / "a.npy"), "")(
+    result = evaluation.evaluator(cfg, r, olmo3.make_mesh(fsdp=2), str(tmp_path / "a.npy"), args)(
         params
     )["heldout"]
     ce = sum(

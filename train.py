@@ -157,8 +157,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #        stops after the same step
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
     #   (4)  a save writes metrics.jsonl first, then the checkpoint (save_with_records)
-    # (One more way to end early: 10 skipped updates in a row, an error that late_metrics.add
-    # raises.)
+    # (One more way to end early: 10 skipped updates in a row, an error.)
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
@@ -168,6 +167,15 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # is simply bool(SIGNALS). ("stopping", in the second read, has the whole path.)
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
+        # 10 updates skipped in a row: the run is stuck, and stops without a save. The newest
+        # checkpoint holds good weights (a skipped update changes none); the updates since it
+        # are lost. It waits for the last save to commit before writing the records, as
+        # save_with_records does.
+        if late_metrics.skipped >= 10:
+            manager.wait_until_finished()
+            log.flush()
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
+                             "lower --lr (a resume may change it) or check the data")
         # (3) Evaluate, but not when a signal is stopping the run early: a preempted host's
         # grace period, before it is killed, is for the save
         if evals and (step == r.steps or (step % r.eval_every == 0 and not late_metrics.signalled)):
@@ -206,7 +214,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     #   add(199)                    reads 198's metrics, keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
-    # Reading also counts the updates skipped in a row: add stops the run at 10.
+    # Reading also counts the updates skipped in a row (skipped): the loop stops the run at 10.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -216,12 +224,6 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
-        # 10 skips in a row: the run is stuck, and it stops without a save. The newest checkpoint
-        # holds good weights (a skipped update changes none), but the updates since it are lost.
-        if self.skipped >= 10:
-            self.log.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
-                             "lower --lr (a resume may change it) or check the data")
         self.pending = (step, metrics)
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
@@ -268,8 +270,7 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
     # set is skipped, and the two flags are an error (data.beside says which file is missing).
     if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
-        return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args.eval_tasks,
-                                                   args.data_root, log)
+        return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args, log)
     # else None: nothing to evaluate (no flag, and no held-out set or no evaluation.py)
 
 
