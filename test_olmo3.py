@@ -1758,6 +1758,23 @@ def test_a_weight_renamed_with_its_shape_kept_is_a_layout_error_not_an_unreadabl
         train.read_item(train.latest_checkpoint(out) / "params", params)
 
 
+def test_pod_signal_flags_on_a_mesh_that_holds_more_devices_of_one_process():
+    # tensor=3 of 4 devices: process 0 holds 2 of the mesh's devices, process 1 holds 1, so JAX
+    # cannot infer the flags' whole shape from one process's part; signal_flags gives it
+    script = (
+        "import jax, olmo3, train\n"
+        "jax.config.update('jax_cpu_collectives_implementation', 'gloo')\n"
+        "jax.distributed.initialize()\n"
+        "mesh = olmo3.make_mesh(data=1, fsdp=1, tensor=3)\n"
+        "flags = train.signal_flags(mesh)\n"
+        "print('flags', flags.shape, len(mesh.local_devices), flush=True)\n"
+    )
+    procs = pod([sys.executable, "-c", script])
+    outputs = outputs_of(procs, timeout=120)
+    assert exits(procs, outputs) == [0, 0], outputs
+    assert "flags (3,) 2" in outputs[0] and "flags (3,) 1" in outputs[1], outputs
+
+
 def test_pod_run_directory_not_shared_is_a_one_line_error_at_start_up(tmp_path, token_files):
     """A relative --out in two working directories: two run directories, found at start-up
     rather than as a hang in the first save."""

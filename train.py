@@ -170,7 +170,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # 10 updates skipped in a row: the run is stuck, and stops without a save. The newest
         # checkpoint holds good weights (a skipped update changes none); the updates since it
         # are lost. It waits for the last save to commit before writing the records, as
-        # save_with_records does.
+        # save_with_records does. (The skips counted are up to step - 1, read a step late.)
         if late_metrics.skipped >= 10:
             manager.wait_until_finished()
             log.flush()
@@ -620,7 +620,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops the records past step, which a kill during a save leaves (save's comment has an
+    # drops the records past step, which a kill during a save leaves (save_with_records has an
     # example), so that no step's record is kept twice
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
@@ -872,10 +872,11 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    # this process's entries, one for each of its devices, all the same flag (as device_batch
-    # gives each process's rows, JAX infers the whole [devices] array from the sharding)
+    # this process's entries, one for each of its devices, all the same flag, as device_batch
+    # gives each process's rows. The whole shape is given: where processes hold different
+    # numbers of the mesh's devices, JAX could not infer it.
     local = np.full(len(mesh.local_devices), bool(SIGNALS))
-    return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local)
+    return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local, (mesh.size,))
 
 
 def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
