@@ -157,8 +157,7 @@ def config_to_hf(cfg) -> dict:
     # The sliding layers get plain RoPE. The full-attention layers get plain RoPE too, or, with
     # YaRN, YaRN's keys over it, so that they keep the same theta (a YaRN dict without rope_theta
     # would take Olmo3Config.default_theta, 500,000 in transformers 5.24).
-    plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    full = plain
+    full = plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.yarn_factor:  # YaRN's keys, for the full-attention layers only
         full = plain | {"rope_type": "yarn", "factor": cfg.yarn_factor, "beta_fast":
                         cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,

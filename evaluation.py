@@ -44,8 +44,8 @@ def evaluator(cfg, r, mesh, sets_spec, args, log=None):
     # args: the flags; it reads --eval-tasks (args.eval_tasks) and --data-root (args.data_root)
     tokenizer = data.get_tokenizer(cfg.tokenizer)
     sets = perplexity_sets(sets_spec, cfg.tokenizer, args.data_root) if sets_spec else {}
-    ppl_rows = {name: document_rows(files, tokenizer.eos_id, r.seq_len, r.eval_limit)
-                for name, files in sets.items()}
+    ppl_rows = {name: document_rows(f, tokenizer.eos_id, r.seq_len, r.eval_limit, cfg.vocab_size)
+                for name, f in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, args.eval_tasks.split(","))}
     # rows a forward pass takes, over all devices: what a training step's memory holds
@@ -93,7 +93,6 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     # so logprobs compiles once for each vocab. The batch's rows are cut over the data-parallel
     # devices, as in training, and each must get as many: step_rows is rounded up to a multiple
     # of their count.
-    sharding = olmo3.batch_sharding(mesh)
     # whole: every device holds all of the array (P() cuts no dimension). On a pod, a host can
     # read only what its own devices hold, so the sums are put whole before np.asarray reads them.
     whole = NamedSharding(mesh, P())
@@ -105,7 +104,7 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
             x[row, :len(inputs)], y[row, :len(labels)] = inputs, labels
         # Every process builds the same whole batch (the sets are small), so device_put works on
         # a pod as on one host: JAX checks that the processes agree, and each keeps its rows.
-        x, y = jax.device_put((x, y), sharding)
+        x, y = jax.device_put((x, y), olmo3.batch_sharding(mesh))
         out.append(np.asarray(jax.device_put(logprobs(params, x, y, cfg, vocab), whole)))
     return np.concatenate(out)[:len(rows)]
 
@@ -128,10 +127,13 @@ def perplexity_sets(spec, tokenizer, root=None):  # {name: token files}
 
 
 # (document, its labels) of the first `limit` documents (0: all), each with its EOS, cut to seq_len
-def document_rows(files, eos, seq_len, limit):
+def document_rows(files, eos, seq_len, limit, vocab_size):
     docs = []
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
+        # another tokenizer's ids, past the embedding, would score NaN, with no reason given
+        if tokens.max(initial=0) >= vocab_size:
+            raise SystemExit(f"error: {f} has token ids >= the vocab, {vocab_size}; re-tokenize it")
         # Tokens after a file's last EOS count as one more document here. OLMo-core's eval sets
         # (and our packing) drop them, as iter_document_indices yields only documents that end
         # with an EOS; AI2's token files end with one, so the two agree on them. Kept, so that

@@ -2259,8 +2259,12 @@ def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     (tmp_path / "gone.txt").write_text("x,a.npy\ny,b.npy\n")  # a missing file: its mix line
     with pytest.raises(SystemExit, match=r"b\.npy does not exist \(.*gone\.txt line 2\)"):
         evaluation.perplexity_sets(str(tmp_path / "gone.txt"), "bytes")
-    got = evaluation.document_rows(sets["y"], eos, 32, 0)
+    got = evaluation.document_rows(sets["y"], eos, 32, 0, 258)
     assert [len(d) for d, _ in got] == [6, 32, 4] and got[1][0][-1] == 31
+    # another tokenizer's ids (dolma2's EOS, 100257, for a byte model) would score NaN
+    write_tokens(tmp_path / "d.npy", np.array([72, 105, 100257]))
+    with pytest.raises(SystemExit, match=r"d\.npy has token ids >= the vocab, 258; re-tokenize"):
+        evaluation.document_rows([str(tmp_path / "d.npy")], eos, 32, 0, 258)
     cfg, r, args = train.parse_args(SMALL_RUN + ["--global-batch", "4"])
     params = olmo3.init(cfg, jax.random.key(0))
     result = evaluation.evaluator(cfg, r, olmo3.make_mesh(fsdp=2), str(tmp_path / "a.npy"), args)(
