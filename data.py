@@ -159,7 +159,9 @@ class PackedLoader(Loader):
         # instance (docs[3]), instance after instance.
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, sorted: [0, 0, 1, 2, 2, 2]
-        self.set_instances(int(instance[-1]) + 1)  # instances are numbered from 0
+        # instances are numbered from 0. Token files with no EOS hold no document, so no
+        # instance: set_instances then stops with its one-line error (not an IndexError).
+        self.set_instances(int(instance.max(initial=-1)) + 1)
         # bounds[i]: instance i's first document, so its documents are bounds[i] to bounds[i + 1]
         # ([0, 2, 3, 6] for the instances above; the last entry is one past the last document)
         self.bounds = np.searchsorted(instance, np.arange(self.num_instances + 1))

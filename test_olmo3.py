@@ -1077,6 +1077,10 @@ def test_packing_takes_a_file_without_an_eos_or_an_empty_one(tmp_path):
     loader = data.PackedLoader(files, 4, 1, 0, tokenizer="bytes", group_size=3, cache=tmp_path)
     rows = sorted(loader.batch(step)["inputs"][0].tolist() for step in range(2))
     assert rows == [[1, 2, 3, eos], [4, 5, eos, 257]]  # 257: the byte tokenizer's pad
+    # token files with no EOS at all hold no document, so no packed instance: a one-line error
+    np.arange(8, dtype="<u4").tofile(files[1])  # two rows of 4 unpacked, but no document
+    with pytest.raises(SystemExit, match=r"^error: the corpus has 0 instances of 4 tokens"):
+        data.PackedLoader(files[1:], 4, 1, 0, tokenizer="bytes", cache=tmp_path / "none")
 
 
 def test_a_document_in_a_packed_row_never_sees_another(tmp_path):
