@@ -179,13 +179,13 @@ def verify(hf_dir, cfg, params, seq_len=256, batch=2):
     # It reports KL(HF || ours) per position, top-1 agreement and max |logit difference|, over
     # the real vocabulary. torch and transformers are imported here: only --verify needs them.
     import torch
-    import transformers
+    from transformers import AutoModelForCausalLM
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq_len))
     results = {}
     for dtype in ("float32", "bfloat16"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-        with torch.no_grad():
-            theirs = model(torch.from_numpy(tokens)).logits.double().numpy()
+        # requires_grad_(False): a forward pass that keeps nothing for a backward one
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).requires_grad_(False)
+        theirs = model(torch.from_numpy(tokens)).logits.double().numpy()
         ours = jax.jit(olmo3.forward, static_argnums=2)(
             params, tokens, dataclasses.replace(cfg, compute_dtype=dtype, attention="reference"))
         ours = np.asarray(ours, np.float64)[..., :cfg.vocab_size]

@@ -192,7 +192,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
             # block, with this layer's window, rope, cfg and segments fixed, under jax.checkpoint
-            # (REMAT says why). window and cfg stay Python values that block's `if`s read.
+            # (REMAT says why). window and cfg stay Python values for attention's `if`s.
             # (The lambda is called in this iteration, so it sees this iteration's window.)
             layer = lambda p, x: block(p, x, window, ropes[window], cfg, segments)
             x = jax.checkpoint(layer, policy=REMAT[cfg.remat])(p, x)

@@ -18,17 +18,20 @@ SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/d
 
 # `python data.py tokenize ...` lands here, so its --help opens with data.py's docstring
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=data.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=data.__doc__)
     ap.add_argument("command", choices=["tokenize"])
     ap.add_argument("inputs", nargs="+", help=".txt (one document), .jsonl, .jsonl.gz, .json.gz")
     ap.add_argument("--out", required=True, help="folder: train.txt (and heldout.txt), the tokens")
     ap.add_argument("--heldout", type=float, default=0.0, help="fraction held out, by content")
     ap.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
     args = ap.parse_args(argv)
+    # tokenize rewrites these two in --out first: an input of that name there would be lost
+    outputs = [os.path.abspath(os.path.join(args.out, n)) for n in ("train.txt", "heldout.txt")]
     for path in args.inputs:
         if not os.path.isfile(path):
             raise SystemExit(f"error: input {path} does not exist; check the path")
+        if os.path.abspath(path) in outputs:
+            raise SystemExit(f"error: input {path} is an output of tokenize; choose another --out")
     texts = (text for path in args.inputs for text in documents(path) if text)  # skip empty ones
     gz = any(path.endswith(".gz") for path in args.inputs)
     total = None if gz else sum(map(os.path.getsize, args.inputs))  # for the ETA
@@ -60,8 +63,7 @@ def shakespeare():
     path = os.path.join(data.cache_dir(), "tinyshakespeare.txt")
     if not os.path.exists(path):
         try:
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as response:
-                text = response.read()
+            text = urllib.request.urlopen(SHAKESPEARE_URL, timeout=60).read()  # closed when read
         except OSError as e:
             raise SystemExit(f"error: could not download TinyShakespeare ({type(e).__name__}); "
                              f"connect, or put the file at {path}") from None

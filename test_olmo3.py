@@ -682,6 +682,13 @@ def test_tokenize_errors_are_one_line(tmp_path):
         prepare.main(["tokenize", str(tmp_path / "x.csv"), "--out", str(tmp_path / "o4")])
     with pytest.raises(SystemExit, match="error: --heldout"):
         prepare.main(["tokenize", str(tmp_path / "bad.jsonl"), "--out", "o5", "--heldout", "1.5"])
+    # a text file named train.txt, tokenized into its own folder: refused, never deleted
+    (tmp_path / "wt").mkdir()
+    text = tmp_path / "wt" / "train.txt"
+    text.write_text("the user's own text")
+    with pytest.raises(SystemExit, match=r"error: input .*train\.txt is an output of tokenize"):
+        prepare.main(["tokenize", str(text), "--out", str(tmp_path / "wt")])
+    assert text.read_text() == "the user's own text"
 
 
 def test_the_tokenize_command_runs_as_a_script(tmp_path):
@@ -775,6 +782,10 @@ def test_read_mix_and_resolve_source(tmp_path):
     assert data.resolve_source(str(tmp_path / "*.npy"), "dolma2") == [b, c]  # sorted
     os.rename(tmp_path / "mix.txt", tmp_path / "train.txt")
     assert data.resolve_source(str(tmp_path), "dolma2") == [a, b]
+    # a file named twice is read twice, as OLMo-core's DataMix.build keeps every line
+    (tmp_path / "twice.txt").write_text("x,{TOKENIZER}/a.npy\ny,b.npy\nx,{TOKENIZER}/a.npy\n")
+    assert data.resolve_source(str(tmp_path / "twice.txt"), "dolma2") == [a, b, a]
+    assert data.Loader(str(tmp_path / "twice.txt"), 2, 1, 0).num_instances == 5 + 2 + 5
 
 
 # What {TOKENIZER} becomes for the dolma2 tokenizer in every mix file OLMo-core ships, by

@@ -126,7 +126,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # The second read's helpers are glossed where this function calls them.
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files
-    log = Log(cfg, r, args.out, mesh)
+    log = Log(cfg, r, args.out, mesh, manager)
     # target describes the state: each array's shape, dtype and sharding, with nothing allocated
     target = abstract_state(cfg, r, mesh)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
@@ -157,7 +157,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #        stops after the same step
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
     #   (4)  a save writes metrics.jsonl first, then the checkpoint (save_with_records)
-    # (One more way to end early: 10 skipped updates in a row, an error.)
+    # (One more way to end early: 10 skipped updates in a row, an error that late_metrics.add
+    # raises.)
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
@@ -167,24 +168,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # is simply bool(SIGNALS). ("stopping", in the second read, has the whole path.)
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # 10 updates skipped in a row: the run is stuck, and stops without a save. The newest
-        # checkpoint holds good weights (a skipped update changes none); the updates since it
-        # are lost. It waits for the last save to commit before writing the records, as
-        # save_with_records does. (The skips counted are up to step - 1, read a step late.)
-        if late_metrics.skipped >= 10:
-            manager.wait_until_finished()
-            log.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
-                             "lower --lr (a resume may change it) or check the data")
         # (3) Evaluate, but not when a signal is stopping the run early: a preempted host's
         # grace period, before it is killed, is for the save
         if evals and (step == r.steps or (step % r.eval_every == 0 and not late_metrics.signalled)):
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save. stop says why, or is None.
-        stop = "--stop-at" if step == args.stop_at else None
-        if late_metrics.signalled:  # a signal, read a step late, on this host or another
-            stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+        stop = late_metrics.stop_reason(step, args.stop_at)
         # writes metrics.jsonl, then saves in the background (the checkpoints section says why
         # in that order)
         if step % r.save_every == 0 or step == r.steps or stop is not None:
@@ -194,7 +184,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
-    manager.wait_until_finished()
+    # the last save commits in the background while the samples run (log.flush waits for it)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
@@ -214,7 +204,8 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     #   add(199)                    reads 198's metrics, keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
-    # Reading also counts the updates skipped in a row (skipped): the loop stops the run at 10.
+    # Reading also counts the updates skipped in a row (skipped): add stops the run at 10.
+    # stop_reason then tells the loop whether to stop early, from the signals read.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -224,7 +215,18 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
+        # 10 skips in a row: the run is stuck, and it stops without a save. The newest checkpoint
+        # holds good weights (a skipped update changes none), but the updates since it are lost.
+        if self.skipped >= 10:
+            self.log.flush()  # (which first waits for the last save to commit)
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
+                             "lower --lr (a resume may change it) or check the data")
         self.pending = (step, metrics)
+
+    def stop_reason(self, step, stop_at):  # -> why the run stops after step, or None
+        if self.signalled:  # a signal, read a step late, on this host or another ("stopping")
+            return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+        return "--stop-at" if step == stop_at else None
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
@@ -356,7 +358,7 @@ def compile_step(cfg, r, mesh, target):
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     # the batch splits into whole micro-batches, and each micro-batch's rows evenly over the
     # data-parallel devices
-    if r.global_batch % micro or micro % dp:
+    if micro < 1 or r.global_batch % micro or micro % dp:  # (micro < 1: a negative --micro-batch)
         raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
                          "data-parallel devices do not divide; pick multiples of each other")
     # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
@@ -593,8 +595,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # slice loses with the slice.
     # The loop writes the files just before each save (save_with_records says why).
 
-    def __init__(self, cfg, r, run_dir, mesh):
-        self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
+    def __init__(self, cfg, r, run_dir, mesh, manager):
+        # manager: the run's CheckpointManager, whose last save flush waits for (flush says why)
+        self.cfg, self.r, self.run_dir, self.mesh, self.manager = cfg, r, run_dir, mesh, manager
         # last is the (step, time) of the last progress line
         self.started, self.last = time.time(), None
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
@@ -611,8 +614,11 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if record and jax.process_index() == 0:  # only process 0 writes
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
-    # rewrites each file whole and atomically (an object store cannot append), and draws loss.png
+    # Rewrites each file whole and atomically (an object store cannot append), and draws
+    # loss.png. It waits for the last save to commit first: so metrics.jsonl never holds records
+    # past a save that is not committed (rule (c), at save_with_records).
     def flush(self):
+        self.manager.wait_until_finished()
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (check_run_directory made the directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
@@ -683,7 +689,7 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 
 # The loop's save. Its order is the one rule that metrics.jsonl and the checkpoints keep: read
 # this step's metrics, wait until the last save is committed, write metrics.jsonl, then save.
-# It follows that
+# (Every log.flush waits so, wherever it is called.) It follows that
 #   (a) a checkpoint never lacks its steps' records;
 #   (b) records past the newest checkpoint come from a save that a kill cut short, and a resume
 #       drops them (log.rewind). With save_every 100:
@@ -691,12 +697,12 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 #                   before Orbax commits step 200
 #         rerun     resumes from step 100; log.rewind(100) drops records 101-200, which steps
 #                   101-200 then write again
-#   (c) records past step save_every mean that the first save was committed, so a run trained
-#       here: refuse_fresh_start relies on it.
+#   (c) records past step save_every mean that the first save was committed (a later flush
+#       wrote them, and it waited for that save), so a run trained here: refuse_fresh_start
+#       relies on it.
 def save_with_records(manager, step, state, late_metrics, log, cfg, r, data_fingerprint):
     late_metrics.read_pending()  # this step's metrics too, so that the records are whole
-    manager.wait_until_finished()  # the last save is committed before the next records
-    log.flush()  # writes metrics.jsonl (and log.txt)
+    log.flush()  # waits until the last save is committed, then writes metrics.jsonl (and log.txt)
     save(manager, step, state, cfg, r, data_fingerprint)
 
 
