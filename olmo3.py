@@ -302,7 +302,7 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     _, T, H, E = q.shape  # q is [B, T, H, E]; k and v are [B, T, K, E]
     q_BHTE, k_BKSE, v_BKSE = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     # each kv head repeated H // K times, for the query heads that read it
-    k_BHSE, v_BHSE = (jnp.repeat(x, H // k.shape[2], axis=1) for x in (k_BKSE, v_BKSE))
+    k_BHSE, v_BHSE = (jnp.repeat(x, H // k_BKSE.shape[1], axis=1) for x in (k_BKSE, v_BKSE))
     scores_BHTS = jnp.einsum("bhte,bhse->bhts", q_BHTE, k_BHSE,
                              preferred_element_type=jnp.float32) * E ** -0.5
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]

@@ -18,6 +18,7 @@ import dataclasses
 import gzip
 import json
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -1183,6 +1184,10 @@ def test_olmo3_schedule_is_stage_1_as_ai2_ran_it():
     assert float(lr(597_046)) / 3e-4 == pytest.approx(0.55, rel=1e-6)
     assert float(lr(1_413_814)) / 3e-4 == pytest.approx(0.131084, abs=2e-6)
     assert float(lr(596_048)) < float(lr(596_047))  # part 2's "warmup" dip
+    # at another batch, the restart comes after the same tokens: half the batch, twice the steps
+    lr = train.schedule(dataclasses.replace(r, global_batch=256))
+    assert float(lr(596_048)) / float(lr(596_047)) == pytest.approx(1.0, abs=1e-5)  # no restart
+    assert 0.99 < float(lr(1_192_096)) / float(lr(1_192_095)) < 1.0  # the restart's small dip
 
 
 def test_stage2_is_warm_adam_linear_to_zero_with_seed_1337():
@@ -1545,6 +1550,30 @@ def test_sigterm_checkpoints_exits_75_and_the_run_resumes_exactly(
     assert train_losses(records_of(out)) == clean_losses
     evaluated = [r["step"] for r in records_of(out) if "eval/lm/heldout/CE loss" in r]
     assert evaluated == [s for s in range(1, 11) if s != step]
+
+
+def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files):
+    """`python train.py ... | tee log`, and a Ctrl-C: the terminal sends SIGINT to the whole
+    pipeline, so tee exits and train.py's stdout is a closed pipe. The run must still save its
+    step and exit 75 (it died of BrokenPipeError, losing the steps since its last save)."""
+    out = tmp_path / "run"
+    run = command(token_files, out, "--steps", "60", "--save-every", "100")
+    cmd = " ".join(map(shlex.quote, run))
+    script = f"{cmd} | tee {shlex.quote(str(tmp_path / 'tee.log'))}; exit ${{PIPESTATUS[0]}}"
+    proc = subprocess.Popen(
+        ["bash", "-c", script], cwd=HERE, env=UNBUFFERED, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    tee_log = tmp_path / "tee.log"
+    while "step " not in (tee_log.read_text() if tee_log.exists() else ""):  # a step has run
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # a Ctrl-C reaches every process of the pipeline
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 75, stderr
+    assert "SIGINT: checkpointing within two steps" in stderr and "Traceback" not in stderr
+    step = int((out / "log.txt").read_text().split("stopped after step ")[1].split()[0])
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)] and step < 60
 
 
 # ----------------------------------------------------------------------------- the pod simulator

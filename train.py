@@ -174,7 +174,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             evals(state["params"], step)
         # (4) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save. stop says why, or is None.
-        stop = late_metrics.stop_reason(step, args.stop_at)
+        stop = "--stop-at" if step == args.stop_at else None
+        if late_metrics.signalled:  # a signal, read a step late, on this host or another
+            stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
         # writes metrics.jsonl, then saves in the background (the checkpoints section says why
         # in that order)
         if step % r.save_every == 0 or step == r.steps or stop is not None:
@@ -205,7 +207,6 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
     # Reading also counts the updates skipped in a row (skipped): add stops the run at 10.
-    # stop_reason then tells the loop whether to stop early, from the signals read.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -223,15 +224,10 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
                              "lower --lr (a resume may change it) or check the data")
         self.pending = (step, metrics)
 
-    def stop_reason(self, step, stop_at):  # -> why the run stops after step, or None
-        if self.signalled:  # a signal, read a step late, on this host or another ("stopping")
-            return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
-        return "--stop-at" if step == stop_at else None
-
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
-            step, m = jax.device_get(self.pending)  # waits for the devices, like loss.item()
-            self.pending = None
+            # waits for the devices, like loss.item(); nothing is pending after
+            (step, m), self.pending = jax.device_get(self.pending), None
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
@@ -577,8 +573,10 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # The restart at 596,048 is a fact of AI2's run, so it is written out, not derived.
-    return lambda k: jnp.where(k < 596_048, cosine(T1)(k), part2(k))
+    # The restart at step 596,048 is a fact of AI2's run (512 x 8,192 tokens a step), so it is
+    # written out, not derived. Like T1, T2 and W2, it moves with the tokens a step: another
+    # --global-batch or --seq-len restarts after the same tokens, not the same steps.
+    return lambda k: jnp.where(k < 596_048 * 512 * 8192 // tokens, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -609,8 +607,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
     def __call__(self, text=None, **record):  # log(text) prints; log(**record) is a metric record
         if jax.process_index() == 0 and text:
-            print(text, flush=True)
             self.lines["log.txt"].append(text + "\n")
+            try:
+                print(text, flush=True)
+            # The console is gone: a Ctrl-C or a SIGTERM stops `| tee` too. The run must still
+            # save and stop, so stdout goes to /dev/null from here (log.txt keeps every line).
+            except OSError:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         if record and jax.process_index() == 0:  # only process 0 writes
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
@@ -873,8 +876,9 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
         raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
     SIGNALS.append(signal.Signals(signum).name)
     # os.write, not print: Python's buffered streams are not reentrant (its io docs), so a print
-    # here, in a signal handler that interrupted another print, may raise RuntimeError
-    os.write(1, f"{SIGNALS[0]}: checkpointing within two steps (Ctrl-C again: now)\n".encode())
+    # here, in a signal handler that interrupted another print, may raise RuntimeError. To
+    # stderr (2), which `| tee` does not take: a Ctrl-C may have stopped tee, closing stdout.
+    os.write(2, f"{SIGNALS[0]}: checkpointing within two steps (Ctrl-C again: now)\n".encode())
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
