@@ -125,7 +125,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
     # The second read's helpers are glossed where this function calls them.
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
-    # writes both files
+    # writes both files. It is given the manager because flush first waits for the last save to
+    # commit: metrics.jsonl never gets ahead of the checkpoints (save_with_records says why).
     log = Log(cfg, r, args.out, mesh, manager)
     # target describes the state: each array's shape, dtype and sharding, with nothing allocated
     target = abstract_state(cfg, r, mesh)
