@@ -1552,6 +1552,33 @@ def test_sigterm_checkpoints_exits_75_and_the_run_resumes_exactly(
     assert evaluated == [s for s in range(1, 11) if s != step]
 
 
+def test_a_kill_during_an_evaluation_loses_no_step(tmp_path, token_files, clean_losses):
+    """A preempted host is killed when its grace period ends, which may fall in a long
+    evaluation. A step evaluates after its save, which commits meanwhile, so the kill loses no
+    step, and the same command resumes exactly. (Evaluating first lost the steps since the last
+    save: here, all four.)"""
+    out = tmp_path / "run"
+    args = run_args(token_files, out, "--steps", "10", "--save-every", "4", "--eval-every", "4")
+    killed_in_eval = f"""if True:
+        import os, signal, sys, time, evaluation, train
+        def evaluator(*_):
+            def evals(params, step):  # lasts until the save commits (60 s at most), then killed
+                deadline = time.time() + 60
+                while not os.path.isdir(f"{out}/checkpoints/{{step}}") and time.time() < deadline:
+                    time.sleep(0.1)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return evals
+        evaluation.evaluator = evaluator
+        sys.exit(train.main())"""
+    died = subprocess.run([sys.executable, "-c", killed_in_eval, *args], cwd=HERE)
+    assert died.returncode == -9
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["4"]
+    rerun = subprocess.run([sys.executable, "train.py", *args], cwd=HERE, capture_output=True,
+                           text=True)
+    assert rerun.returncode == 0 and "resumed from step 4" in rerun.stdout, rerun.stderr
+    assert train_losses(records_of(out)) == clean_losses
+
+
 def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files):
     """`python train.py ... | tee log`, and a Ctrl-C: the terminal sends SIGINT to the whole
     pipeline, so tee exits and train.py's stdout is a closed pipe. The run must still save its

@@ -149,15 +149,15 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
     #       log.metrics(step, jax.device_get(metrics))  # (2) waits for this step
-    #       if step % r.eval_every == 0: evals(state["params"], step)  # (3)
     #       stop = step == args.stop_at or bool(SIGNALS)
-    #       if step % r.save_every == 0 or stop: manager.save(step, state)  # (4)
-    #       if stop: return 75  # (5) exits; the same command resumes the run
+    #       if step % r.save_every == 0 or stop: manager.save(step, state)  # (3)
+    #       if stop: return 75  # (4) exits; the same command resumes the run
+    #       if step % r.eval_every == 0: evals(state["params"], step)  # (5)
     # The loop below does the same, with three differences, each explained where it happens:
     #   (1)  the step takes a third input, this host's signal flag, so that every host of a pod
     #        stops after the same step
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
-    #   (4)  a save writes metrics.jsonl first, then the checkpoint (save_with_records)
+    #   (3)  a save writes metrics.jsonl first, then the checkpoint (save_with_records)
     # (One more way to end early: 10 skipped updates in a row, an error that late_metrics.add
     # raises.)
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
@@ -169,11 +169,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # is simply bool(SIGNALS). ("stopping", in the second read, has the whole path.)
         state, metrics = step_fn(state, batch, signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # (3) Evaluate, but not when a signal is stopping the run early: a preempted host's
-        # grace period, before it is killed, is for the save
-        if evals and (step == r.steps or (step % r.eval_every == 0 and not late_metrics.signalled)):
-            evals(state["params"], step)
-        # (4) Save every save_every steps, at the last step, and before stopping early. Whether
+        # (3) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save. stop says why, or is None.
         stop = "--stop-at" if step == args.stop_at else None
         if late_metrics.signalled:  # a signal, read a step late, on this host or another
@@ -182,11 +178,15 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # in that order)
         if step % r.save_every == 0 or step == r.steps or stop is not None:
             save_with_records(manager, step, state, late_metrics, log, cfg, r, loader.fingerprint)
-        if stop is not None and step < r.steps:  # (5) a stop (after the last step, the run ends)
+        if stop is not None and step < r.steps:  # (4) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until the save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
+        # (5) Evaluate, after the save: the save commits in the background meanwhile, so a
+        # preempted host's SIGTERM during a long evaluation finds this step saved
+        if evals and (step % r.eval_every == 0 or step == r.steps):
+            evals(state["params"], step)
     # the last save commits in the background while the samples run (log.flush waits for it)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
@@ -694,7 +694,8 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 # The loop's save. Its order is the one rule that metrics.jsonl and the checkpoints keep: read
 # this step's metrics, wait until the last save is committed, write metrics.jsonl, then save.
 # (Every log.flush waits so, wherever it is called.) It follows that
-#   (a) a checkpoint never lacks its steps' records;
+#   (a) a checkpoint never lacks its steps' records (but for the evaluation of its own step,
+#       which comes after the save: the next save writes it);
 #   (b) records past the newest checkpoint come from a save that a kill cut short, and a resume
 #       drops them (log.rewind). With save_every 100:
 #         step 200  metrics.jsonl is written (steps 1-200), the save starts, and a kill comes
