@@ -93,9 +93,8 @@ def to_hf(params, cfg, out):
         size += sum(a.nbytes for a in shard.values())
     hf = config_to_hf(cfg)
     files = {"model.safetensors.index.json": {"metadata": {"total_size": size},
-                                              "weight_map": weight_map},
-             "config.json": hf, "generation_config.json": {
-                 "eos_token_id": hf["eos_token_id"], "pad_token_id": hf["pad_token_id"]}}
+                                              "weight_map": weight_map}, "config.json": hf,
+             "generation_config.json": {k: hf[k] for k in ("eos_token_id", "pad_token_id")}}
     for name, content in files.items():
         with open(f"{out}/{name}", "w") as f:
             json.dump(content, f, indent=1)
@@ -124,7 +123,10 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     # full_attention keys over it: {rope_theta: 500000, rope_type: yarn, factor: 8, ...} for
     # either form above. Without YaRN (stages 1 and 2), factor is 0.
     rope = hf.get("rope_parameters", {"full_attention": hf.get("rope_scaling", {})})
-    full = {"rope_theta": hf.get("rope_theta", 5e5)} | rope.get("full_attention", {})
+    # (YaRN's original context defaults to max_position_embeddings, 2,048 if absent, as in
+    # transformers' standardize_rope_params and Olmo3Config)
+    full = {"rope_theta": hf.get("rope_theta", 5e5), "original_max_position_embeddings":
+            hf.get("max_position_embeddings", 2048)} | rope.get("full_attention", {})
     plain = {"rope_type": "default", "rope_theta": full["rope_theta"]}  # what sliding must be
     sliding = plain | rope.get("sliding_attention", {})
     factor = full.get("factor", 0.0) if full.get("rope_type") == "yarn" else 0.0
@@ -140,7 +142,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
                        rope_theta=float(full["rope_theta"]), yarn_factor=float(factor),
                        yarn_beta_fast=float(full.get("beta_fast", 32)),
                        yarn_beta_slow=float(full.get("beta_slow", 1)),
-                       yarn_original_context=full.get("original_max_position_embeddings", 8192),
+                       yarn_original_context=full["original_max_position_embeddings"],
                        tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
     # (258 is the bytes tokenizer's vocabulary: 256 bytes, EOS and pad)
     need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),

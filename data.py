@@ -280,8 +280,8 @@ def resolve_source(source, tokenizer="dolma2", root=None, split="train"):
         mix = source if str(source).endswith(".txt") else os.path.join(source, f"{split}.txt")
         # every line, a file named twice too (it is read twice, as OLMo-core's DataMix.build
         # keeps every line: dolma17.txt repeats its wiki files to weigh them double)
-        paths = [path for _, path, _ in read_mix(mix, root, tokenizer)]
-        named = {path: where for _, path, where in read_mix(mix, root, tokenizer)}
+        lines = read_mix(mix, root, tokenizer)  # (label, path, where) for each line
+        paths, named = [path for _, path, _ in lines], {path: where for _, path, where in lines}
     else:
         paths = sorted(glob.glob(source)) if glob.has_magic(source) else [source]
     if not paths:

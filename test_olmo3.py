@@ -316,13 +316,23 @@ def test_yarn_logits_match_hugging_face_and_round_trip(tmp_path):
     yarn = config["rope_parameters"]["full_attention"]
     legacy = config | {"rope_parameters": None, "rope_theta": cfg.rope_theta, "rope_scaling": yarn}
     assert convert.config_from_hf(legacy) == loaded
+    # A config.json may leave YaRN's original context out: transformers then takes
+    # max_position_embeddings for it, and so must the converter (it took 8,192)
+    bare = {k: v for k, v in yarn.items() if k != "original_max_position_embeddings"}
+    rope = config["rope_parameters"] | {"full_attention": bare}
+    bare_config = config | {"rope_parameters": rope, "max_position_embeddings": 96}
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(bare_config))
+    import transformers
+
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path / "bare").rope_parameters
+    assert theirs["full_attention"]["original_max_position_embeddings"] == 96
+    assert convert.config_from_hf(bare_config).yarn_original_context == 96
     convert.main(["hf-to-jax", str(hf_dir), str(tmp_path / "jax")])
     convert.main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")])
     original, back = load_file(hf_dir / "model.safetensors"), tensors(tmp_path / "back")
     assert original.keys() == back.keys()
     assert all(np.array_equal(original[k], back[k]) for k in original)
-    import transformers
-
     again = transformers.AutoConfig.from_pretrained(tmp_path / "back")
     assert again.rope_parameters == transformers.AutoConfig.from_pretrained(hf_dir).rope_parameters
     with pytest.raises(SystemExit, match="error: config.json: YaRN .*only OLMo 3's form"):
