@@ -52,6 +52,10 @@ class Config:
     #                                    input (nothing_saveable: full remat, as MaxText's "full")
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
+    def __post_init__(self):  # a model flag that cannot work stops here, with a one-line error
+        if self.global_every < 1 or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise SystemExit("error: --n-kv-heads must divide --n-heads and --global-every be >= 1")
+
     @property
     def padded_vocab(self) -> int:
         # a multiple of 128, as OLMo-core does (-(-a // b) is a / b rounded up)
@@ -255,13 +259,12 @@ def rope_tables(positions, cfg: Config, full: bool):
     inv_freq = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
     if full and cfg.yarn_factor:  # (YaRN: stage 3's long context; optional on a first read)
         # YaRN follows transformers' _compute_yarn_parameters. Frequencies that turn fewer than
-        # beta_slow times over the original context are divided by the factor. Those that turn
-        # more than beta_fast times are kept, and a linear ramp blends the ones between. cos and
-        # sin are multiplied by 0.1 ln(factor) + 1. dim(turns) is the rotary dimension whose
-        # frequency turns that many times over the original context. The ramp runs from
-        # dimension `low` (fast, kept) to `high` (slow).
-        dim = lambda turns: E * math.log(cfg.yarn_original_context / (turns * 2 * math.pi)) / (
-            2 * math.log(theta))
+        # beta_slow times over the original context are divided by the factor. Those that turn more
+        # than beta_fast times are kept, and a linear ramp blends the ones between. cos and sin are
+        # multiplied by 0.1 ln(factor) + 1. dim(turns) is the rotary dimension whose frequency turns
+        # that many times over the original context (tau = 2 pi). The ramp runs from dimension `low`
+        # (fast, kept) to `high` (slow).
+        dim = lambda turns: E / 2 * math.log(cfg.yarn_original_context / (turns * math.tau), theta)
         low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
         high = min(math.ceil(dim(cfg.yarn_beta_slow)), E - 1)
         # to_scale [E / 2]: 1 where a frequency is divided by the factor, 0 where it is kept
@@ -424,14 +427,12 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "d_model": "fsdp", "heads": "tensor", "
 # what tiny's dump shows.)
 
 
-def logical_to_spec(axes) -> P:
-    # Maps logical axis names (None means not split) to a PartitionSpec with one entry per
-    # dimension. For example, ("batch", "seq") -> P(("data", "fsdp"), None).
-    return P(*(AXIS_RULES.get(name) for name in axes))
+# Maps logical axis names (None means not split) to a PartitionSpec with one entry per
+# dimension. For example, ("batch", "seq") -> P(("data", "fsdp"), None).
+logical_to_spec = lambda axes: P(*(AXIS_RULES.get(name) for name in axes))
 
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:  # [batch, seq] with rows over data parallelism
-    return NamedSharding(mesh, logical_to_spec(("batch", "seq")))
+# [batch, seq] with rows over data parallelism
+batch_sharding = lambda mesh: NamedSharding(mesh, logical_to_spec(("batch", "seq")))
 
 
 # On a pod, each process feeds only its own devices: local_rows names the rows of each batch that

@@ -1261,6 +1261,10 @@ def test_flag_errors_are_one_line(capsys):
     for flag in ("--save-every", "--eval-every", "--log-every", "--keep-checkpoints"):
         with pytest.raises(SystemExit, match=f"^error: {flag} must be 1 or more$"):
             train.parse_args([flag, "0"])
+    # a model that cannot work: a ZeroDivisionError, or a JAX error while compiling, before
+    for flags in (["--global-every", "0"], ["--n-kv-heads", "3"], ["--n-kv-heads", "0"]):
+        with pytest.raises(SystemExit, match="^error: --n-kv-heads must divide --n-heads and"):
+            train.parse_args(flags)
 
 
 def test_a_left_out_fsdp_takes_the_devices_the_other_axes_leave():
