@@ -80,9 +80,6 @@ class Loader:
 
     def set_instances(self, num_instances):  # sets the instance count and steps_per_epoch
         self.num_instances, self.steps_per_epoch = num_instances, num_instances // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise SystemExit(f"error: the corpus has {num_instances} instances of {self.seq_len} "
-                             f"tokens, fewer than a global batch of {self.global_batch}; add data")
 
     def epoch_order(self, epoch):
         # OLMo-core's order for an epoch (from 1): [steps_per_epoch, global_batch] ids.
@@ -121,6 +118,11 @@ class Loader:
         return x
 
     def iterate(self, start, stop):  # -> batch(i) for i from start to stop - 1
+        # Checked here, where batches are first read, and not as the loader is made: a packed
+        # corpus has its own count, and packs files shorter than a row (the fixed count: 0)
+        if self.steps_per_epoch == 0:
+            raise SystemExit(f"error: the data has {self.num_instances} instances of {self.seq_len}"
+                             f" tokens, fewer than a global batch of {self.global_batch}; add data")
         # A thread reads the next batch while a step trains, which hides a mounted bucket's
         # latency. The thread's errors are raised here.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

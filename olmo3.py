@@ -435,28 +435,6 @@ logical_to_spec = lambda axes: P(*(AXIS_RULES.get(name) for name in axes))
 batch_sharding = lambda mesh: NamedSharding(mesh, logical_to_spec(("batch", "seq")))
 
 
-# On a pod, each process feeds only its own devices: local_rows names the rows of each batch that
-# they hold (the process's loader reads those alone), and device_batch makes the whole batch's
-# arrays from them. On one host, these are every row and jax.device_put.
-def local_rows(mesh: Mesh, global_batch: int):  # -> the rows this process's devices hold
-    # With 2 processes of 2 devices each and fsdp=4, process 1 holds rows 8-15 of 16. held maps
-    # each of this process's devices to its (rows, columns) slices of the batch: {device 2:
-    # (slice(8, 12), slice(None)), device 3: (slice(12, 16), slice(None))}. The sharding is for
-    # [batch, seq] arrays, so the shape needs two dimensions; any width gives the same rows (seq
-    # is not cut), so it is 1. On one host, every row is held: 0 to 15.
-    held = batch_sharding(mesh).addressable_devices_indices_map((global_batch, 1))
-    # np.unique lists each row once, in order: a tensor axis's devices hold the same rows
-    return np.unique(np.concatenate([np.arange(global_batch)[rows] for rows, _ in held.values()]))
-
-
-def device_batch(batch, mesh: Mesh):  # this process's rows -> arrays of the whole batch
-    # One jax.Array spans every device of every process. Each process gives its own rows, x
-    # [len(loader.rows), seq_len], and no data moves between hosts. JAX infers the whole batch's
-    # shape from the sharding: [global_batch, seq_len].
-    return {name: jax.make_array_from_process_local_data(batch_sharding(mesh), x)
-            for name, x in batch.items()}
-
-
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     # A (data, fsdp, tensor) mesh; one size may be -1: all the remaining devices.
     # Without a -1, the mesh takes the first data x fsdp x tensor devices, which may be fewer
@@ -503,6 +481,29 @@ def constrain(x, *axes):  # pin an activation's sharding (by logical axes) under
     if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+
+
+# On a pod (the second read: the README's stop 8), each process feeds only its own devices:
+# local_rows names the rows of each batch that they hold (the process's loader reads those alone),
+# and device_batch makes the whole batch's arrays from them. On one host, these are every row and
+# jax.device_put.
+def local_rows(mesh: Mesh, global_batch: int):  # -> the rows this process's devices hold
+    # With 2 processes of 2 devices each and fsdp=4, process 1 holds rows 8-15 of 16. held maps
+    # each of this process's devices to its (rows, columns) slices of the batch: {device 2:
+    # (slice(8, 12), slice(None)), device 3: (slice(12, 16), slice(None))}. The sharding is for
+    # [batch, seq] arrays, so the shape needs two dimensions; any width gives the same rows (seq
+    # is not cut), so it is 1. On one host, every row is held: 0 to 15.
+    held = batch_sharding(mesh).addressable_devices_indices_map((global_batch, 1))
+    # np.unique lists each row once, in order: a tensor axis's devices hold the same rows
+    return np.unique(np.concatenate([np.arange(global_batch)[rows] for rows, _ in held.values()]))
+
+
+def device_batch(batch, mesh: Mesh):  # this process's rows -> arrays of the whole batch
+    # One jax.Array spans every device of every process. Each process gives its own rows, x
+    # [len(loader.rows), seq_len], and no data moves between hosts. JAX infers the whole batch's
+    # shape from the sharding: [global_batch, seq_len].
+    return {name: jax.make_array_from_process_local_data(batch_sharding(mesh), x)
+            for name, x in batch.items()}
 
 
 # ----------------------------------------------------------------------------- attention kernels

@@ -938,9 +938,9 @@ def test_loader_errors_are_one_line(tmp_path):
     files = three_files(tmp_path)
     with pytest.raises(
         SystemExit,
-        match="error: the corpus has 44 instances of 8 tokens, fewer than a global batch of 64",
+        match="error: the data has 44 instances of 8 tokens, fewer than a global batch of 64",
     ):
-        data.Loader(files, 8, 64, seed=0)
+        next(data.Loader(files, 8, 64, seed=0).iterate(0, 10))
     bad = files + [write_tokens(tmp_path / "wide.npy", np.full(80, 100_400))]
     loader = data.Loader(bad, 8, 6, seed=0, vocab_size=100_278)
     with pytest.raises(
@@ -1101,8 +1101,18 @@ def test_packing_takes_a_file_without_an_eos_or_an_empty_one(tmp_path):
     assert rows == [[1, 2, 3, eos], [4, 5, eos, 257]]  # 257: the byte tokenizer's pad
     # token files with no EOS at all hold no document, so no packed instance: a one-line error
     np.arange(8, dtype="<u4").tofile(files[1])  # two rows of 4 unpacked, but no document
-    with pytest.raises(SystemExit, match=r"^error: the corpus has 0 instances of 4 tokens"):
-        data.PackedLoader(files[1:], 4, 1, 0, tokenizer="bytes", cache=tmp_path / "none")
+    none = data.PackedLoader(files[1:], 4, 1, 0, tokenizer="bytes", cache=tmp_path / "none")
+    with pytest.raises(SystemExit, match=r"^error: the data has 0 instances of 4 tokens"):
+        next(none.iterate(0, 1))
+    # files shorter than a row (no fixed-length instance at all) pack: 6 documents, 3 per row
+    short = [write_tokens(tmp_path / f"short{i}.npy", [i, eos, i, eos]) for i in range(3)]
+    packed = data.PackedLoader(
+        short, 6, 2, 0, tokenizer="bytes", group_size=3, cache=tmp_path / "short"
+    )
+    assert data.Loader(short, 6, 2, 0).num_instances == 0 and packed.num_instances == 2
+    rows = next(packed.iterate(0, 1))["inputs"]
+    assert (rows == eos).sum(1).tolist() == [3, 3]  # each row: 3 whole documents, no padding
+    assert sorted(rows[rows != eos].tolist()) == [0, 0, 1, 1, 2, 2]
 
 
 def test_a_document_in_a_packed_row_never_sees_another(tmp_path):

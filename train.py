@@ -171,6 +171,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) Save every save_every steps, at the last step, and before stopping early. Whether
         # to stop is decided first, since a stop needs a save. stop says why, or is None.
+        # --stop-at stops at once, since every host knows it; a signal reaches one host, and the
+        # others learn of it from the step's metrics, which are read a step late.
         stop = "--stop-at" if step == args.stop_at else None
         if late_metrics.signalled:  # a signal, read a step late, on this host or another
             stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
@@ -387,14 +389,10 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
     params = state["params"]
-    # The counters at step s:
+    # The counters at step s (Adam keeps a count of its own, which adamw explains):
     #   the batch       s - 1 (the loader counts batches from 0)
     #   the LR          schedule(r)(s): s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
-    #   Adam's count    the updates made, for Adam's bias correction alone: a skip does not
-    #                   advance it, and --init-from carries it into the next stage
-    # The LR follows s, never Adam's count: the count carries over from stage to stage, and
-    # each stage's schedule starts again at s = 1.
     step = state["step"] + 1  # s, this step
     # -- The loss and its gradients, over the micro-batches (nanoGPT's forward and backward)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
@@ -516,11 +514,12 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. Why not optax.adamw: it would give stage 2 an LR of 0 at every step. Its LR
-# follows a step count that it keeps in opt_state, and --init-from carries opt_state from stage
-# 1 into stage 2, so stage 2 would start at count 1,413,814, past the end of its own 47,684-step
-# decay. Here, the LR follows the run's step s (schedule(r)(s), in train_step), and only Adam's
-# bias correction follows Adam's count, which must carry over ("warm Adam").
+# the embedding. Adam keeps its own count in opt_state, the updates made (a skipped one does not
+# count). Only its bias correction uses it, and --init-from carries it into the next stage
+# ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
+# starts again at 1 in each stage. Why not optax.adamw: it would give stage 2 an LR of 0 at
+# every step. Its LR follows Adam's count, so stage 2 would start at count 1,413,814, past the
+# end of its own 47,684-step decay.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
