@@ -242,6 +242,9 @@ def bench_packing(gigabytes, seq_len=65536, group_size=8):
         print(f"packing: {size / 1e9:.2f} GB, {loader.docs.shape[1]:,} documents into "
               f"{loader.num_instances:,} instances of {seq_len} ({padding:.2%} padding) in "
               f"{seconds:.1f}s: {size / 1e6 / seconds:.0f} MB/s, {seconds / size * 1e9:.1f} s/GB")
+        if loader.steps_per_epoch == 0:
+            raise SystemExit(f"error: --packing {gigabytes} makes {loader.num_instances} "
+                             "instances, fewer than a batch of 64; give 0.05 GB or more")
         start = time.perf_counter()
         for step in range(20):
             loader.batch(step)

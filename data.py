@@ -162,7 +162,7 @@ class PackedLoader(Loader):
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, sorted: [0, 0, 1, 2, 2, 2]
         # instances are numbered from 0. Token files with no EOS hold no document, so no
-        # instance: set_instances then stops with its one-line error (not an IndexError).
+        # instance: iterate then stops with its one-line error (max's initial: no ValueError).
         self.set_instances(int(instance.max(initial=-1)) + 1)
         # bounds[i]: instance i's first document, so its documents are bounds[i] to bounds[i + 1]
         # ([0, 2, 3, 6] for the instances above; the last entry is one past the last document)

@@ -209,11 +209,10 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
 def samples(params, cfg, r, loader, n, log, new=128):
     """Continue the first rows of the first batch by `new` tokens, at temperature 0 and 0.8."""
     decode_text = data.get_tokenizer(cfg.tokenizer).decode
-    # A new Loader over the same files: the training loader holds only this process's rows (on a
-    # pod) and may pack documents. This one gives every process the same whole rows, so every
-    # process prompts with the same text (any text will do for prompts).
-    whole = data.Loader(loader.files, r.seq_len, r.global_batch, r.data_seed)
-    prompts = whole.batch(0)["inputs"][:n, :min(32, r.seq_len // 4)]
+    # The first batch's first rows, read whole: loader.batch would give only this process's rows
+    # (on a pod), and every process must prompt with the same text (any text will do). A packed
+    # loader reads packed rows.
+    prompts = loader.read(loader.epoch_order(1)[0, :n])[:, :min(32, r.seq_len // 4)]
     for temperature in (0.0, 0.8):
         texts = np.asarray(generate(params, cfg, prompts, new, temperature))
         for i, (prompt, text) in enumerate(zip(prompts, texts), 1):

@@ -14,9 +14,9 @@
 #   5. attention's kernels (a later read).
 # The model is a pytree (nested dict) of arrays. One Spec per weight drives `init` and
 # `abstract_params` (shapes and shardings), and its Hugging Face name drives convert.py.
+import collections
 import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,8 @@ class Config:
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
     def __post_init__(self):  # a model flag that cannot work stops here, with a one-line error
-        if self.global_every < 1 or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+        heads = 0 < self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0
+        if self.global_every < 1 or not heads:
             raise SystemExit("error: --n-kv-heads must divide --n-heads and --global-every be >= 1")
 
     @property
@@ -89,10 +90,9 @@ MODELS = {
 
 # ----------------------------------------------------------------------------- parameters
 
-class Spec(NamedTuple):
-    shape: tuple
-    axes: tuple     # one logical axis name per dimension
-    hf: str         # the Hugging Face tensor (convert.py), model.layers.{i}.<hf>.weight in a layer
+# A weight's spec: its shape, its axes (one logical axis name per dimension), and hf, its Hugging
+# Face tensor (convert.py): model.layers.{i}.<hf>.weight in a layer
+Spec = collections.namedtuple("Spec", "shape axes hf")
 
 
 # The logical axes name what a dimension is, whatever the weight: "d_model" is D in every matrix
@@ -296,8 +296,8 @@ def attention(q, k, v, window: int | None, cfg: Config, segments=None):
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
-    cudnn_takes_it = q.dtype in (jnp.bfloat16, jnp.float16)  # the only dtypes cuDNN takes
-    if name == "cudnn" or (name == "auto" and backend == "gpu" and cudnn_takes_it):
+    # "auto" takes cuDNN on a GPU in bf16 (of the two compute dtypes, the one cuDNN takes)
+    if name == "cudnn" or (name == "auto" and backend == "gpu" and q.dtype == jnp.bfloat16):
         return attention_cudnn(q, k, v, window, segments)
     # --- The reference. Heads go first so that both products are plain batched matmuls.
     # Query head h reads kv head h // (H / K). Key j is visible to query i iff j <= i and, in a

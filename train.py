@@ -142,8 +142,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     # a kill during a save can leave metrics.jsonl records past the checkpoint's step: drops them
-    log.rewind(done)
+    evaluated = log.rewind(done)  # (and says whether step `done` has its evaluation)
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
+    # A step evaluates after its save (step (5) below), so a run stopped or killed there resumes
+    # without that evaluation: it runs now
+    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
+        evals(state["params"], done)
     # On one device, nanoGPT would write the loop like this (SIGNALS lists the signals received,
     # Ctrl-C or a SIGTERM, each of which stops the run as --stop-at does):
     #   for step in range(done + 1, r.steps + 1):
@@ -630,10 +634,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
     # drops the records past step, which a kill during a save leaves (save_with_records has an
-    # example), so that no step's record is kept twice
+    # example), so that no step's record is kept twice. Returns whether step's evaluation is
+    # among the records kept (an evaluation's record has "eval/..." keys).
     def rewind(self, step):
         records = self.lines["metrics.jsonl"]
         self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
+        return any(json.loads(x)["step"] == step and '"eval/' in x for x in records)
 
     # a step's metrics, read to the host: a line for a skipped update, one every log_every steps
     def metrics(self, step, m):
@@ -694,7 +700,8 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 # this step's metrics, wait until the last save is committed, write metrics.jsonl, then save.
 # (Every log.flush waits so, wherever it is called.) It follows that
 #   (a) a checkpoint never lacks its steps' records (but for the evaluation of its own step,
-#       which comes after the save: the next save writes it);
+#       which comes after the save: the next save writes it, or a run resumed from this
+#       checkpoint runs it again);
 #   (b) records past the newest checkpoint come from a save that a kill cut short, and a resume
 #       drops them (log.rewind). With save_every 100:
 #         step 200  metrics.jsonl is written (steps 1-200), the save starts, and a kill comes
