@@ -223,6 +223,8 @@ def bench_packing(gigabytes, seq_len=65536, group_size=8):
 
     import data
 
+    if gigabytes < 0.05:  # fewer tokens than a batch of 64 x 65,536 packs into
+        raise SystemExit(f"error: --packing {gigabytes}: give 0.05 (GB) or more")
     tmp, rng = tempfile.mkdtemp(prefix="olmo3-bench-"), np.random.default_rng(0)
     try:
         paths = [f"{tmp}/longmino-{i}.npy" for i in range(16)]
@@ -242,9 +244,6 @@ def bench_packing(gigabytes, seq_len=65536, group_size=8):
         print(f"packing: {size / 1e9:.2f} GB, {loader.docs.shape[1]:,} documents into "
               f"{loader.num_instances:,} instances of {seq_len} ({padding:.2%} padding) in "
               f"{seconds:.1f}s: {size / 1e6 / seconds:.0f} MB/s, {seconds / size * 1e9:.1f} s/GB")
-        if loader.steps_per_epoch == 0:
-            raise SystemExit(f"error: --packing {gigabytes} makes {loader.num_instances} "
-                             "instances, fewer than a batch of 64; give 0.05 GB or more")
         start = time.perf_counter()
         for step in range(20):
             loader.batch(step)
@@ -421,7 +420,7 @@ def main(argv=None):
         return baseline(args.baseline, args.reps, args.steps)
     if args.data:
         return bench_data(args.tokenizer)
-    if args.packing:
+    if args.packing is not None:
         return bench_packing(args.packing)
     if args.eval:
         return bench_eval()

@@ -52,11 +52,6 @@ class Config:
     #                                    input (nothing_saveable: full remat, as MaxText's "full")
     attention: str = "auto"            # "auto", "reference", "cudnn" or "splash"
 
-    def __post_init__(self):  # a model flag that cannot work stops here, with a one-line error
-        heads = 0 < self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0
-        if self.global_every < 1 or not heads:
-            raise SystemExit("error: --n-kv-heads must divide --n-heads and --global-every be >= 1")
-
     @property
     def padded_vocab(self) -> int:
         # a multiple of 128, as OLMo-core does (-(-a // b) is a / b rounded up)
@@ -287,12 +282,12 @@ def apply_rope(x_BTHE, cos_TE, sin_TE):  # rotates in fp32, returns the result i
 
 
 def attention(q, k, v, window: int | None, cfg: Config, segments=None):
-    # q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E].
-    # With segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens). A TPU
-    # runs the splash kernel, an NVIDIA GPU in bf16 or fp16 cuDNN's; both compute what the
-    # reference below computes, and the reference itself runs everywhere else (a CPU, a GPU in
-    # fp32). The kernels, and why, are at the end of the file. (An AMD GPU's ROCm has no cuDNN:
-    # there, pass --attention reference. Not tried here.)
+    # q [B, T, H, E], k and v [B, T, K, E] -> causal softmax(q k^T / sqrt(E)) v [B, T, H, E]. With
+    # segments [B, T], a query sees only keys of its own segment (OLMo-core's doc_lens). A TPU runs
+    # the splash kernel, an NVIDIA GPU in bf16 cuDNN's; both compute what the reference below
+    # computes, and the reference itself runs everywhere else (a CPU, a GPU in fp32). The kernels,
+    # and why, are at the end of the file. (An AMD GPU's ROCm has no cuDNN: there, pass --attention
+    # reference. Not tried here.)
     name, backend = cfg.attention, jax.default_backend()
     if name == "splash" or (name == "auto" and backend == "tpu"):
         return attention_splash(q, k, v, window, segments)
@@ -510,7 +505,7 @@ def device_batch(batch, mesh: Mesh):  # this process's rows -> arrays of the who
 
 # attention's kernel, which computes the same as the reference:
 #   "splash", or "auto" on a TPU: Pallas' splash kernel;
-#   "cudnn", or "auto" on an NVIDIA GPU in bf16 or fp16 (the dtypes cuDNN takes): cuDNN's;
+#   "cudnn", or "auto" on an NVIDIA GPU in bf16 (cuDNN takes no fp32): cuDNN's;
 #   otherwise, as on a CPU (where it is the fastest) or for tiny's fp32: the reference.
 # cuDNN is asked for by name, because JAX's default is the XLA path, whose [B, H, T, T] fp32
 # scores are 8 GiB a sequence and layer at 8192: too much when the default policy

@@ -1271,11 +1271,24 @@ def test_flag_errors_are_one_line(capsys):
     for flag in ("--save-every", "--eval-every", "--log-every", "--keep-checkpoints"):
         with pytest.raises(SystemExit, match=f"^error: {flag} must be 1 or more$"):
             train.parse_args([flag, "0"])
-    # a model that cannot work: a ZeroDivisionError, or a JAX error while compiling, before
-    for flags in (["--global-every", "0"], ["--n-kv-heads", "3"], ["--n-kv-heads", "0"],
-                  ["--n-heads", "0"]):
-        with pytest.raises(SystemExit, match="^error: --n-kv-heads must divide --n-heads and"):
-            train.parse_args(flags)
+    # a model that cannot work: a ZeroDivisionError, a JAX error while compiling, or NaN
+    # losses (a negative window), before
+    for flag in ("--global-every", "--n-kv-heads", "--n-heads", "--head-dim", "--n-layers"):
+        with pytest.raises(SystemExit, match=f"^error: {flag} must be 1 or more$"):
+            train.parse_args([flag, "0"])
+    with pytest.raises(SystemExit, match="^error: --sliding-window must be 1 or more$"):
+        train.parse_args(["--sliding-window", "-5"])
+    with pytest.raises(SystemExit, match="^error: --n-kv-heads must divide --n-heads$"):
+        train.parse_args(["--n-kv-heads", "3"])
+
+
+def test_an_empty_task_list_evaluates_nothing(tmp_path, token_files):
+    """--eval-tasks "," names no task, so nothing is evaluated. (Its evaluation wrote records
+    with no metric, which a rerun took for missing evaluations, logging one more each time.)"""
+    run = ["--data", token_files["train"], "--eval-tasks", ",", "--eval-every", "1"]
+    for _ in range(2):  # a run, then a rerun of the finished run
+        assert train.main(SMALL_RUN + run + ["--steps", "2", "--out", str(tmp_path)]) == 0
+    assert [r["step"] for r in records_of(tmp_path)] == [1, 2]
 
 
 def test_a_left_out_fsdp_takes_the_devices_the_other_axes_leave():

@@ -68,14 +68,6 @@ class Recipe:
     keep_checkpoints: int = 3          # the newest ones, plus every keep_every-th step for good
     keep_every: int = 5000
 
-    # A flag that sets one of these counts below 1 stops here, with a one-line error: 0 would
-    # divide by zero in the loop (step % save_every), or keep no checkpoint at all (Orbax).
-    def __post_init__(self):
-        for f in ("seq_len", "global_batch", "log_every", "eval_every", "save_every",
-                  "keep_checkpoints", "keep_every", "source_group_size"):
-            if getattr(self, f) < 1:
-                raise SystemExit(f"error: --{f.replace('_', '-')} must be 1 or more")
-
 
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
@@ -273,7 +265,8 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
     # evaluation.py measures perplexity on --eval-data's sets, or else on the corpus's held-out
     # set if there is one, and scores --eval-tasks' tasks. Without evaluation.py, the held-out
     # set is skipped, and the two flags are an error (data.beside says which file is missing).
-    if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
+    # (--eval-tasks "," names no task.)
+    if args.eval_data or args.eval_tasks.strip(", ") or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args, log)
     # else None: nothing to evaluate (no flag, and no held-out set or no evaluation.py)
@@ -1001,7 +994,19 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     # The layers: the preset's recipe, then STAGE2's fields with --stage2, then every flag given
     r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
-    return cfg, dataclasses.replace(r, **given(Recipe)), args
+    r = dataclasses.replace(r, **given(Recipe))
+    # A flag that sets one of these counts below 1 stops here, with a one-line error: 0 would
+    # divide by zero (step % save_every), keep no checkpoint at all (Orbax), or give NaN (a
+    # negative window), where it did not fail with a traceback.
+    values = dataclasses.asdict(cfg) | dataclasses.asdict(r)
+    for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
+              "sliding_window", "global_every", "seq_len", "global_batch", "log_every",
+              "eval_every", "save_every", "keep_checkpoints", "keep_every", "source_group_size"):
+        if values[f] < 1:
+            raise SystemExit(f"error: --{f.replace('_', '-')} must be 1 or more")
+    if cfg.n_heads % cfg.n_kv_heads:  # (also where n_kv_heads > n_heads)
+        raise SystemExit("error: --n-kv-heads must divide --n-heads")
+    return cfg, r, args
 
 
 def boolean(text):  # "true" or "false" (argparse reports anything else)
