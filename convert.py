@@ -138,15 +138,22 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
                 "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
+    # The layer kinds: config.json's, or else transformers' default (every 4th layer full). Ours
+    # are every global_every-th layer and the last, so global_every is the first full layer's
+    # number (from 1), and then every layer must match. Where only the last is full, any
+    # global_every from n_layers up fits: OLMo 3's 4, unless there are more layers.
+    kinds = hf.get("layer_types", [("sliding_attention", "full_attention")[i % 4 == 3]
+                                   for i in range(hf["num_hidden_layers"])])
+    first = (kinds + ["full_attention"]).index("full_attention")  # the first full layer, from 0
     cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
+                       global_every=first + 1 if first < len(kinds) - 1 else max(4, len(kinds)),
                        rope_theta=float(full["rope_theta"]), yarn_factor=float(factor),
                        yarn_beta_fast=float(full.get("beta_fast", 32)),
                        yarn_beta_slow=float(full.get("beta_slow", 1)),
                        yarn_original_context=full["original_max_position_embeddings"],
                        tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
     # (258 is the bytes tokenizer's vocabulary: 256 bytes, EOS and pad)
-    need(hf.get("layer_types", layer_types(cfg)) == layer_types(cfg),
-         "layer_types differ from OLMo 3's 3 sliding : 1 full")
+    need(kinds == layer_types(cfg), "layer_types: not every k-th layer and the last full attention")
     return cfg
 
 

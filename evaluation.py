@@ -332,8 +332,7 @@ def is_right(req):  # the right-only rule: is req its document's right continuat
     #      2} is right, {"idx": 1, "label": 2} is not).
     if isinstance(req["label"], str | list):  # 1
         return True
-    right_idx = 0 if req["label"] is None else req["label"]  # 2 or 3
-    return req["idx"] == right_idx
+    return req["idx"] == (0 if req["label"] is None else req["label"])  # 2 or 3
 
 
 # (inputs, labels) of each request: the continuation's tokens labelled, all else -100
@@ -363,10 +362,9 @@ def metric_value(metric, requests, scores, n_labels):
     # example): by_doc {1: {0: -9.1, 1: -8.4, 2: -6.0, 3: -7.2}} and gold {1: 2}.
     by_doc, gold = {}, {}
     for req, score, n in zip(requests, scores, n_labels):
-        text = req["request"]["continuation"]
         choices = by_doc.setdefault(req["doc_id"], {})  # its document's, {} at first
         # setdefault keeps a pair's first score if a file lists it twice, as ICLMetric does
-        choices.setdefault(req["idx"], score / SIZE[metric](text, n))
+        choices.setdefault(req["idx"], score / SIZE[metric](req["request"]["continuation"], n))
         gold.setdefault(req["doc_id"], req["label"])
     # The right-only rule (bits per byte): load_task kept only each document's right continuation
     # (if a file marks several, the first is scored). Its score is a log-prob per byte in nats

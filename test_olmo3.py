@@ -283,13 +283,22 @@ def test_converter_rejects_bad_checkpoints(tmp_path):
         r"\(512, 256\)",
     ):
         convert.from_hf(hf_dir)
-    del config["layer_types"]  # so the layer count alone changes
-    (hf_dir / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 3}))
-    with pytest.raises(SystemExit, match="tensor model.layers.3.* is not OLMo 3's"):
-        convert.from_hf(hf_dir)
-    (hf_dir / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 5}))
-    with pytest.raises(SystemExit, match="tensor model.layers.4.* is missing"):
-        convert.from_hf(hf_dir)
+    for n, error in ((3, "tensor model.layers.3.* is not OLMo 3's"), (5, "layers.4.* is missing")):
+        kinds = convert.layer_types(dataclasses.replace(cfg, n_layers=n))  # the count alone
+        (hf_dir / "config.json").write_text(
+            json.dumps(config | {"num_hidden_layers": n, "layer_types": kinds})
+        )
+        with pytest.raises(SystemExit, match=error):
+            convert.from_hf(hf_dir)
+    # Another global_every converts both ways (it took OLMo 3's 4, and refused its own export)
+    every_2nd = dataclasses.replace(cfg, global_every=2)
+    back = convert.config_from_hf(convert.config_to_hf(every_2nd))
+    assert all(getattr(back, f) == getattr(every_2nd, f) for f in MODEL_FIELDS)
+    # Without layer_types, transformers makes every 4th layer full, and not the last of 6 (ours
+    # made the last full too, silently unlike it)
+    bare = {k: v for k, v in config.items() if k != "layer_types"} | {"num_hidden_layers": 6}
+    with pytest.raises(SystemExit, match="layer_types: not every k-th layer and the last full"):
+        convert.config_from_hf(bare)
     with pytest.raises(SystemExit, match="config.json not found"):
         convert.from_hf(tmp_path)
 
