@@ -223,7 +223,7 @@ def bench_packing(gigabytes, seq_len=65536, group_size=8):
 
     import data
 
-    if gigabytes < 0.05:  # fewer tokens than a batch of 64 x 65,536 packs into
+    if not gigabytes >= 0.05:  # fewer tokens than fill a batch of 64 x 65,536 (or NaN)
         raise SystemExit(f"error: --packing {gigabytes}: give 0.05 (GB) or more")
     tmp, rng = tempfile.mkdtemp(prefix="olmo3-bench-"), np.random.default_rng(0)
     try:

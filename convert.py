@@ -137,7 +137,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     expected = 0.1 * math.log(max(factor, 1)) + 1
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
-                "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-6}
+                "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-5}
     # The layer kinds: config.json's, or else transformers' default (every 4th layer full). Ours
     # are every global_every-th layer and the last, so global_every is the first full layer's
     # number (from 1), and then every layer must match. Where only the last is full, any

@@ -47,7 +47,7 @@ def evaluator(cfg, r, mesh, sets_spec, args, log=None):
     ppl_rows = {name: document_rows(f, tokenizer.eos_id, r.seq_len, r.eval_limit, cfg.vocab_size)
                 for name, f in sets.items()}
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
-             for name in filter(None, args.eval_tasks.split(","))}
+             for name in filter(None, map(str.strip, args.eval_tasks.split(",")))}
     # rows a forward pass takes, over all devices: what a training step's memory holds
     step_rows = r.micro_batch if r.micro_batch else r.global_batch
 

@@ -1287,6 +1287,15 @@ def test_flag_errors_are_one_line(capsys):
             train.parse_args([flag, "0"])
     with pytest.raises(SystemExit, match="^error: --sliding-window must be 1 or more$"):
         train.parse_args(["--sliding-window", "-5"])
+    # 0 is allowed here; below it, an eval limit dropped documents and a warmup moved the
+    # schedule, silently
+    for flag in ("--micro-batch", "--warmup-steps", "--eval-limit", "--samples"):
+        train.parse_args([flag, "0"])
+        with pytest.raises(SystemExit, match=f"^error: {flag} must be 0 or more$"):
+            train.parse_args([flag, "-1"])
+    # --stage2's fields, then the flags given over them
+    _, r, _ = train.parse_args(["--preset", "7b", "--stage2", "--lr", "1e-4"])
+    assert (r.lr, r.steps, r.data_seed, r.micro_batch) == (1e-4, 47_684, 1337, 64)
     with pytest.raises(SystemExit, match="^error: --n-kv-heads must divide --n-heads$"):
         train.parse_args(["--n-kv-heads", "3"])
 

@@ -992,18 +992,19 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
     # The layers: the preset's recipe, then STAGE2's fields with --stage2, then every flag given
-    r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}))
+    # (one dict, STAGE2's or {} merged with the flags': ** takes the whole `a | b`)
+    r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}) | given(Recipe))
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
-    r = dataclasses.replace(r, **given(Recipe))
-    # A flag that sets one of these counts below 1 stops here, with a one-line error: 0 would
-    # divide by zero (step % save_every), keep no checkpoint at all (Orbax), or give NaN (a
-    # negative window), where it did not fail with a traceback.
-    values = dataclasses.asdict(cfg) | dataclasses.asdict(r)
-    for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-              "sliding_window", "global_every", "seq_len", "global_batch", "log_every",
-              "eval_every", "save_every", "keep_checkpoints", "keep_every", "source_group_size"):
-        if values[f] < 1:
-            raise SystemExit(f"error: --{f.replace('_', '-')} must be 1 or more")
+    # A flag that sets a count below 1 (those in least: below 0) stops here, with a one-line
+    # error. 0 would divide by zero (step % save_every) or keep no checkpoint at all (Orbax), and
+    # a negative window or eval limit would give NaN or drop documents, silently.
+    values = dataclasses.asdict(cfg) | dataclasses.asdict(r) | {"samples": args.samples}
+    least = dict.fromkeys(("micro_batch", "warmup_steps", "eval_limit", "samples"), 0)
+    for f in ("mlp_hidden", "head_dim", "global_every", "n_kv_heads", "d_model", "n_heads",
+              "n_layers", "sliding_window", "log_every", "keep_checkpoints", "source_group_size",
+              "global_batch", "eval_every", "keep_every", "seq_len", "save_every", *least):
+        if values[f] < least.get(f, 1):
+            raise SystemExit(f"error: --{f.replace('_', '-')} must be {least.get(f, 1)} or more")
     if cfg.n_heads % cfg.n_kv_heads:  # (also where n_kv_heads > n_heads)
         raise SystemExit("error: --n-kv-heads must divide --n-heads")
     return cfg, r, args
