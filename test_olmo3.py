@@ -296,6 +296,10 @@ def test_converter_rejects_bad_checkpoints(tmp_path):
     assert all(getattr(back, f) == getattr(every_2nd, f) for f in MODEL_FIELDS)
     # Without layer_types, transformers makes every 4th layer full, and not the last of 6 (ours
     # made the last full too, silently unlike it)
+    import transformers  # a left-out rms_norm_eps is transformers' default (it was 1e-6)
+
+    no_eps = {k: v for k, v in config.items() if k != "rms_norm_eps"}
+    assert convert.config_from_hf(no_eps).norm_eps == transformers.Olmo3Config().rms_norm_eps
     bare = {k: v for k, v in config.items() if k != "layer_types"} | {"num_hidden_layers": 6}
     with pytest.raises(SystemExit, match="layer_types: not every k-th layer and the last full"):
         convert.config_from_hf(bare)
