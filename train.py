@@ -354,7 +354,7 @@ def compile_step(cfg, r, mesh, target):
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     # the batch splits into whole micro-batches, and each micro-batch's rows evenly over the
     # data-parallel devices
-    if micro < 1 or r.global_batch % micro or micro % dp:  # (micro < 1: a negative --micro-batch)
+    if r.global_batch % micro or micro % dp:
         raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
                          "data-parallel devices do not divide; pick multiples of each other")
     # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
