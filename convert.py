@@ -136,12 +136,19 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     # that sets another would not match our RoPE
     expected = 0.1 * math.log(max(factor, 1)) + 1
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
+    # transformers' Olmo3Config defaults, for a key that config.json leaves out (OLMo 3's files
+    # give every one; rms_norm_eps is 1e-6 in them, though transformers' default is 1e-5)
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
                 "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-5}
     # The layer kinds: config.json's, or else transformers' default (every 4th layer full). Ours
     # are every global_every-th layer and the last, so global_every is the first full layer's
     # number (from 1), and then every layer must match. Where only the last is full, any
-    # global_every from n_layers up fits: OLMo 3's 4, unless there are more layers.
+    # global_every from n_layers up fits: OLMo 3's 4, unless there are more layers. For example:
+    #   32 layers, full at 3, 7, ..., 31    first 3   global_every 4 (the 7B)
+    #   4 layers, full at 1 and 3           first 1   global_every 2
+    #   2 layers, full at 1 (the last)      first 1   global_every 4 (2 would do as well)
+    #   6 layers, full at 3 only            first 3   global_every 4, but layer 5 is not full:
+    #                                                 refused (transformers' default for 6)
     kinds = hf.get("layer_types", [("sliding_attention", "full_attention")[i % 4 == 3]
                                    for i in range(hf["num_hidden_layers"])])
     first = (kinds + ["full_attention"]).index("full_attention")  # the first full layer, from 0
