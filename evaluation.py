@@ -160,7 +160,7 @@ def main(cfg, r, args):
     """--eval-only (a table and OUT/eval.json) and --generate TEXT, with --init-from's weights."""
     if not args.init_from:
         raise SystemExit("error: --eval-only and --generate need --init-from CHECKPOINT")
-    if args.eval_only and not (args.eval_data or args.eval_tasks.strip(", ")):
+    if args.eval_only and not (args.eval_data or args.eval_tasks.strip(", \t")):
         raise SystemExit("error: --eval-only needs --eval-data or --eval-tasks")
     mesh = olmo3.make_mesh(**args.mesh)
     with jax.set_mesh(mesh):

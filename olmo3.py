@@ -177,15 +177,14 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
     # layer j gets p["q"] [256, 256]
     groups = jax.tree.map(lambda w: w.reshape(-1, group_size, *w.shape[1:]), params["blocks"])
-    # absolute within the row, even for packed documents, as OLMo-core's when OLMo 3 ran (README,
-    # Fidelity)
-    positions = jnp.arange(x.shape[1])
     # windows[j]: the window of layer j of every group (layer j has the same kind in every
     # group, as group_size is global_every or all the layers). tiny's: [64, 64, 64, None].
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
     # ropes[window]: the RoPE tables, (cos_TE, sin_TE), of the layers with that window (YaRN
-    # applies to full-attention layers, window None, only; without it the tables are the same)
-    ropes = {window: rope_tables(positions, cfg, window is None) for window in set(windows)}
+    # applies to full-attention layers, window None, only; without it the tables are the same).
+    # Positions are absolute within the row (arange(T)), even for packed documents, as
+    # OLMo-core's were when OLMo 3 ran (README, Fidelity).
+    ropes = {w: rope_tables(jnp.arange(x.shape[1]), cfg, w is None) for w in set(windows)}
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
@@ -263,8 +262,8 @@ def rope_tables(positions, cfg: Config, full: bool):
         low = max(math.floor(dim(cfg.yarn_beta_fast)), 0)
         high = min(math.ceil(dim(cfg.yarn_beta_slow)), E - 1)
         # to_scale [E / 2]: 1 where a frequency is divided by the factor, 0 where it is kept
-        dims = jnp.arange(E // 2, dtype=jnp.float32)
-        to_scale = jnp.clip((dims - low) / max(high - low, 1e-3), 0, 1)
+        # (arange(E / 2) counts the rotary dimensions 0, 1, ..., E / 2 - 1, as floats)
+        to_scale = jnp.clip((jnp.arange(E / 2) - low) / max(high - low, 1e-3), 0, 1)
         inv_freq = inv_freq / cfg.yarn_factor * to_scale + inv_freq * (1 - to_scale)
         scale = 0.1 * math.log(cfg.yarn_factor) + 1
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]

@@ -1307,7 +1307,7 @@ def test_flag_errors_are_one_line(capsys):
 def test_an_empty_task_list_evaluates_nothing(tmp_path, token_files):
     """--eval-tasks "," names no task, so nothing is evaluated. (Its evaluation wrote records
     with no metric, which a rerun took for missing evaluations, logging one more each time.)"""
-    run = ["--data", token_files["train"], "--eval-tasks", ",", "--eval-every", "1"]
+    run = ["--data", token_files["train"], "--eval-tasks", ", \t,", "--eval-every", "1"]
     for _ in range(2):  # a run, then a rerun of the finished run
         assert train.main(SMALL_RUN + run + ["--steps", "2", "--out", str(tmp_path)]) == 0
     assert [r["step"] for r in records_of(tmp_path)] == [1, 2]
@@ -1643,14 +1643,19 @@ def test_a_kill_during_an_evaluation_loses_no_step(tmp_path, token_files, clean_
     assert evaluated == [4, 8, 10]
 
 
-def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files):
+@pytest.mark.parametrize("redirect", ["", "2>&1"], ids=["stdout", "stdout-and-stderr"])
+def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files, redirect):
     """`python train.py ... | tee log`, and a Ctrl-C: the terminal sends SIGINT to the whole
-    pipeline, so tee exits and train.py's stdout is a closed pipe. The run must still save its
-    step and exit 75 (it died of BrokenPipeError, losing the steps since its last save)."""
+    pipeline, so tee exits and train.py's stdout is a closed pipe (and its stderr, with 2>&1).
+    The run must still save its step and exit 75 (it died of BrokenPipeError, losing the steps
+    since its last save)."""
     out = tmp_path / "run"
     run = command(token_files, out, "--steps", "60", "--save-every", "100")
     cmd = " ".join(map(shlex.quote, run))
-    script = f"{cmd} | tee {shlex.quote(str(tmp_path / 'tee.log'))}; exit ${{PIPESTATUS[0]}}"
+    # tee writes its pid to tee.pid, so that it can be stopped first, as it is in a terminal
+    pid, log = (shlex.quote(str(tmp_path / name)) for name in ("tee.pid", "tee.log"))
+    tee = f"{{ echo $BASHPID > {pid}; exec tee {log}; }}"
+    script = f"{cmd} {redirect} | {tee}; exit ${{PIPESTATUS[0]}}"
     proc = subprocess.Popen(
         ["bash", "-c", script], cwd=HERE, env=UNBUFFERED, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -1659,10 +1664,13 @@ def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files
     while "step " not in (tee_log.read_text() if tee_log.exists() else ""):  # a step has run
         assert proc.poll() is None, proc.communicate()[1]
         time.sleep(0.05)
+    os.kill(int((tmp_path / "tee.pid").read_text()), signal.SIGINT)  # tee exits at once
+    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # a Ctrl-C reaches every process of the pipeline
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == 75, stderr
-    assert "SIGINT: checkpointing within two steps" in stderr and "Traceback" not in stderr
+    if not redirect:  # (with 2>&1, the note went to tee, which was gone)
+        assert "SIGINT: checkpointing within two steps" in stderr and "Traceback" not in stderr
     step = int((out / "log.txt").read_text().split("stopped after step ")[1].split()[0])
     assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)] and step < 60
 

@@ -11,6 +11,7 @@ Rerunning a command resumes its run; one stopped early (a signal, --stop-at) sav
 # 7B's schedule, the progress line, and what a pod needs. On a first read, trust those helpers
 # to do what their names say. In every function, `r` is the Recipe and `cfg` is the olmo3.Config.
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -266,7 +267,7 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
     # set if there is one, and scores --eval-tasks' tasks. Without evaluation.py, the held-out
     # set is skipped, and the two flags are an error (data.beside says which file is missing).
     # (--eval-tasks "," names no task.)
-    if args.eval_data or args.eval_tasks.strip(", ") or (heldout and data.have("evaluation")):
+    if args.eval_data or args.eval_tasks.strip(", \t") or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args, log)
     # else None: nothing to evaluate (no flag, and no held-out set or no evaluation.py)
@@ -879,7 +880,10 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     # os.write, not print: Python's buffered streams are not reentrant (its io docs), so a print
     # here, in a signal handler that interrupted another print, may raise RuntimeError. To
     # stderr (2), which `| tee` does not take: a Ctrl-C may have stopped tee, closing stdout.
-    os.write(2, f"{SIGNALS[0]}: checkpointing within two steps (Ctrl-C again: now)\n".encode())
+    # With `2>&1 | tee`, stderr is that closed pipe too: the message is dropped, and the run
+    # saves and stops all the same (an error raised here would end it at once).
+    with contextlib.suppress(OSError):
+        os.write(2, f"{SIGNALS[0]}: checkpointing within two steps (Ctrl-C again: now)\n".encode())
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
