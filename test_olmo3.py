@@ -1311,6 +1311,9 @@ def test_an_empty_task_list_evaluates_nothing(tmp_path, token_files):
     for _ in range(2):  # a run, then a rerun of the finished run
         assert train.main(SMALL_RUN + run + ["--steps", "2", "--out", str(tmp_path)]) == 0
     assert [r["step"] for r in records_of(tmp_path)] == [1, 2]
+    newline = ["--data", token_files["train"], "--eval-tasks", "\n", "--out", str(tmp_path / "n")]
+    with pytest.raises(SystemExit, match="^error: "):  # (it too wrote empty records)
+        train.main(SMALL_RUN + newline)
 
 
 def test_a_left_out_fsdp_takes_the_devices_the_other_axes_leave():
@@ -1650,7 +1653,7 @@ def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files
     The run must still save its step and exit 75 (it died of BrokenPipeError, losing the steps
     since its last save)."""
     out = tmp_path / "run"
-    run = command(token_files, out, "--steps", "60", "--save-every", "100")
+    run = command(token_files, out, "--steps", "100000", "--save-every", "100000")
     cmd = " ".join(map(shlex.quote, run))
     # tee writes its pid to tee.pid, so that it can be stopped first, as it is in a terminal
     pid, log = (shlex.quote(str(tmp_path / name)) for name in ("tee.pid", "tee.log"))
@@ -1672,7 +1675,7 @@ def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files
     if not redirect:  # (with 2>&1, the note went to tee, which was gone)
         assert "SIGINT: checkpointing within two steps" in stderr and "Traceback" not in stderr
     step = int((out / "log.txt").read_text().split("stopped after step ")[1].split()[0])
-    assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)] and step < 60
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [str(step)] and step < 100000
 
 
 # ----------------------------------------------------------------------------- the pod simulator
