@@ -137,8 +137,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # a kill during a save can leave metrics.jsonl records past the checkpoint's step: drops them
     evaluated = log.rewind(done)  # (and says whether step `done` has its evaluation)
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
-    # A step evaluates after its save (step (5) below), so a run stopped or killed there resumes
-    # without that evaluation: it runs now
+    # A step evaluates after its save (part (5) of the loop), so a run stopped or killed there
+    # resumes without that evaluation: it runs now
     if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
         evals(state["params"], done)
     # On one device, nanoGPT would write the loop like this (SIGNALS lists the signals received,
