@@ -1670,7 +1670,11 @@ def test_ctrl_c_through_tee_still_checkpoints_and_exits_75(tmp_path, token_files
     os.kill(int((tmp_path / "tee.pid").read_text()), signal.SIGINT)  # tee exits at once
     time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # a Ctrl-C reaches every process of the pipeline
-    stderr = proc.communicate(timeout=120)[1]
+    try:
+        stderr = proc.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:  # the Ctrl-C did not stop it: no 100,000-step orphan
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     assert proc.returncode == 75, stderr
     if not redirect:  # (with 2>&1, the note went to tee, which was gone)
         assert "SIGINT: checkpointing within two steps" in stderr and "Traceback" not in stderr
