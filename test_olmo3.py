@@ -1286,9 +1286,12 @@ def test_flag_errors_are_one_line(capsys):
             train.parse_args([flag, "0"])
     # a model that cannot work: a ZeroDivisionError, a JAX error while compiling, or NaN
     # losses (a negative window), before
-    for flag in ("--global-every", "--n-kv-heads", "--n-heads", "--head-dim", "--n-layers"):
+    for flag in ("--global-every", "--n-kv-heads", "--n-heads", "--head-dim", "--n-layers",
+                 "--vocab-size", "--yarn-original-context", "--steps"):
         with pytest.raises(SystemExit, match=f"^error: {flag} must be 1 or more$"):
             train.parse_args([flag, "0"])
+    # the seeds take any value (-1 keeps the mix's file order)
+    train.parse_args(["--seed", "-3", "--data-seed", "0", "--source-permutation-seed", "-1"])
     with pytest.raises(SystemExit, match="^error: --sliding-window must be 1 or more$"):
         train.parse_args(["--sliding-window", "-5"])
     # 0 is allowed here; below it, an eval limit dropped documents and a warmup moved the

@@ -113,14 +113,13 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, eval, save
+def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
     # The second read's helpers are glossed where this function calls them.
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
-    # writes both files. It is given the manager because flush first waits for the last save to
-    # commit: metrics.jsonl never gets ahead of the checkpoints (save_with_records says why).
-    log = Log(cfg, r, args.out, mesh, manager)
+    # writes both files into the run directory
+    log = Log(cfg, r, args.out, mesh)
     # target describes the state: each array's shape, dtype and sharding, with nothing allocated
     target = abstract_state(cfg, r, mesh)
     devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
@@ -134,63 +133,54 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # --init-from)
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
-    # a kill during a save can leave metrics.jsonl records past the checkpoint's step: drops them
-    evaluated = log.rewind(done)  # (and says whether step `done` has its evaluation)
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
-    # A step evaluates after its save (part (5) of the loop), so a run stopped or killed there
-    # resumes without that evaluation: it runs now
-    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
+    log.rewind(done)  # drops metrics.jsonl's records past step done, which a kill in a save leaves
+    # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5)
+    due = lambda step, every: step % every == 0 or step == r.steps
+    # A step evaluates after its save (5), so a run stopped or killed during that evaluation
+    # resumes without it: it runs now, unless metrics.jsonl has it
+    if evals and done and due(done, r.eval_every) and not log.evaluated(done):
         evals(state["params"], done)
-    # On one device, nanoGPT would write the loop like this (SIGNALS lists the signals received,
-    # Ctrl-C or a SIGTERM, each of which stops the run as --stop-at does):
+    # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
     #       log.metrics(step, jax.device_get(metrics))  # (2) waits for this step
-    #       stop = step == args.stop_at or bool(SIGNALS)
-    #       if step % r.save_every == 0 or stop: manager.save(step, state)  # (3)
+    #       stop = "--stop-at" if step == args.stop_at else None  # (or a Ctrl-C, a SIGTERM)
+    #       if due(step, r.save_every) or stop: manager.save(step, state)  # (3)
     #       if stop: return 75  # (4) exits; the same command resumes the run
-    #       if step % r.eval_every == 0: evals(state["params"], step)  # (5)
+    #       if due(step, r.eval_every): evals(state["params"], step)  # (5)
     # The loop below does the same, with three differences, each explained where it happens:
-    #   (1)  the step takes a third input, this host's signal flag, so that every host of a pod
-    #        stops after the same step
+    #   (1)  the step takes a third input, this process's signal flag, so that every process of
+    #        a pod stops after the same step (stop_reason, and the "stopping" section)
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
-    #   (3)  a save writes metrics.jsonl first, then the checkpoint (save_with_records)
-    # (One more way to end early: 10 skipped updates in a row, an error that late_metrics.add
-    # raises.)
+    #   (3)  a save writes metrics.jsonl first, then the checkpoint
     batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
-        # signal_flags(mesh): has this host had a signal? The step returns whether any host had
-        # one, in metrics["signalled"], so every host stops after the same step. On one host it
-        # is simply bool(SIGNALS). ("stopping", in the second read, has the whole path.)
-        state, metrics = step_fn(state, batch, signal_flags(mesh))
+        state, metrics = step_fn(state, batch, signal_flags(mesh))  # (1) returns at once
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # (3) Save every save_every steps, at the last step, and before stopping early. Whether
-        # to stop is decided first, since a stop needs a save. stop says why, or is None.
-        # --stop-at stops at once, since every host knows it; a signal reaches one host, and the
-        # others learn of it from the step's metrics, which are read a step late.
-        stop = "--stop-at" if step == args.stop_at else None
-        if late_metrics.signalled:  # a signal, read a step late, on this host or another
-            stop = f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
-        # writes metrics.jsonl, then saves in the background (the checkpoints section says why
-        # in that order)
-        if step % r.save_every == 0 or step == r.steps or stop is not None:
-            save_with_records(manager, step, state, late_metrics, log, cfg, r, loader.fingerprint)
-        if stop is not None and step < r.steps:  # (4) a stop (after the last step, the run ends)
-            manager.wait_until_finished()  # until the save is committed
+        stop = stop_reason(step, args.stop_at, late_metrics)  # None, or why the run stops here
+        # (3) Save: metrics.jsonl up to this step first, then the checkpoint, so that the records
+        # and the checkpoints stay in step (rules (a) to (c), in the checkpoints section)
+        if due(step, r.save_every) or stop:
+            late_metrics.read_pending()  # this step's metrics too, so that the records are whole
+            manager.wait_until_finished()  # for the last save (Orbax saves in the background)
+            log.flush()  # writes metrics.jsonl and log.txt
+            save(manager, step, state, cfg, r, loader.fingerprint)
+        if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
+            manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
         # (5) Evaluate, after the save: the save commits in the background meanwhile, so a
         # preempted host's SIGTERM during a long evaluation finds this step saved
-        if evals and (step % r.eval_every == 0 or step == r.steps):
+        if evals and due(step, r.eval_every):
             evals(state["params"], step)
-    # the last save commits in the background while the samples run (log.flush waits for it)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
-    log.flush()
+    log.flush()  # (the last save commits meanwhile; main's `with` waits for it)
     return 0
 
 
@@ -219,7 +209,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
         # 10 skips in a row: the run is stuck, and it stops without a save. The newest checkpoint
         # holds good weights (a skipped update changes none), but the updates since it are lost.
         if self.skipped >= 10:
-            self.log.flush()  # (which first waits for the last save to commit)
+            self.log.flush()  # (and main's `with` waits for the last save to commit)
             raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
                              "lower --lr (a resume may change it) or check the data")
         self.pending = (step, metrics)
@@ -585,15 +575,17 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
 
+step_of = lambda record: json.loads(record)["step"]  # a metrics.jsonl line's step
+
+
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop writes the files just before each save (save_with_records says why).
+    # The loop writes the files just before each save (part (3) of the loop).
 
-    def __init__(self, cfg, r, run_dir, mesh, manager):
-        # manager: the run's CheckpointManager, whose last save flush waits for (flush says why)
-        self.cfg, self.r, self.run_dir, self.mesh, self.manager = cfg, r, run_dir, mesh, manager
+    def __init__(self, cfg, r, run_dir, mesh):
+        self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last is the (step, time) of the last progress line
         self.started, self.last = time.time(), None
         kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
@@ -616,10 +608,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
     # Rewrites each file whole and atomically (an object store cannot append), and draws
-    # loss.png. It waits for the last save to commit first: so metrics.jsonl never holds records
-    # past a save that is not committed (rule (c), at save_with_records).
+    # loss.png
     def flush(self):
-        self.manager.wait_until_finished()
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (check_run_directory made the directory)
                 path.with_suffix(".tmp").write_text("".join(self.lines[name]))
@@ -627,13 +617,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops the records past step, which a kill during a save leaves (save_with_records has an
-    # example), so that no step's record is kept twice. Returns whether step's evaluation is
-    # among the records kept (an evaluation's record has "eval/..." keys).
+    # drops the records past step, which a kill during a save leaves (rule (b) in the
+    # checkpoints section has an example), so that no step's record is kept twice
     def rewind(self, step):
-        records = self.lines["metrics.jsonl"]
-        self.lines["metrics.jsonl"] = [x for x in records if json.loads(x)["step"] <= step]
-        return any(json.loads(x)["step"] == step and '"eval/' in x for x in records)
+        self.lines["metrics.jsonl"] = [x for x in self.lines["metrics.jsonl"] if step_of(x) <= step]
+
+    def evaluated(self, step):  # does metrics.jsonl hold step's evaluation ("eval/..." keys)?
+        return any(step_of(x) == step and '"eval/' in x for x in self.lines["metrics.jsonl"])
 
     # a step's metrics, read to the host: a line for a skipped update, one every log_every steps
     def metrics(self, step, m):
@@ -664,8 +654,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
 # params, train_state and config. What each function here does, and the failure it guards
 # against:
-#   save_with_records   writes the metrics, then a step, in an order that keeps them in step
-#   save                writes a step
+#   save                writes a step, after the loop wrote metrics.jsonl (the rule below)
 #   resume              finds the newest step that every process can read. A step that some
 #                       process cannot read (a corrupt file) is renamed <step>.unreadable, and
 #                       the step before it is tried.
@@ -690,9 +679,9 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# The loop's save. Its order is the one rule that metrics.jsonl and the checkpoints keep: read
-# this step's metrics, wait until the last save is committed, write metrics.jsonl, then save.
-# (Every log.flush waits so, wherever it is called.) It follows that
+# The loop saves (part (3)) in the one order that keeps metrics.jsonl and the checkpoints in
+# step: read this step's metrics, wait until the last save is committed, write metrics.jsonl,
+# then save. It follows that
 #   (a) a checkpoint never lacks its steps' records (but for the evaluation of its own step,
 #       which comes after the save: the next save writes it, or a run resumed from this
 #       checkpoint runs it again);
@@ -702,18 +691,13 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 #                   before Orbax commits step 200
 #         rerun     resumes from step 100; log.rewind(100) drops records 101-200, which steps
 #                   101-200 then write again
-#   (c) records past step save_every mean that the first save was committed (a later flush
-#       wrote them, and it waited for that save), so a run trained here: refuse_fresh_start
-#       relies on it.
-def save_with_records(manager, step, state, late_metrics, log, cfg, r, data_fingerprint):
-    late_metrics.read_pending()  # this step's metrics too, so that the records are whole
-    log.flush()  # waits until the last save is committed, then writes metrics.jsonl (and log.txt)
-    save(manager, step, state, cfg, r, data_fingerprint)
-
-
-# manager.save(step, state), with the run's settings. It returns once Orbax has copied the state
-# to host memory, and writes the files in the background, so the next step may reuse the state's
-# device memory (donation). r and data_fingerprint are optional: convert.py saves params alone.
+#   (c) records past step save_every mean that the first save was committed (the flush that
+#       wrote them waited for it), so a run trained here: refuse_fresh_start relies on it.
+#
+# save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
+# state to host memory, and writes the files in the background, so the next step may reuse the
+# state's device memory (donation). r and data_fingerprint are optional: convert.py saves params
+# alone.
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
@@ -837,14 +821,14 @@ def refuse_fresh_start(out, log, save_every):
     #   nothing, or metrics.jsonl records up to   fresh start: a kill may have cut the first
     #   step save_every at most                   save short, so nothing was committed
     #   records past step save_every              refuse: the first save was committed
-    #                                             (save_with_records, rule (c)), so a run
+    #                                             (rule (c), at save), so a run
     #                                             trained here, and its checkpoints are gone
     #   a step renamed <step>.unreadable          refuse: resume could read none of them
     # (A run that lost its only checkpoint before its records passed save_every starts fresh
     # too, as does one rerun with a larger --save-every: each loses at most save_every steps.)
     unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
     # past the first save, by metrics.jsonl's records (as Log read them)
-    trained = any(json.loads(x)["step"] > save_every for x in log.lines["metrics.jsonl"])
+    trained = any(step_of(x) > save_every for x in log.lines["metrics.jsonl"])
     if unreadable or trained:
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
@@ -853,8 +837,8 @@ def refuse_fresh_start(out, log, save_every):
 
 # ----------------------------------------------------------------------------- stopping
 # A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
-# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> the loop's stop
-# -> it saves and exits 75.
+# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> stop_reason, in
+# the loop -> it saves and exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
@@ -871,6 +855,14 @@ def refuse_fresh_start(out, log, save_every):
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
+
+
+def stop_reason(step, stop_at, late_metrics):  # -> why the run stops after this step, or None
+    # A signal reached this process or another one (every process reads it in the same step's
+    # metrics). --stop-at needs no such care: every process knows it.
+    if late_metrics.signalled:
+        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+    return "--stop-at" if step == stop_at else None
 
 
 def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
@@ -1004,10 +996,8 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     # a negative window or eval limit would give NaN or drop documents, silently.
     values = dataclasses.asdict(cfg) | dataclasses.asdict(r) | {"samples": args.samples}
     least = dict.fromkeys(("micro_batch", "warmup_steps", "eval_limit", "samples"), 0)
-    for f in ("mlp_hidden", "head_dim", "global_every", "n_kv_heads", "d_model", "n_heads",
-              "n_layers", "sliding_window", "log_every", "keep_checkpoints", "source_group_size",
-              "global_batch", "eval_every", "keep_every", "seq_len", "save_every", *least):
-        if values[f] < least.get(f, 1):
+    for f, value in values.items():  # every count: each int field but the seeds
+        if type(value) is int and "seed" not in f and value < least.get(f, 1):
             raise SystemExit(f"error: --{f.replace('_', '-')} must be {least.get(f, 1)} or more")
     if cfg.n_heads % cfg.n_kv_heads:  # (also where n_kv_heads > n_heads)
         raise SystemExit("error: --n-kv-heads must divide --n-heads")
