@@ -154,9 +154,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #        a pod stops after the same step (stop_reason, and the "stopping" section)
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
     #   (3)  a save writes metrics.jsonl first, then the checkpoint
-    batches = loader.iterate(done, r.steps)  # batches done, done + 1, ..., r.steps - 1
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
-    for step, batch in enumerate(batches, start=done + 1):  # so step s gets batch s - 1
+    # loader.iterate gives batches done, done + 1, ..., r.steps - 1, so step s gets batch s - 1
+    for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # (1) returns at once
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
@@ -165,6 +165,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # and the checkpoints stay in step (rules (a) to (c), in the checkpoints section)
         if due(step, r.save_every) or stop:
             late_metrics.read_pending()  # this step's metrics too, so that the records are whole
+            stop = stop_reason(step, args.stop_at, late_metrics)  # (they may bring a signal)
             manager.wait_until_finished()  # for the last save (Orbax saves in the background)
             log.flush()  # writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)
@@ -242,8 +243,7 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
     # their token files before process 0 spends minutes packing them.
     loader = data.Loader(source, r.seq_len, r.global_batch, r.data_seed, **options)
     # On a pod, every host must read the same token files (on one host, this checks nothing)
-    check_processes_agree(loader.fingerprint, "read other token files than process 0; check "
-                          "--data, --data-root and the mix file on every host")
+    check_processes_agree(loader.fingerprint, "have other token files than process 0; check --data")
     # Stage 3 packs documents into rows: process 0 packs the files once, into the run directory,
     # and every process reads the result
     if r.packing:
@@ -427,8 +427,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), updated, old)
     # -- The metrics, which the loop reads a step late
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
-    metrics["signalled"] = jnp.any(flags)  # on a pod, over every host's flag ("stopping")
-    return new | {"step": step, "history": history}, metrics
+    # and "signalled", any process's flag: on a pod, an all-reduce over the hosts ("stopping")
+    return new | {"step": step, "history": history}, metrics | {"signalled": jnp.any(flags)}
 
 
 def split_micro(x, n_micro: int):
@@ -461,14 +461,13 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
     # Checking starts at step 64: OLMo-core checks once its list of values holds 64 (half a
     # window), this step's included. The mean and std above are of the earlier values alone (63
-    # at step 64), which this step's value is compared with.
-    checking = step >= HISTORY // 2
-    # Only a rise counts, as in OLMo-core. NaN and +inf make `within` False, so they spike.
-    within = values - mean <= 6 * std
+    # at step 64), which this step's value is compared with. Only a rise counts, as in
+    # OLMo-core, and NaN and +inf spike (the comparison is False, so `not` makes it True).
+    spikes = (step >= HISTORY // 2) & ~(values - mean <= 6 * std)
     # A value that is not finite is kept out of the history (the mean takes its slot), or every
     # later step would spike
     kept = jnp.where(jnp.isfinite(values), values, mean)
-    return checking & ~within, history.at[:, (step - 1) % HISTORY].set(kept)
+    return spikes, history.at[:, (step - 1) % HISTORY].set(kept)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -656,8 +655,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # against:
 #   save                writes a step, after the loop wrote metrics.jsonl (the rule below)
 #   resume              finds the newest step that every process can read. A step that some
-#                       process cannot read (a corrupt file) is renamed <step>.unreadable, and
-#                       the step before it is tried.
+#                       process cannot read (a corrupt file) is renamed
+#                       <step>.<time>.unreadable, and the step before it is tried.
 #   read_retrying       retries a read that may succeed next time (a bucket's hiccup)
 #   restore             refuses a checkpoint made with other settings or data, then reads it
 #   read_item           refuses a layout that this code does not make (another version's)
@@ -717,7 +716,7 @@ def resume(cfg, r, manager, target, loader, log):
     # Reads the newest checkpoint that every process can read. Each process reads it itself,
     # with retries, then an all-gather of the outcomes decides for all of them (Orbax's own
     # restore would hang at a barrier if one process failed). A step that some process cannot
-    # read is renamed <step>.unreadable, and the step before it is tried.
+    # read is renamed <step>.<time>.unreadable, and the step before it is tried.
     for step in sorted(manager.all_steps(), reverse=True):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
@@ -727,9 +726,9 @@ def resume(cfg, r, manager, target, loader, log):
         if read.all():
             return state
         failed = np.flatnonzero(read == 0).tolist()
-        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.unreadable")
-        if jax.process_index() == 0:
-            step_dir.rename(manager.directory / f"{step}.unreadable")
+        if jax.process_index() == 0:  # a new name each time: the step saved again may fail again
+            step_dir.rename(manager.directory / f"{step}.{time.time_ns()}.unreadable")
+        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.*.unreadable")
         multihost_utils.sync_global_devices("unreadable checkpoint renamed")
         manager.reload()
     # (A cause on this side, as expired credentials, fails every step: the renames undo by hand.)
@@ -823,7 +822,7 @@ def refuse_fresh_start(out, log, save_every):
     #   records past step save_every              refuse: the first save was committed
     #                                             (rule (c), at save), so a run
     #                                             trained here, and its checkpoints are gone
-    #   a step renamed <step>.unreadable          refuse: resume could read none of them
+    #   a step renamed *.unreadable               refuse: resume could read none of them
     # (A run that lost its only checkpoint before its records passed save_every starts fresh
     # too, as does one rerun with a larger --save-every: each loses at most save_every steps.)
     unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
@@ -915,15 +914,18 @@ def start_jax(args):
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, IndexError) as e:
         # What initialize raised, and what happens:
         #   ValueError: no cluster found here                    -> one process: go on
         #   RuntimeError: JAX already runs (the tests call main) -> one process: go on
         #   JaxRuntimeError (a subclass of RuntimeError): peers
         #     found, but not reached                             -> raise
-        #   either, with --coordinator (a cluster was asked for) -> raise
-        if isinstance(e, jax.errors.JaxRuntimeError) or args.coordinator:
+        #   any other, where a flag asked for a cluster          -> a one-line error, not
+        #     (an IndexError: --coordinator without a port)         several lone runs
+        if isinstance(e, jax.errors.JaxRuntimeError):
             raise
+        if args.coordinator or args.num_processes or args.process_id is not None:
+            raise SystemExit(f"error: no cluster ({e}); give --coordinator HOST:PORT") from None
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
         raise SystemExit("error: several hosts, but JAX found no cluster; give --coordinator")
 
@@ -995,9 +997,10 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     # error. 0 would divide by zero (step % save_every) or keep no checkpoint at all (Orbax), and
     # a negative window or eval limit would give NaN or drop documents, silently.
     values = dataclasses.asdict(cfg) | dataclasses.asdict(r) | {"samples": args.samples}
-    least = dict.fromkeys(("micro_batch", "warmup_steps", "eval_limit", "samples"), 0)
-    for f, value in values.items():  # every count: each int field but the seeds
-        if type(value) is int and "seed" not in f and value < least.get(f, 1):
+    least = dict.fromkeys(("micro_batch", "warmup_steps", "eval_limit", "samples", "seed"), 0)
+    least |= {"data_seed": 0, "source_permutation_seed": -1}  # -1 keeps the mix file's order
+    for f, value in values.items():  # every int field: the counts, and the seeds
+        if type(value) is int and value < least.get(f, 1):
             raise SystemExit(f"error: --{f.replace('_', '-')} must be {least.get(f, 1)} or more")
     if cfg.n_heads % cfg.n_kv_heads:  # (also where n_kv_heads > n_heads)
         raise SystemExit("error: --n-kv-heads must divide --n-heads")
