@@ -161,12 +161,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # (1) returns at once
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         stop = stop_reason(step, args.stop_at, late_metrics)  # None, or why the run stops here
-        # (3) Save: metrics.jsonl up to this step first, then the checkpoint, so that the records
-        # and the checkpoints stay in step (rules (a) to (c), in the checkpoints section)
+        # (3) Save. metrics.jsonl first, so that a checkpoint never lacks its steps' records, and
+        # only once the previous save has committed, so that the records never run more than one
+        # save ahead of the checkpoints (the checkpoints section's rules (a) to (c))
         if due(step, r.save_every) or stop:
             late_metrics.read_pending()  # this step's metrics too, so that the records are whole
             stop = stop_reason(step, args.stop_at, late_metrics)  # (they may bring a signal)
-            manager.wait_until_finished()  # for the last save (Orbax saves in the background)
+            manager.wait_until_finished()  # the previous save (Orbax saves in the background)
             log.flush()  # writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)
         if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
@@ -691,7 +692,9 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 #         rerun     resumes from step 100; log.rewind(100) drops records 101-200, which steps
 #                   101-200 then write again
 #   (c) records past step save_every mean that the first save was committed (the flush that
-#       wrote them waited for it), so a run trained here: refuse_fresh_start relies on it.
+#       wrote them waited for it), so a run trained here: refuse_fresh_start relies on it. With
+#       save_every 100, records 101-200 are first written at step 200, once step 100 is
+#       committed; a run directory that holds them but no checkpoint has lost its checkpoints.
 #
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
 # state to host memory, and writes the files in the background, so the next step may reuse the
@@ -858,7 +861,8 @@ SIGNALS = []  # the signals this process received (the first asked it to stop)
 
 def stop_reason(step, stop_at, late_metrics):  # -> why the run stops after this step, or None
     # A signal reached this process or another one (every process reads it in the same step's
-    # metrics). --stop-at needs no such care: every process knows it.
+    # metrics, so the run stops within two steps of it: the example above). --stop-at needs no
+    # such care: every process knows it.
     if late_metrics.signalled:
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
     return "--stop-at" if step == stop_at else None
@@ -993,13 +997,14 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     # (one dict, STAGE2's or {} merged with the flags': ** takes the whole `a | b`)
     r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}) | given(Recipe))
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
-    # A flag that sets a count below 1 (those in least: below 0) stops here, with a one-line
-    # error. 0 would divide by zero (step % save_every) or keep no checkpoint at all (Orbax), and
-    # a negative window or eval limit would give NaN or drop documents, silently.
+    # Every int field is a count or a seed. A flag that sets one below its least value (1, or
+    # the one in `least`) stops here, with a one-line error. 0 would divide by zero (step %
+    # save_every) or keep no checkpoint at all (Orbax), and a negative window or eval limit would
+    # give NaN or drop documents, silently.
     values = dataclasses.asdict(cfg) | dataclasses.asdict(r) | {"samples": args.samples}
     least = dict.fromkeys(("micro_batch", "warmup_steps", "eval_limit", "samples", "seed"), 0)
     least |= {"data_seed": 0, "source_permutation_seed": -1}  # -1 keeps the mix file's order
-    for f, value in values.items():  # every int field: the counts, and the seeds
+    for f, value in values.items():
         if type(value) is int and value < least.get(f, 1):
             raise SystemExit(f"error: --{f.replace('_', '-')} must be {least.get(f, 1)} or more")
     if cfg.n_heads % cfg.n_kv_heads:  # (also where n_kv_heads > n_heads)
