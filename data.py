@@ -119,7 +119,8 @@ class Loader:
 
     def iterate(self, start, stop):  # -> batch(i) for i from start to stop - 1
         # Checked here, where batches are first read, and not as the loader is made: a packed
-        # corpus has its own count, and packs files shorter than a row (the fixed count: 0)
+        # corpus counts its instances otherwise, and packs files shorter than a row, which give
+        # the plain Loader it is built on no instance at all
         if self.steps_per_epoch == 0:
             raise SystemExit(f"error: the data has {self.num_instances} instances of {self.seq_len}"
                              f" tokens, fewer than a global batch of {self.global_batch}; add data")

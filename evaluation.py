@@ -46,8 +46,9 @@ def evaluator(cfg, r, mesh, sets_spec, args, log=None):
     sets = perplexity_sets(sets_spec, cfg.tokenizer, args.data_root) if sets_spec else {}
     ppl_rows = {name: document_rows(f, tokenizer.eos_id, r.seq_len, r.eval_limit, cfg.vocab_size)
                 for name, f in sets.items()}
-    # task names, stripped of spaces and tabs alone, as train.make_evals reads the list: another
-    # character left (a "\r" from a CRLF file) makes an unknown task, a one-line error
+    # task names, each stripped of spaces and tabs alone (train.make_evals strips the commas too,
+    # to see whether any name is left): any other character (a "\r" from a CRLF file) makes an
+    # unknown task, a one-line error
     tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
              for name in filter(None, (n.strip(" \t") for n in args.eval_tasks.split(",")))}
     # rows a forward pass takes, over all devices: what a training step's memory holds

@@ -184,7 +184,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # applies to full-attention layers, window None, only; without it the tables are the same).
     # Positions are absolute within the row (arange(T)), even for packed documents, as
     # OLMo-core's were when OLMo 3 ran (README, Fidelity).
-    ropes = {w: rope_tables(jnp.arange(x.shape[1]), cfg, w is None) for w in set(windows)}
+    ropes = {win: rope_tables(jnp.arange(x.shape[1]), cfg, win is None) for win in set(windows)}
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value

@@ -166,7 +166,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # save ahead of the checkpoints (the checkpoints section's rules (a) to (c))
         if due(step, r.save_every) or stop:
             late_metrics.read_pending()  # this step's metrics too, so that the records are whole
-            stop = stop_reason(step, args.stop_at, late_metrics)  # (they may bring a signal)
+            # asked again: this step's metrics, just read, may say another process had a signal,
+            # and the run then stops with this save, not a step and a save later
+            stop = stop_reason(step, args.stop_at, late_metrics)
             manager.wait_until_finished()  # the previous save (Orbax saves in the background)
             log.flush()  # writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)
@@ -1002,8 +1004,8 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     # save_every) or keep no checkpoint at all (Orbax), and a negative window or eval limit would
     # give NaN or drop documents, silently.
     values = dataclasses.asdict(cfg) | dataclasses.asdict(r) | {"samples": args.samples}
-    least = dict.fromkeys(("micro_batch", "warmup_steps", "eval_limit", "samples", "seed"), 0)
-    least |= {"data_seed": 0, "source_permutation_seed": -1}  # -1 keeps the mix file's order
+    least = {"micro_batch": 0, "warmup_steps": 0, "eval_limit": 0, "samples": 0, "seed": 0,
+             "data_seed": 0, "source_permutation_seed": -1}  # -1 keeps the mix file's order
     for f, value in values.items():
         if type(value) is int and value < least.get(f, 1):
             raise SystemExit(f"error: --{f.replace('_', '-')} must be {least.get(f, 1)} or more")
