@@ -1551,7 +1551,7 @@ def test_resume_on_fewer_devices_matches_straight(tmp_path, token_files, clean_l
     resumed = train_losses(
         run_train(tmp_path / "r", token_files, "--steps", "10", "--mesh", "fsdp=2")
     )
-    assert "| 2 x cpu " in capsys.readouterr().out
+    assert "| cpu {'data': 1, 'fsdp': 2, 'tensor': 1} |" in capsys.readouterr().out
     assert sorted(resumed) == list(range(1, 11))
     np.testing.assert_allclose(
         [resumed[s] for s in clean_losses], list(clean_losses.values()), rtol=1e-5
@@ -1837,7 +1837,7 @@ def pod_run(token_files, tmp_path_factory):
 
 
 def until_saving(proc, out):  # wait until process 0 has a checkpoint save in flight
-    read = read_until(proc, "olmo3-jax |")
+    read = read_until(proc, "parameters |")
     while not list((out / "checkpoints").glob("*.orbax-checkpoint-tmp*")):
         time.sleep(0.001)
     return read
@@ -2038,6 +2038,54 @@ def test_non_finite_gradients_skip_the_update_and_never_reach_a_checkpoint(
     for step in committed(out):
         saved = train.restore(out / "checkpoints" / str(step), target, cfg)["params"]
         assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), saved, good)))
+
+
+def test_metrics_past_the_first_save_are_written_only_once_it_is_committed(
+    tmp_path, token_files, monkeypatch
+):
+    """Rule (c): records past the first save prove it committed, so refuse_fresh_start can tell
+    a run that lost its checkpoints. The 10-skips error wrote records past step 10 while save 10
+    was in flight, and a kill then left a directory that every rerun refused."""
+    events, first = [], []
+    wait, flush, save = ocp.CheckpointManager.wait_until_finished, train.Log.flush, train.save
+
+    def waiting(manager):
+        events.append("wait")
+        return wait(manager)
+
+    def flushing(log):
+        steps = [train.step_of(x) for x in log.lines["metrics.jsonl"]]
+        if first and max(steps) > first[0]:  # records past the first save: it was waited for
+            assert "wait" in events[events.index(("save", first[0])):], events
+        return flush(log)
+
+    def saving(manager, step, *args):  # (Orbax's save waits for the one before it, inside)
+        save(manager, step, *args)
+        if not first:
+            first.append(step)
+        events.append(("save", step))
+
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", waiting)
+    monkeypatch.setattr(train.Log, "flush", flushing)
+    monkeypatch.setattr(train, "save", saving)
+    with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped"):
+        run_train(tmp_path / "run", token_files, "--steps", "30", "--save-every", "10",
+                  "--lr", "1e30")
+    assert first == [10] and max(train_losses(records_of(tmp_path / "run"))) > 10
+
+
+def test_a_run_past_its_first_save_is_never_restarted_fresh_whatever_log_every(
+    tmp_path, token_files
+):
+    """With --log-every above --save-every, a run wrote no record past its first save, and one
+    that then lost its checkpoints started fresh, silently. A save step now always writes one."""
+    out = tmp_path / "run"
+    run_train(out, token_files, "--steps", "40", "--save-every", "5", "--log-every", "25",
+              "--stop-at", "12")
+    assert [r["step"] for r in records_of(out)] == [5, 10]
+    shutil.rmtree(out / "checkpoints")
+    with pytest.raises(SystemExit, match=r"holds a run \(metrics.jsonl\) but no checkpoint"):
+        train.main(run_args(token_files, out, "--steps", "40", "--save-every", "5"))
 
 
 def test_pod_generate_and_samples_with_splash_on_4_devices_equal_the_reference(

@@ -122,8 +122,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log = Log(cfg, r, args.out, mesh)
     # target describes the state: each array's shape, dtype and sharding, with nothing allocated
     target = abstract_state(cfg, r, mesh)
-    devices = f"{mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)}"
-    log(f"olmo3-jax | {olmo3.param_count(cfg):,} parameters | {devices} | compiling")
+    log(f"{olmo3.param_count(cfg):,} parameters | {log.kind} {dict(mesh.shape)} | compiling")
     # nanoGPT's torch.compile, ahead of time. It comes first, so that a batch that does not
     # split over the devices, or a step that does not fit in their memory, fails at once.
     step_fn = compile_step(cfg, r, mesh, target)
@@ -152,7 +151,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # The loop below does the same, with three differences, each explained where it happens:
     #   (1)  the step takes a third input, this process's signal flag, so that every process of
     #        a pod stops after the same step (stop_reason, and the "stopping" section)
-    #   (2)  the metrics are read a step late, so that the devices never wait for the host
+    #   (2)  the metrics are read a step late, so that the devices never wait for the host (and
+    #        a run they show stuck, 10 skipped updates in a row, ends there with an error)
     #   (3)  a save writes metrics.jsonl first, then the checkpoint
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     # loader.iterate gives batches done, done + 1, ..., r.steps - 1, so step s gets batch s - 1
@@ -160,6 +160,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # (1) returns at once
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
+        if late_metrics.skipped >= 10:  # stuck: it stops with an error, and saves nothing (README)
+            manager.wait_until_finished()  # as before any write of metrics.jsonl, for rule (c)
+            log.flush()
+            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
+                             "lower --lr (a resume may change it) or check the data")
         stop = stop_reason(step, args.stop_at, late_metrics)  # None, or why the run stops here
         # (3) Save. metrics.jsonl first, so that a checkpoint never lacks its steps' records, and
         # only once the previous save has committed, so that the records never run more than one
@@ -200,7 +205,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
     #   add(199)                    reads 198's metrics, keeps 199's
     #   add(200), read_pending()    reads 199's, then 200's, keeps none
     #   add(201)                    reads none, keeps 201's
-    # Reading also counts the updates skipped in a row (skipped): add stops the run at 10.
+    # Reading also counts the updates skipped in a row (skipped), which the loop stops at 10.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -210,12 +215,6 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
 
     def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
         self.read_pending()
-        # 10 skips in a row: the run is stuck, and it stops without a save. The newest checkpoint
-        # holds good weights (a skipped update changes none), but the updates since it are lost.
-        if self.skipped >= 10:
-            self.log.flush()  # (and main's `with` waits for the last save to commit)
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
-                             "lower --lr (a resume may change it) or check the data")
         self.pending = (step, metrics)
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
@@ -590,8 +589,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
         # last is the (step, time) of the last progress line
         self.started, self.last = time.time(), None
-        kind = mesh.devices.flat[0].device_kind.lower()  # "cpu" matches no entry
-        self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in kind), None)
+        self.kind = mesh.devices.flat[0].device_kind  # "TPU v5p", "NVIDIA H100 80GB HBM3", "cpu"
+        self.peak = next((v for name, v in PEAK_TFLOPS.items() if name in self.kind.lower()), None)
         self.files = {name: epath.Path(run_dir, name) for name in ("metrics.jsonl", "log.txt")}
         # a resumed run keeps the lines written before
         self.lines = {name: path.read_text().splitlines(True) if path.exists() else []
@@ -633,8 +632,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         if m["skipped"]:  # by the spike guard (spikes says which of [loss, grad norm]), or a NaN
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        # the progress line comes every log_every steps, and at the last step
-        if step % self.r.log_every and step != self.r.steps:
+        # the progress line comes every log_every steps, at the last step, and at each save step
+        # (whose record, written before the save, tells refuse_fresh_start that a run got past
+        # its first save, whatever log_every is)
+        if step % self.r.log_every and step % self.r.save_every and step != self.r.steps:
             return
         now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
         line = [f"step {step:>6}/{self.r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
