@@ -159,21 +159,19 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # (1) returns at once
-        late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
+        # (2) reads and logs step - 1's metrics, and keeps this step's; a step that may save reads
+        # its own too, so that its records go with its checkpoint
+        late_metrics.add(step, metrics, saves=due(step, r.save_every) or step == args.stop_at)
         if late_metrics.skipped >= 10:  # stuck: it stops with an error, and saves nothing (README)
             manager.wait_until_finished()  # as before any write of metrics.jsonl, for rule (c)
             log.flush()
-            raise SystemExit(f"error: 10 updates in a row skipped, up to step {step - 1}; "
-                             "lower --lr (a resume may change it) or check the data")
+            raise SystemExit("error: 10 updates in a row skipped (the lines above); lower --lr "
+                             "(a resume may change it) or check the data")
         stop = stop_reason(step, args.stop_at, late_metrics)  # None, or why the run stops here
         # (3) Save. metrics.jsonl first, so that a checkpoint never lacks its steps' records, and
         # only once the previous save has committed, so that the records never run more than one
         # save ahead of the checkpoints (the checkpoints section's rules (a) to (c))
         if due(step, r.save_every) or stop:
-            late_metrics.read_pending()  # this step's metrics too, so that the records are whole
-            # asked again: this step's metrics, just read, may say another process had a signal,
-            # and the run then stops with this save, not a step and a save later
-            stop = stop_reason(step, args.stop_at, late_metrics)
             manager.wait_until_finished()  # the previous save (Orbax saves in the background)
             log.flush()  # writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)
@@ -193,19 +191,20 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     return 0
 
 
-class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pending() to save
+class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
     # Keeps each step's metrics on the devices until the next step has been dispatched, then
     # reads them. step_fn returns at once, so while the host waits for step 149's metrics,
     # step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
-    # logs.) Before a save, read_pending also reads the step's own metrics, so that the
-    # metrics.jsonl saved with a checkpoint has every step. With save_every 100:
-    #   add(199)                    reads 198's metrics, keeps 199's
-    #   add(200), read_pending()    reads 199's, then 200's, keeps none
-    #   add(201)                    reads none, keeps 201's
-    # Reading also counts the updates skipped in a row (skipped), which the loop stops at 10.
+    # logs.) A step that saves reads its own metrics at once too, so that the metrics.jsonl
+    # saved with a checkpoint has every step. With save_every 100:
+    #   add(199)                reads 198's metrics, keeps 199's
+    #   add(200, saves=True)    reads 199's, then 200's, keeps none
+    #   add(201)                reads none, keeps 201's
+    # So does every step once a signal is known, as the run then stops (and saves) at this
+    # step. Reading also counts the updates skipped in a row (skipped), which the loop stops at 10.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -213,9 +212,11 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step; read_pend
         # becomes True once a step's metrics say some process received a signal.
         self.log, self.pending, self.skipped, self.signalled = log, None, 0, False
 
-    def add(self, step, metrics):  # reads the last step's metrics, then keeps this step's
+    def add(self, step, metrics, saves=False):  # reads the last step's metrics, keeps this step's
         self.read_pending()
         self.pending = (step, metrics)
+        if saves or self.signalled:  # (a signal, read just now, stops the run at this step)
+            self.read_pending()
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
