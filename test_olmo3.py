@@ -2078,15 +2078,29 @@ def test_metrics_past_the_first_save_are_written_only_once_it_is_committed(
 def test_a_run_past_its_first_save_is_never_restarted_fresh_whatever_log_every(
     tmp_path, token_files
 ):
-    """With --log-every above --save-every, a run wrote no record past its first save, and one
-    that then lost its checkpoints started fresh, silently. A save step now always writes one."""
+    """A run stopped after its first save, at a step that writes no progress line, left no
+    record past that save (and with --log-every above --save-every, none at all), so one that
+    then lost its checkpoints started fresh, silently. A step that saves now writes one."""
     out = tmp_path / "run"
-    run_train(out, token_files, "--steps", "40", "--save-every", "5", "--log-every", "25",
+    run_train(out, token_files, "--steps", "40", "--save-every", "10", "--log-every", "25",
               "--stop-at", "12")
-    assert [r["step"] for r in records_of(out)] == [5, 10]
+    assert [r["step"] for r in records_of(out)] == [10, 12]
     shutil.rmtree(out / "checkpoints")
     with pytest.raises(SystemExit, match=r"holds a run \(metrics.jsonl\) but no checkpoint"):
-        train.main(run_args(token_files, out, "--steps", "40", "--save-every", "5"))
+        train.main(run_args(token_files, out, "--steps", "40", "--save-every", "10"))
+
+
+def test_the_tenth_skipped_update_in_a_row_stops_the_run_even_if_the_next_is_good():
+    """A step that saves reads two steps' metrics at once: the 10th skip, then a good update,
+    set the count to 10 and back to 0 before the loop looked, and the run went on."""
+    logged = []
+    log = type("Log", (), {"metrics": lambda self, step, m, *saves: logged.append(step)})()
+    late = train.LateMetrics(log)
+    metrics = lambda skipped: {"skipped": np.bool_(skipped), "signalled": np.bool_(False)}
+    for step in range(1, 11):  # steps 1-10 skip; step 11, a save step, does not
+        late.add(step, metrics(True))
+    late.add(11, metrics(False), saves=True)
+    assert logged == list(range(1, 12)) and late.skipped >= 10
 
 
 def test_pod_generate_and_samples_with_splash_on_4_devices_equal_the_reference(

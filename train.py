@@ -216,15 +216,16 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
         self.read_pending()
         self.pending = (step, metrics)
         if saves or self.signalled:  # (a signal, read just now, stops the run at this step)
-            self.read_pending()
+            self.read_pending(saves=True)
 
-    def read_pending(self):  # reads the kept step's metrics, if any, and logs them
+    def read_pending(self, saves=False):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
             # waits for the devices, like loss.item(); nothing is pending after
             (step, m), self.pending = jax.device_get(self.pending), None
-            self.skipped = self.skipped + 1 if m["skipped"] else 0
+            # (once at 10, it stays: the loop then stops the run)
+            self.skipped = self.skipped + 1 if m["skipped"] or self.skipped >= 10 else 0
             self.signalled = self.signalled | bool(m["signalled"])
-            self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
+            self.log.metrics(step, m, saves)  # a line every log_every steps, for each skip, ...
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -628,15 +629,15 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         return any(step_of(x) == step and '"eval/' in x for x in self.lines["metrics.jsonl"])
 
     # a step's metrics, read to the host: a line for a skipped update, one every log_every steps
-    def metrics(self, step, m):
+    def metrics(self, step, m, saves=False):
         m = {k: v.tolist() for k, v in m.items()}  # numpy -> Python numbers, for JSON
         if m["skipped"]:  # by the spike guard (spikes says which of [loss, grad norm]), or a NaN
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        # the progress line comes every log_every steps, at the last step, and at each save step
-        # (whose record, written before the save, tells refuse_fresh_start that a run got past
-        # its first save, whatever log_every is)
-        if step % self.r.log_every and step % self.r.save_every and step != self.r.steps:
+        # the progress line comes every log_every steps, at the last step, and at each step that
+        # saves (whose record, written before the save, tells refuse_fresh_start that a run got
+        # past its first save, whatever log_every is)
+        if step % self.r.log_every and step != self.r.steps and not saves:
             return
         now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
         line = [f"step {step:>6}/{self.r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
