@@ -222,7 +222,8 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
         if self.pending is not None:
             # waits for the devices, like loss.item(); nothing is pending after
             (step, m), self.pending = jax.device_get(self.pending), None
-            # (once at 10, it stays: the loop then stops the run)
+            # Once at 10, it stays there until the loop stops the run: a step that saves reads
+            # two steps' metrics in one add, and a good second one must not hide a 10th skip
             self.skipped = self.skipped + 1 if m["skipped"] or self.skipped >= 10 else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m, saves)  # a line every log_every steps, for each skip, ...
