@@ -1479,8 +1479,8 @@ def test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints
                        r"checkpoint to resume; restore its checkpoints, or use a new --out$"):
         train.main(args)
     assert (out / "metrics.jsonl").read_text() == before
-    # A save's leftover temporary step changes nothing: records past the first save mean that it
-    # was committed (the loop waits for each save before writing the next records)
+    # A save's leftover temporary step changes nothing: a record names a committed checkpoint
+    # (each save's record is written after the wait for the save before it)
     (out / "checkpoints" / "3.orbax-checkpoint-tmp-1").mkdir()
     with pytest.raises(SystemExit, match="holds a run"):
         train.main(args)
@@ -2041,53 +2041,25 @@ def test_non_finite_gradients_skip_the_update_and_never_reach_a_checkpoint(
         assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), saved, good)))
 
 
-def test_metrics_past_the_first_save_are_written_only_once_it_is_committed(
-    tmp_path, token_files, monkeypatch
-):
-    """Rule (c): records past the first save prove it committed, so refuse_fresh_start can tell
-    a run that lost its checkpoints. The 10-skips error wrote records past step 10 while save 10
-    was in flight, and a kill then left a directory that every rerun refused."""
-    events, first = [], []
-    wait, flush, save = ocp.CheckpointManager.wait_until_finished, train.Log.flush, train.save
-
-    def waiting(manager):
-        events.append("wait")
-        return wait(manager)
-
-    def flushing(log):
-        steps = [train.step_of(x) for x in log.lines["metrics.jsonl"]]
-        if first and max(steps) > first[0]:  # records past the first save: it was waited for
-            assert "wait" in events[events.index(("save", first[0])):], events
-        return flush(log)
-
-    def saving(manager, step, *args):  # (Orbax's save waits for the one before it, inside)
-        save(manager, step, *args)
-        if not first:
-            first.append(step)
-        events.append(("save", step))
-
-    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", waiting)
-    monkeypatch.setattr(train.Log, "flush", flushing)
-    monkeypatch.setattr(train, "save", saving)
+def test_only_a_recorded_commit_refuses_a_fresh_start(tmp_path, token_files):
+    """refuse_fresh_start reads the record each save writes, {"step", "committed"}. A run that
+    ended on the 10-skips error before any commit starts fresh, whatever --save-every (it was
+    refused once its records passed the new, smaller one); a run stopped after a commit,
+    between progress lines, then robbed of its checkpoints is refused, whatever --log-every (it
+    started fresh: no record passed its first save)."""
+    stuck = tmp_path / "stuck"
     with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped"):
-        run_train(tmp_path / "run", token_files, "--steps", "30", "--save-every", "10",
-                  "--lr", "1e30")
-    assert first == [10] and max(train_losses(records_of(tmp_path / "run"))) > 10
-
-
-def test_a_run_past_its_first_save_is_never_restarted_fresh_whatever_log_every(
-    tmp_path, token_files
-):
-    """A run stopped after its first save, at a step that writes no progress line, left no
-    record past that save (and with --log-every above --save-every, none at all), so one that
-    then lost its checkpoints started fresh, silently. A step that saves now writes one."""
+        run_train(stuck, token_files, "--steps", "30", "--lr", "1e30")  # saves every 100
+    assert not list((stuck / "checkpoints").iterdir()) and max(train_losses(records_of(stuck))) > 5
+    run_train(stuck, token_files, "--steps", "6", "--save-every", "5")  # nothing to lose
+    assert [r["step"] for r in records_of(stuck) if "loss" in r] == list(range(1, 7))
     out = tmp_path / "run"
     run_train(out, token_files, "--steps", "40", "--save-every", "10", "--log-every", "25",
               "--stop-at", "12")
-    assert [r["step"] for r in records_of(out)] == [10, 12]
+    assert [r["committed"] for r in records_of(out) if "committed" in r] == [None, 10]
     shutil.rmtree(out / "checkpoints")
     with pytest.raises(SystemExit, match=r"holds a run \(metrics.jsonl\) but no checkpoint"):
-        train.main(run_args(token_files, out, "--steps", "40", "--save-every", "10"))
+        train.main(run_args(token_files, out, "--steps", "40", "--save-every", "50"))
 
 
 def test_the_tenth_skipped_update_in_a_row_stops_the_run_even_if_the_next_is_good():

@@ -163,7 +163,6 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # its own too, so that its records go with its checkpoint
         late_metrics.add(step, metrics, saves=due(step, r.save_every) or step == args.stop_at)
         if late_metrics.skipped >= 10:  # stuck: it stops with an error, and saves nothing (README)
-            manager.wait_until_finished()  # as before any write of metrics.jsonl, for rule (c)
             log.flush()
             raise SystemExit("error: 10 updates in a row skipped (the lines above); lower --lr "
                              "(a resume may change it) or check the data")
@@ -173,6 +172,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # save ahead of the checkpoints (the checkpoints section's rules (a) to (c))
         if due(step, r.save_every) or stop:
             manager.wait_until_finished()  # the previous save (Orbax saves in the background)
+            log(step=step, committed=manager.latest_step())  # the newest checkpoint, or None
             log.flush()  # writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)
         if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
@@ -216,9 +216,9 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
         self.read_pending()
         self.pending = (step, metrics)
         if saves or self.signalled:  # (a signal, read just now, stops the run at this step)
-            self.read_pending(saves=True)
+            self.read_pending()
 
-    def read_pending(self, saves=False):  # reads the kept step's metrics, if any, and logs them
+    def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
             # waits for the devices, like loss.item(); nothing is pending after
             (step, m), self.pending = jax.device_get(self.pending), None
@@ -226,7 +226,7 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
             # two steps' metrics in one add, and a good second one must not hide a 10th skip
             self.skipped = self.skipped + 1 if m["skipped"] or self.skipped >= 10 else 0
             self.signalled = self.signalled | bool(m["signalled"])
-            self.log.metrics(step, m, saves)  # a line every log_every steps, for each skip, ...
+            self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -327,9 +327,9 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
         # resume restores the newest step (on a pod, the newest that every host can read)
         state = resume(cfg, r, manager, target, loader, log)
         return state, f"resumed from step {int(state['step'])}"
-    # stops if a run trained in args.out past its first save (its metrics.jsonl, which log has
-    # read, says so) but left no checkpoint
-    refuse_fresh_start(args.out, log, r.save_every)
+    # stops if a run committed a checkpoint in args.out (its metrics.jsonl, which log has read,
+    # says so) but left none
+    refuse_fresh_start(args.out, log)
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -630,15 +630,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         return any(step_of(x) == step and '"eval/' in x for x in self.lines["metrics.jsonl"])
 
     # a step's metrics, read to the host: a line for a skipped update, one every log_every steps
-    def metrics(self, step, m, saves=False):
+    def metrics(self, step, m):
         m = {k: v.tolist() for k, v in m.items()}  # numpy -> Python numbers, for JSON
         if m["skipped"]:  # by the spike guard (spikes says which of [loss, grad norm]), or a NaN
             self(f"step {step}: update skipped (loss {m['loss']:.4f}, grad norm "
                  f"{m['grad_norm']:.4f})", step=step, spikes=m["spikes"])
-        # the progress line comes every log_every steps, at the last step, and at each step that
-        # saves (whose record, written before the save, tells refuse_fresh_start that a run got
-        # past its first save, whatever log_every is)
-        if step % self.r.log_every and step != self.r.steps and not saves:
+        # the progress line comes every log_every steps, and at the last step
+        if step % self.r.log_every and step != self.r.steps:
             return
         now, tokens, rate = time.time(), self.r.global_batch * self.r.seq_len, None
         line = [f"step {step:>6}/{self.r.steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
@@ -697,10 +695,10 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 #                   before Orbax commits step 200
 #         rerun     resumes from step 100; log.rewind(100) drops records 101-200, which steps
 #                   101-200 then write again
-#   (c) records past step save_every mean that the first save was committed (the flush that
-#       wrote them waited for it), so a run trained here: refuse_fresh_start relies on it. With
-#       save_every 100, records 101-200 are first written at step 200, once step 100 is
-#       committed; a run directory that holds them but no checkpoint has lost its checkpoints.
+#   (c) each save's record {"step": s, "committed": c} names the newest committed checkpoint,
+#       c, or None before the first commit: it is written after the wait. So a run directory
+#       whose records name one but that holds no checkpoint has lost its checkpoints, and
+#       refuse_fresh_start refuses to start it over.
 #
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
 # state to host memory, and writes the files in the background, so the next step may reuse the
@@ -823,20 +821,19 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
-def refuse_fresh_start(out, log, save_every):
+def refuse_fresh_start(out, log):
     # starting_state calls this when the run directory has no checkpoint to resume. What the
     # directory holds, and what a rerun does:
-    #   nothing, or metrics.jsonl records up to   fresh start: a kill may have cut the first
-    #   step save_every at most                   save short, so nothing was committed
-    #   records past step save_every              refuse: the first save was committed
-    #                                             (rule (c), at save), so a run
-    #                                             trained here, and its checkpoints are gone
+    #   nothing, or records that name no          fresh start: nothing was committed (a kill
+    #   committed checkpoint                      may have cut the first save short)
+    #   a record that names a committed           refuse: a run trained here, and its
+    #   checkpoint (rule (c), at save)            checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
-    # (A run that lost its only checkpoint before its records passed save_every starts fresh
-    # too, as does one rerun with a larger --save-every: each loses at most save_every steps.)
+    # (A run that lost its only checkpoint before a later save recorded it starts fresh: it
+    # loses at most save_every steps.)
     unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
-    # past the first save, by metrics.jsonl's records (as Log read them)
-    trained = any(step_of(x) > save_every for x in log.lines["metrics.jsonl"])
+    # a committed checkpoint, by metrics.jsonl's records (as Log read them)
+    trained = any(json.loads(x).get("committed") is not None for x in log.lines["metrics.jsonl"])
     if unreadable or trained:
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
