@@ -172,7 +172,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # save ahead of the checkpoints (the checkpoints section's rules (a) to (c))
         if due(step, r.save_every) or stop:
             manager.wait_until_finished()  # the previous save (Orbax saves in the background)
-            log(step=step, committed=manager.latest_step())  # the newest checkpoint, or None
+            # a record of the newest committed checkpoint (None before the first): a directory
+            # that then loses its checkpoints is never restarted fresh (refuse_fresh_start)
+            log(step=step, committed=manager.latest_step())
             log.flush()  # writes metrics.jsonl and log.txt
             save(manager, step, state, cfg, r, loader.fingerprint)
         if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
