@@ -1317,7 +1317,7 @@ def test_an_empty_task_list_evaluates_nothing(tmp_path, token_files):
     run = ["--data", token_files["train"], "--eval-tasks", ", \t,", "--eval-every", "1"]
     for _ in range(2):  # a run, then a rerun of the finished run
         assert train.main(SMALL_RUN + run + ["--steps", "2", "--out", str(tmp_path)]) == 0
-    assert [r["step"] for r in records_of(tmp_path)] == [1, 2]
+    assert [r["step"] for r in records_of(tmp_path) if "committed" not in r] == [1, 2]
     newline = ["--data", token_files["train"], "--eval-tasks", "\n", "--out", str(tmp_path / "n")]
     with pytest.raises(SystemExit, match="^error: "):  # (it too wrote empty records)
         train.main(SMALL_RUN + newline)
