@@ -78,7 +78,8 @@ class Loader:
         named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
         self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)
 
-    def set_instances(self, num_instances):  # sets the instance count and steps_per_epoch
+    # sets the instance count and steps_per_epoch (PackedLoader sets them again, to its own)
+    def set_instances(self, num_instances):
         self.num_instances, self.steps_per_epoch = num_instances, num_instances // self.global_batch
 
     def epoch_order(self, epoch):
@@ -118,9 +119,8 @@ class Loader:
         return x
 
     def iterate(self, start, stop):  # -> batch(i) for i from start to stop - 1
-        # Checked here, where batches are first read, and not as the loader is made: a packed
-        # corpus counts its instances otherwise, and packs files shorter than a row, which give
-        # the plain Loader it is built on no instance at all
+        # Checked here, not in __init__: PackedLoader sets its own instance count after
+        # Loader.__init__ has run (its files may be too short for a plain Loader's instances)
         if self.steps_per_epoch == 0:
             raise SystemExit(f"error: the data has {self.num_instances} instances of {self.seq_len}"
                              f" tokens, fewer than a global batch of {self.global_batch}; add data")
@@ -163,7 +163,8 @@ class PackedLoader(Loader):
         self.docs = np.load(path.open("rb"))
         instance = self.docs[3]  # each document's instance, sorted: [0, 0, 1, 2, 2, 2]
         # instances are numbered from 0. Token files with no EOS hold no document, so no
-        # instance: iterate then stops with its one-line error (max's initial: no ValueError).
+        # instance: initial=-1 makes max give -1 (0 instances) where it would raise, and
+        # iterate stops with its one-line error.
         self.set_instances(int(instance.max(initial=-1)) + 1)
         # bounds[i]: instance i's first document, so its documents are bounds[i] to bounds[i + 1]
         # ([0, 2, 3, 6] for the instances above; the last entry is one past the last document)
@@ -390,7 +391,7 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
             np.append(ids, tok.eos_id).astype(TOKEN_DTYPE).tofile((train, held)[split])
             # progress: documents per split, bytes read, seconds since the start
             docs[split], done, seconds = docs[split] + 1, done + len(raw), time.time() - start
-            eta = f", ETA {(total - done) / done * seconds:.0f}s" if total else ""
+            eta = f", ETA {max(total - done, 0) / done * seconds:.0f}s" if total else ""
             end = "\r" if sum(docs) % 1000 else "\n"  # a line per 1000 documents
             print(f"tokenized {sum(docs):,} documents ({docs[1]:,} held out), {done / 1e6:,.1f} MB "
                   f"at {done / 1e6 / seconds:.1f} MB/s{eta}", end=end, file=sys.stderr)

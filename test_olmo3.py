@@ -2029,7 +2029,7 @@ def test_non_finite_gradients_skip_the_update_and_never_reach_a_checkpoint(
     target = {"params": train.abstract_state(cfg, r, olmo3.make_mesh())["params"]}
     good = train.restore(train.latest_checkpoint(out), target, cfg)["params"]
     monkeypatch.setattr(olmo3, "loss_terms", nan_gradient)
-    with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped \(the lines above"):
+    with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped; lower --lr"):
         run_train(out, token_files, "--steps", "20", "--save-every", "1")
     records = records_of(out)
     assert [r["step"] for r in records if "spikes" in r] == list(range(3, 13))
@@ -2064,15 +2064,18 @@ def test_only_a_recorded_commit_refuses_a_fresh_start(tmp_path, token_files):
 
 def test_the_tenth_skipped_update_in_a_row_stops_the_run_even_if_the_next_is_good():
     """A step that saves reads two steps' metrics at once: the 10th skip, then a good update,
-    set the count to 10 and back to 0 before the loop looked, and the run went on."""
-    logged = []
-    log = type("Log", (), {"metrics": lambda self, step, m, *saves: logged.append(step)})()
+    set the count to 10 and back to 0 before the loop looked, and the run went on. The 10th
+    skip now ends the run as it is read, with the records written."""
+    logged, flushed = [], []
+    log = type("Log", (), {"metrics": lambda self, step, m: logged.append(step),
+                           "flush": lambda self: flushed.append(logged[-1])})()
     late = train.LateMetrics(log)
     metrics = lambda skipped: {"skipped": np.bool_(skipped), "signalled": np.bool_(False)}
     for step in range(1, 11):  # steps 1-10 skip; step 11, a save step, does not
         late.add(step, metrics(True))
-    late.add(11, metrics(False), saves=True)
-    assert logged == list(range(1, 12)) and late.skipped >= 10
+    with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped"):
+        late.add(11, metrics(False), saves=True)
+    assert logged == list(range(1, 11)) and flushed == [10]
 
 
 def test_pod_generate_and_samples_with_splash_on_4_devices_equal_the_reference(

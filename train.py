@@ -133,13 +133,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     state, note = starting_state(cfg, r, args, manager, target, loader, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
-    log.rewind(done)  # drops metrics.jsonl's records past step done, which a kill in a save leaves
+    # (Second read.) A run stopped or killed during a save or an evaluation leaves metrics.jsonl
+    # a little off its checkpoint: this mends it, before the loop adds to it
+    match_records(log, evals, state["params"], done, r)
     # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # A step evaluates after its save (5), so a run stopped or killed during that evaluation
-    # resumes without it: it runs now, unless metrics.jsonl has it
-    if evals and done and due(done, r.eval_every) and not log.evaluated(done):
-        evals(state["params"], done)
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -151,32 +149,25 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # The loop below does the same, with three differences, each explained where it happens:
     #   (1)  the step takes a third input, this process's signal flag, so that every process of
     #        a pod stops after the same step (stop_reason, and the "stopping" section)
-    #   (2)  the metrics are read a step late, so that the devices never wait for the host (and
-    #        a run they show stuck, 10 skipped updates in a row, ends there with an error)
+    #   (2)  the metrics are read a step late, so that the devices never wait for the host
     #   (3)  a save writes metrics.jsonl first, then the checkpoint
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     # loader.iterate gives batches done, done + 1, ..., r.steps - 1, so step s gets batch s - 1
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
         state, metrics = step_fn(state, batch, signal_flags(mesh))  # (1) returns at once
-        # (2) reads and logs step - 1's metrics, and keeps this step's; a step that may save reads
-        # its own too, so that its records go with its checkpoint
-        late_metrics.add(step, metrics, saves=due(step, r.save_every) or step == args.stop_at)
-        if late_metrics.skipped >= 10:  # stuck: it stops with an error, and saves nothing (README)
-            log.flush()
-            raise SystemExit("error: 10 updates in a row skipped (the lines above); lower --lr "
-                             "(a resume may change it) or check the data")
-        stop = stop_reason(step, args.stop_at, late_metrics)  # None, or why the run stops here
-        # (3) Save. metrics.jsonl first, so that a checkpoint never lacks its steps' records, and
-        # only once the previous save has committed, so that the records never run more than one
-        # save ahead of the checkpoints (the checkpoints section's rules (a) to (c))
-        if due(step, r.save_every) or stop:
-            manager.wait_until_finished()  # the previous save (Orbax saves in the background)
-            # a record of the newest committed checkpoint (None before the first): a directory
-            # that then loses its checkpoints is never restarted fresh (refuse_fresh_start)
-            log(step=step, committed=manager.latest_step())
-            log.flush()  # writes metrics.jsonl and log.txt
-            save(manager, step, state, cfg, r, loader.fingerprint)
+        saves = due(step, r.save_every) or step == args.stop_at  # part (3) saves this step
+        # (2) reads and logs step - 1's metrics, and keeps this step's. A step that saves reads
+        # its own too, so that its records go with its checkpoint. (After 10 skipped updates in
+        # a row, the run is stuck: it ends here, with an error.)
+        late_metrics.add(step, metrics, saves)
+        # None, or why the run stops here. It comes after add, which reads the signal flag: once
+        # add has seen one, it reads each step's own metrics, as for a save, and the run stops
+        stop = stop_reason(step, args.stop_at, late_metrics)
+        # (3) Save: wait for the previous save, write metrics.jsonl, then save this step, in an
+        # order that keeps the records in step with the checkpoints (save_step says how)
+        if saves or stop:
+            save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -206,7 +197,7 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
     #   add(200, saves=True)    reads 199's, then 200's, keeps none
     #   add(201)                reads none, keeps 201's
     # So does every step once a signal is known, as the run then stops (and saves) at this
-    # step. Reading also counts the updates skipped in a row (skipped), which the loop stops at 10.
+    # step. Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends.
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -224,11 +215,12 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
         if self.pending is not None:
             # waits for the devices, like loss.item(); nothing is pending after
             (step, m), self.pending = jax.device_get(self.pending), None
-            # Once at 10, it stays there until the loop stops the run: a step that saves reads
-            # two steps' metrics in one add, and a good second one must not hide a 10th skip
-            self.skipped = self.skipped + 1 if m["skipped"] or self.skipped >= 10 else 0
+            self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
+            if self.skipped == 10:  # stuck: the run ends, and saves nothing (the README says why)
+                self.log.flush()
+                raise SystemExit("error: 10 updates in a row skipped; lower --lr or check the data")
 
 
 # ----------------------------------------------------------------------------- data and evaluation
@@ -327,8 +319,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     #                one (stages 2 and 3). Step and history, and so the LR schedule, start at 0.
     if manager.latest_step() is not None:
         # resume restores the newest step (on a pod, the newest that every host can read)
-        state = resume(cfg, r, manager, target, loader, log)
-        return state, f"resumed from step {int(state['step'])}"
+        return resume(cfg, r, manager, target, loader, log)  # (state, "resumed from step N")
     # stops if a run committed a checkpoint in args.out (its metrics.jsonl, which log has read,
     # says so) but left none
     refuse_fresh_start(args.out, log)
@@ -581,9 +572,6 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
                "7x": 2307 / 2, "v4": 275, "h100": 989, "h200": 989, "a100": 312}
 
 
-step_of = lambda record: json.loads(record)["step"]  # a metrics.jsonl line's step
-
-
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
@@ -623,14 +611,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             if data.have("evaluation"):
                 data.beside("evaluation").plot(self.run_dir, self.lines["metrics.jsonl"])
 
-    # drops the records past step, which a kill during a save leaves (rule (b) in the
-    # checkpoints section has an example), so that no step's record is kept twice
-    def rewind(self, step):
-        self.lines["metrics.jsonl"] = [x for x in self.lines["metrics.jsonl"] if step_of(x) <= step]
-
-    def evaluated(self, step):  # does metrics.jsonl hold step's evaluation ("eval/..." keys)?
-        return any(step_of(x) == step and '"eval/' in x for x in self.lines["metrics.jsonl"])
-
     # a step's metrics, read to the host: a line for a skipped update, one every log_every steps
     def metrics(self, step, m):
         m = {k: v.tolist() for k, v in m.items()}  # numpy -> Python numbers, for JSON
@@ -651,6 +631,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             eta = datetime.timedelta(seconds=round((self.r.steps - step) * tokens / rate))
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
         self.last = (step, now)
+        # one call, both kinds: it prints the line, and adds the step's record to metrics.jsonl
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
 
@@ -660,7 +641,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
 # params, train_state and config. What each function here does, and the failure it guards
 # against:
-#   save                writes a step, after the loop wrote metrics.jsonl (the rule below)
+#   save_step           the loop's save: metrics.jsonl first, then the step (rules (a)-(c))
+#   save                writes a step
 #   resume              finds the newest step that every process can read. A step that some
 #                       process cannot read (a corrupt file) is renamed
 #                       <step>.<time>.unreadable, and the step before it is tried.
@@ -669,6 +651,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   read_item           refuses a layout that this code does not make (another version's)
 #   latest_checkpoint   finds --init-from's step, in a run directory or a converted checkpoint
 #   refuse_fresh_start  refuses to start over where a run trained but left no checkpoint
+#   match_records       mends metrics.jsonl, which a kill may leave a little off the checkpoint
 # They come in that order, the writing first: a resume calls resume -> read_retrying ->
 # restore, which checks compared_settings, then reads each item with read_item.
 
@@ -685,23 +668,29 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# The loop saves (part (3)) in the one order that keeps metrics.jsonl and the checkpoints in
-# step: read this step's metrics, wait until the last save is committed, write metrics.jsonl,
-# then save. It follows that
+# The loop's save (part (3)), in the one order that keeps metrics.jsonl and the checkpoints in
+# step: this step's metrics are read (LateMetrics.add), then save_step waits until the last save
+# is committed, writes metrics.jsonl, and saves. It follows that
 #   (a) a checkpoint never lacks its steps' records (but for the evaluation of its own step,
 #       which comes after the save: the next save writes it, or a run resumed from this
-#       checkpoint runs it again);
+#       checkpoint runs it again, in match_records);
 #   (b) records past the newest checkpoint come from a save that a kill cut short, and a resume
-#       drops them (log.rewind). With save_every 100:
+#       drops them (match_records). With save_every 100:
 #         step 200  metrics.jsonl is written (steps 1-200), the save starts, and a kill comes
 #                   before Orbax commits step 200
-#         rerun     resumes from step 100; log.rewind(100) drops records 101-200, which steps
-#                   101-200 then write again
+#         rerun     resumes from step 100, and drops records 101-200, which steps 101-200 then
+#                   write again
 #   (c) each save's record {"step": s, "committed": c} names the newest committed checkpoint,
 #       c, or None before the first commit: it is written after the wait. So a run directory
 #       whose records name one but that holds no checkpoint has lost its checkpoints, and
 #       refuse_fresh_start refuses to start it over.
-#
+def save_step(manager, log, step, state, cfg, r, data_fingerprint):
+    manager.wait_until_finished()  # the previous save (Orbax saves in the background)
+    log(step=step, committed=manager.latest_step())  # rule (c)
+    log.flush()  # writes metrics.jsonl and log.txt
+    save(manager, step, state, cfg, r, data_fingerprint)
+
+
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
 # state to host memory, and writes the files in the background, so the next step may reuse the
 # state's device memory (donation). r and data_fingerprint are optional: convert.py saves params
@@ -733,7 +722,7 @@ def resume(cfg, r, manager, target, loader, log):
                               data_fingerprint=loader.fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
-            return state
+            return state, f"resumed from step {step}"
         failed = np.flatnonzero(read == 0).tolist()
         if jax.process_index() == 0:  # a new name each time: the step saved again may fail again
             step_dir.rename(manager.directory / f"{step}.{time.time_ns()}.unreadable")
@@ -842,6 +831,24 @@ def refuse_fresh_start(out, log):
                          "restore its checkpoints, or use a new --out")
 
 
+step_of = lambda record: json.loads(record)["step"]  # a metrics.jsonl line's step
+
+
+def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
+    # train calls this once the run knows where it starts (done: 0, or the resumed step). Two
+    # things can set the records off the checkpoint, each a kill or a stop at a bad moment:
+    #   records past step done    A save wrote them, and was killed before its commit (rule
+    #                             (b) has an example). They are dropped: the steps after done
+    #                             run again, and write them again.
+    #   no evaluation of done     Step done evaluates after its save (part (5) of the loop), so
+    #                             a run stopped or killed during that evaluation resumes without
+    #                             it. It runs now.
+    log.lines["metrics.jsonl"] = [x for x in log.lines["metrics.jsonl"] if step_of(x) <= done]
+    evaluated = any(step_of(x) == done and '"eval/' in x for x in log.lines["metrics.jsonl"])
+    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
+        evals(params, done)
+
+
 # ----------------------------------------------------------------------------- stopping
 # A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
 # train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> stop_reason, in
@@ -894,11 +901,11 @@ def signal_flags(mesh):  # -> [devices] bool: has each device's process received
     return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local, (mesh.size,))
 
 
-def flags_spec(mesh):  # signal_flags' array, described: [devices] bool, one entry per device
-    # P(("data", "fsdp", "tensor")): one dimension, cut over all three mesh axes together (a
-    # tuple in one place, not three dimensions), so each device holds one entry
-    each_device = NamedSharding(mesh, P(olmo3.MESH_AXES))
-    return jax.ShapeDtypeStruct((mesh.size,), jnp.bool_, sharding=each_device)
+# signal_flags' array, described: [devices] bool, one entry per device. P(("data", "fsdp",
+# "tensor")) cuts its one dimension over all three mesh axes together (a tuple in one place, not
+# three dimensions), so each device holds one entry.
+flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
+                                               sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
 
 
 # ----------------------------------------------------------------------------- across hosts
@@ -999,8 +1006,9 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
     # The layers: the preset's recipe, then STAGE2's fields with --stage2, then every flag given
-    # (one dict, STAGE2's or {} merged with the flags': ** takes the whole `a | b`)
-    r = dataclasses.replace(RECIPES[args.preset], **(STAGE2 if args.stage2 else {}) | given(Recipe))
+    # (a flag wins over STAGE2: in `a | b`, b's values win)
+    changes = (STAGE2 if args.stage2 else {}) | given(Recipe)
+    r = dataclasses.replace(RECIPES[args.preset], **changes)
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
     # Every int field is a count or a seed. A flag that sets one below its least value (1, or
     # the one in `least`) stops here, with a one-line error. 0 would divide by zero (step %
