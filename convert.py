@@ -112,7 +112,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
         if not ok:
             raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
-    hf = {key: value for key, value in hf.items() if value is not None}  # null means the default
+    # a null means the default: dropped here, so that `defaults` below fills it in
+    hf = {key: value for key, value in hf.items() if value is not None}
     # RoPE (only a YaRN model needs it: skip it on a first read). config.json gives it in one of
     # two forms, here with AI2's stage-3 values (... is YaRN's other keys):
     #   legacy:  rope_theta: 500000, rope_scaling: {rope_type: yarn, factor: 8, ...}
@@ -149,7 +150,9 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     #   2 layers, full at 1 (the last)      first 1   global_every 4 (2 would do as well)
     #   6 layers, full at 3 only            first 3   global_every 4, but layer 5 is not full:
     #                                                 refused (transformers' default for 6)
-    kinds = hf.get("layer_types", [("sliding_attention", "full_attention")[i % 4 == 3]
+    # In short: global_every is first + 1, unless the first full layer is the last (or there is
+    # none: refused below), where it is max(4, n_layers).
+    kinds = hf.get("layer_types", ["full_attention" if i % 4 == 3 else "sliding_attention"
                                    for i in range(hf["num_hidden_layers"])])
     first = (kinds + ["full_attention"]).index("full_attention")  # the first full layer, from 0
     cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},

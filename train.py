@@ -134,7 +134,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # (Second read.) A run stopped or killed during a save or an evaluation leaves metrics.jsonl
-    # a little off its checkpoint: this mends it, before the loop adds to it
+    # a little off its checkpoint: this drops the records past step done, and runs step done's
+    # evaluation now if a kill cut it short
     match_records(log, evals, state["params"], done, r)
     # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5)
     due = lambda step, every: step % every == 0 or step == r.steps
@@ -155,15 +156,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # loader.iterate gives batches done, done + 1, ..., r.steps - 1, so step s gets batch s - 1
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
-        state, metrics = step_fn(state, batch, signal_flags(mesh))  # (1) returns at once
-        saves = due(step, r.save_every) or step == args.stop_at  # part (3) saves this step
-        # (2) reads and logs step - 1's metrics, and keeps this step's. A step that saves reads
-        # its own too, so that its records go with its checkpoint. (After 10 skipped updates in
-        # a row, the run is stuck: it ends here, with an error.)
+        # (1) returns at once. signal_flags: on one host, one bool per device, True after a
+        # Ctrl-C; train_step only ORs them into metrics["signalled"]
+        state, metrics = step_fn(state, batch, signal_flags(mesh))
+        # The order of the next three lines matters. A step that saves must read its own metrics
+        # at once, so `saves` is decided before add; --stop-at is known in advance, so its step
+        # counts as one that saves. A signal is learned only inside add, so `stop` comes after.
+        saves = due(step, r.save_every) or step == args.stop_at
+        # (2) reads and logs step - 1's metrics (and this step's, if it saves), and keeps this
+        # step's. After 10 skipped updates in a row, the run is stuck: it ends here, with an error.
         late_metrics.add(step, metrics, saves)
-        # None, or why the run stops here. It comes after add, which reads the signal flag: once
-        # add has seen one, it reads each step's own metrics, as for a save, and the run stops
-        stop = stop_reason(step, args.stop_at, late_metrics)
+        stop = stop_reason(step, args.stop_at, late_metrics)  # None, or why the run stops here
         # (3) Save: wait for the previous save, write metrics.jsonl, then save this step, in an
         # order that keeps the records in step with the checkpoints (save_step says how)
         if saves or stop:
@@ -196,8 +199,12 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
     #   add(199)                reads 198's metrics, keeps 199's
     #   add(200, saves=True)    reads 199's, then 200's, keeps none
     #   add(201)                reads none, keeps 201's
-    # So does every step once a signal is known, as the run then stops (and saves) at this
-    # step. Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends.
+    # Once a signal has been read, add reads the current step's metrics at once too, because
+    # the run saves and stops at this step. A SIGTERM during step 150:
+    #   add(151)                reads 150's metrics: no signal (151's flag has it); keeps 151's
+    #   add(152)                reads 151's: a signal, so it reads 152's too; the run stops
+    # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
+    # with an error (it saves nothing: the newest checkpoint holds good weights).
 
     def __init__(self, log):
         # pending is the last step's (step, metrics), still on the devices, or None. skipped
@@ -218,7 +225,7 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
-            if self.skipped == 10:  # stuck: the run ends, and saves nothing (the README says why)
+            if self.skipped == 10:  # stuck
                 self.log.flush()
                 raise SystemExit("error: 10 updates in a row skipped; lower --lr or check the data")
 
@@ -639,21 +646,25 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # ----------------------------------------------------------------------------- checkpoints
 # Orbax saves in the background under a temporary name, then commits the step atomically, so a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
-# params, train_state and config. What each function here does, and the failure it guards
-# against:
-#   save_step           the loop's save: metrics.jsonl first, then the step (rules (a)-(c))
-#   save                writes a step
-#   resume              finds the newest step that every process can read. A step that some
-#                       process cannot read (a corrupt file) is renamed
-#                       <step>.<time>.unreadable, and the step before it is tried.
-#   read_retrying       retries a read that may succeed next time (a bucket's hiccup)
-#   restore             refuses a checkpoint made with other settings or data, then reads it
-#   read_item           refuses a layout that this code does not make (another version's)
-#   latest_checkpoint   finds --init-from's step, in a run directory or a converted checkpoint
-#   refuse_fresh_start  refuses to start over where a run trained but left no checkpoint
-#   match_records       mends metrics.jsonl, which a kill may leave a little off the checkpoint
-# They come in that order, the writing first: a resume calls resume -> read_retrying ->
-# restore, which checks compared_settings, then reads each item with read_item.
+# params, train_state and config. What can go wrong, what the rerun of the same command does,
+# and the function that does it (with save_every 100):
+#   a kill during step 200's save, after    resumes from step 100 (resume), and drops the
+#   metrics.jsonl was written               records of steps 101-200 (match_records): steps
+#                                           101-200 run again, and write them again
+#   a kill during step 200's evaluation,    resumes from step 200, and runs that evaluation
+#   which comes after its save              first (match_records)
+#   the checkpoints are gone (deleted, or   refuses to start over, since metrics.jsonl names a
+#   another disk mounted)                   committed checkpoint (refuse_fresh_start)
+#   a step that some process cannot read    renames it <step>.<time>.unreadable, and tries the
+#   (a corrupt file)                        step before it (resume)
+#   a read that fails once (a bucket's      retries it (read_retrying)
+#   hiccup)
+#   another model, data order or data       refuses it, with one line (restore, read_item)
+# The functions, in file order: save_step (the loop's save, and the rules (a) to (c) that make
+# the first three rows work), save, resume, read_retrying, restore (and compared_settings),
+# read_item, latest_checkpoint (--init-from's step, in a run directory or a converted
+# checkpoint), refuse_fresh_start, match_records. A resume calls resume -> read_retrying ->
+# restore -> read_item.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -674,16 +685,13 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 #   (a) a checkpoint never lacks its steps' records (but for the evaluation of its own step,
 #       which comes after the save: the next save writes it, or a run resumed from this
 #       checkpoint runs it again, in match_records);
-#   (b) records past the newest checkpoint come from a save that a kill cut short, and a resume
-#       drops them (match_records). With save_every 100:
-#         step 200  metrics.jsonl is written (steps 1-200), the save starts, and a kill comes
-#                   before Orbax commits step 200
-#         rerun     resumes from step 100, and drops records 101-200, which steps 101-200 then
-#                   write again
+#   (b) records past the newest checkpoint come from a save that a kill cut short (the table's
+#       first row), and a resume drops them (match_records);
 #   (c) each save's record {"step": s, "committed": c} names the newest committed checkpoint,
-#       c, or None before the first commit: it is written after the wait. So a run directory
-#       whose records name one but that holds no checkpoint has lost its checkpoints, and
-#       refuse_fresh_start refuses to start it over.
+#       c, or None before the first commit: it is written after the wait. metrics.jsonl is the
+#       witness because the loop writes it at every save, beside the checkpoints but apart
+#       from them: a run directory whose records name a checkpoint, but that holds none, has
+#       lost its checkpoints, and refuse_fresh_start refuses to start it over.
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
     log(step=step, committed=manager.latest_step())  # rule (c)
