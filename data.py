@@ -141,11 +141,12 @@ class PackedLoader(Loader):
     # batch() masks the padding's labels, and adds segments, which give each token's document,
     # for attention.
 
-    def __init__(self, *args, tokenizer="dolma2", group_size=1, cache=".", rank=0, **kwargs):
-        # *args and **kwargs are Loader's: (source, seq_len, global_batch, seed, rows=...). Its
-        # __init__ finds the files and counts fixed-length instances; the packed ones replace
-        # that count below (set_instances).
-        super().__init__(*args, tokenizer=tokenizer, **kwargs)
+    def __init__(self, source, seq_len, global_batch, seed, tokenizer="dolma2", group_size=1,
+                 cache=".", rank=0, **kwargs):
+        # **kwargs are Loader's others (rows, root, ...). Loader's __init__ finds the files and
+        # counts fixed-length instances; the packed ones replace that count below
+        # (set_instances). tokenizer is Loader's too, and gives the EOS and pad ids here.
+        super().__init__(source, seq_len, global_batch, seed, tokenizer=tokenizer, **kwargs)
         self.eos, self.pad = get_tokenizer(tokenizer).eos_id, get_tokenizer(tokenizer).pad_id
         # The packing's file is named by what decides it. The fingerprint hashes the files in
         # their order, so it changes with permutation_seed too.

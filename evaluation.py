@@ -46,11 +46,8 @@ def evaluator(cfg, r, mesh, sets_spec, args, log=None):
     sets = perplexity_sets(sets_spec, cfg.tokenizer, args.data_root) if sets_spec else {}
     ppl_rows = {name: document_rows(f, tokenizer.eos_id, r.seq_len, r.eval_limit, cfg.vocab_size)
                 for name, f in sets.items()}
-    # task names, each stripped of spaces and tabs alone (train.make_evals strips the commas too,
-    # to see whether any name is left): any other character (a "\r" from a CRLF file) makes an
-    # unknown task, a one-line error
-    tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len)
-             for name in filter(None, (n.strip(" \t") for n in args.eval_tasks.split(",")))}
+    # args.eval_tasks is a list of names (train.parse_args splits --eval-tasks)
+    tasks = {name: load_task(name, r.eval_limit, tokenizer, r.seq_len) for name in args.eval_tasks}
     # rows a forward pass takes, over all devices: what a training step's memory holds
     step_rows = r.micro_batch if r.micro_batch else r.global_batch
 
@@ -163,7 +160,7 @@ def main(cfg, r, args):
     """--eval-only (a table and OUT/eval.json) and --generate TEXT, with --init-from's weights."""
     if not args.init_from:
         raise SystemExit("error: --eval-only and --generate need --init-from CHECKPOINT")
-    if args.eval_only and not (args.eval_data or args.eval_tasks.strip(", \t")):
+    if args.eval_only and not (args.eval_data or args.eval_tasks):
         raise SystemExit("error: --eval-only needs --eval-data or --eval-tasks")
     mesh = olmo3.make_mesh(**args.mesh)
     with jax.set_mesh(mesh):

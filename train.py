@@ -137,7 +137,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # a little off its checkpoint: this drops the records past step done, and runs step done's
     # evaluation now if a kill cut it short
     match_records(log, evals, state["params"], done, r)
-    # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5)
+    # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5).
+    # (So the last step saves, and its metrics are read at once: none are left unread.)
     due = lambda step, every: step % every == 0 or step == r.steps
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -149,7 +150,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       if due(step, r.eval_every): evals(state["params"], step)  # (5)
     # The loop below does the same, with three differences, each explained where it happens:
     #   (1)  the step takes a third input, this process's signal flag, so that every process of
-    #        a pod stops after the same step (stop_reason, and the "stopping" section)
+    #        a pod stops after the same step (the "stopping" section)
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
     #   (3)  a save writes metrics.jsonl first, then the checkpoint
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
@@ -159,17 +160,14 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (1) returns at once. signal_flags: on one host, one bool per device, True after a
         # Ctrl-C; train_step only ORs them into metrics["signalled"]
         state, metrics = step_fn(state, batch, signal_flags(mesh))
-        # The order of the next three lines matters. A step that saves must read its own metrics
-        # at once, so `saves` is decided before add; --stop-at is known in advance, so its step
-        # counts as one that saves. A signal is learned only inside add, so `stop` comes after.
-        saves = due(step, r.save_every) or step == args.stop_at
         # (2) reads and logs step - 1's metrics (and this step's, if it saves), and keeps this
-        # step's. After 10 skipped updates in a row, the run is stuck: it ends here, with an error.
-        late_metrics.add(step, metrics, saves)
-        stop = stop_reason(step, args.stop_at, late_metrics)  # None, or why the run stops here
+        # step's. It returns None, or why the run stops after this step: --stop-at, or a signal
+        # that the metrics it read carry. (After 10 skipped updates in a row, the run is stuck:
+        # add ends it, with an error.)
+        stop = late_metrics.add(step, metrics, due(step, r.save_every), args.stop_at)
         # (3) Save: wait for the previous save, write metrics.jsonl, then save this step, in an
-        # order that keeps the records in step with the checkpoints (save_step says how)
-        if saves or stop:
+        # order that keeps the records in step with the checkpoints (the checkpoints section)
+        if due(step, r.save_every) or stop:
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until this step's save is committed
@@ -187,7 +185,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     return 0
 
 
-class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
+class LateMetrics:  # stop = late_metrics.add(step, metrics, saves, stop_at) after each step
     # Keeps each step's metrics on the devices until the next step has been dispatched, then
     # reads them. step_fn returns at once, so while the host waits for step 149's metrics,
     # step 150 keeps the devices busy:
@@ -199,10 +197,9 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
     #   add(199)                reads 198's metrics, keeps 199's
     #   add(200, saves=True)    reads 199's, then 200's, keeps none
     #   add(201)                reads none, keeps 201's
-    # Once a signal has been read, add reads the current step's metrics at once too, because
-    # the run saves and stops at this step. A SIGTERM during step 150:
-    #   add(151)                reads 150's metrics: no signal (151's flag has it); keeps 151's
-    #   add(152)                reads 151's: a signal, so it reads 152's too; the run stops
+    # So does the step of --stop-at, and every step once a signal has been read, as the run
+    # then saves and stops at this step (add says so: it returns why). The stopping section
+    # traces a signal from a Ctrl-C to the step that stops.
     # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
     # with an error (it saves nothing: the newest checkpoint holds good weights).
 
@@ -212,11 +209,18 @@ class LateMetrics:  # late_metrics.add(step, metrics, saves) after each step
         # becomes True once a step's metrics say some process received a signal.
         self.log, self.pending, self.skipped, self.signalled = log, None, 0, False
 
-    def add(self, step, metrics, saves=False):  # reads the last step's metrics, keeps this step's
+    # Reads the last step's metrics, and keeps this step's. Returns None, or why the run stops
+    # after this step.
+    def add(self, step, metrics, saves=False, stop_at=None):
         self.read_pending()
         self.pending = (step, metrics)
-        if saves or self.signalled:  # (a signal, read just now, stops the run at this step)
+        if saves or step == stop_at or self.signalled:  # this step saves: read its metrics now
             self.read_pending()
+        # A signal reached this process or another one (every process reads it in the same
+        # step's metrics). --stop-at needs no such care: every process knows it.
+        if self.signalled:
+            return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+        return "--stop-at" if step == stop_at else None
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
@@ -262,8 +266,7 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
     # evaluation.py measures perplexity on --eval-data's sets, or else on the corpus's held-out
     # set if there is one, and scores --eval-tasks' tasks. Without evaluation.py, the held-out
     # set is skipped, and the two flags are an error (data.beside says which file is missing).
-    # (--eval-tasks "," names no task.)
-    if args.eval_data or args.eval_tasks.strip(", \t") or (heldout and data.have("evaluation")):
+    if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args, log)
     # else None: nothing to evaluate (no flag, and no held-out set or no evaluation.py)
@@ -646,25 +649,33 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # ----------------------------------------------------------------------------- checkpoints
 # Orbax saves in the background under a temporary name, then commits the step atomically, so a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
-# params, train_state and config. What can go wrong, what the rerun of the same command does,
-# and the function that does it (with save_every 100):
-#   a kill during step 200's save, after    resumes from step 100 (resume), and drops the
-#   metrics.jsonl was written               records of steps 101-200 (match_records): steps
-#                                           101-200 run again, and write them again
-#   a kill during step 200's evaluation,    resumes from step 200, and runs that evaluation
-#   which comes after its save              first (match_records)
-#   the checkpoints are gone (deleted, or   refuses to start over, since metrics.jsonl names a
-#   another disk mounted)                   committed checkpoint (refuse_fresh_start)
-#   a step that some process cannot read    renames it <step>.<time>.unreadable, and tries the
-#   (a corrupt file)                        step before it (resume)
-#   a read that fails once (a bucket's      retries it (read_retrying)
-#   hiccup)
-#   another model, data order or data       refuses it, with one line (restore, read_item)
-# The functions, in file order: save_step (the loop's save, and the rules (a) to (c) that make
-# the first three rows work), save, resume, read_retrying, restore (and compared_settings),
-# read_item, latest_checkpoint (--init-from's step, in a run directory or a converted
-# checkpoint), refuse_fresh_start, match_records. A resume calls resume -> read_retrying ->
-# restore -> read_item.
+# params, train_state and config.
+# metrics.jsonl is kept in step with the checkpoints by one rule: it always holds the records of
+# every step up to the newest committed checkpoint, and at most one save's steps more. The loop's
+# save (save_step) keeps it. Here is a save at step 200 (save_every 100): what is on disk after
+# each moment, and what a rerun of the same command does after a kill there.
+#   moment                         on disk: records,         a kill here, then the rerun
+#                                  checkpoints
+#   1. wait for step 100's save    1-100; 100                resumes from step 100
+#      to commit
+#   2. write metrics.jsonl, with   1-200 and {"step": 200,   resumes from step 100, and drops
+#      a record naming the         "committed": 100}; 100    records 101-200 (match_records):
+#      newest commit                                         steps 101-200 write them again
+#   3. start step 200's save; it   1-200; 100 and 200        resumes from step 200
+#      commits in the background
+#   4. evaluate step 200           the same (its record is   resumes from step 200, and runs
+#                                  written at the next save) the evaluation first (match_records)
+# A run directory whose checkpoints are lost (deleted, or another disk mounted) still has its
+# records, which name a committed checkpoint: a rerun refuses to start over (refuse_fresh_start).
+# The other failures, and what handles them:
+#   a step that some process cannot   renames it <step>.<time>.unreadable, and tries the step
+#   read (a corrupt file)             before it (resume)
+#   a read that fails once            retries it (read_retrying)
+#   another model, data order, data   refuses it, with one line (restore, read_item)
+# The functions, in file order: save_step, save, resume, read_retrying, restore (and
+# compared_settings), read_item, latest_checkpoint (--init-from's step, in a run directory or a
+# converted checkpoint), refuse_fresh_start, match_records. A resume calls resume ->
+# read_retrying -> restore -> read_item.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -679,22 +690,11 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# The loop's save (part (3)), in the one order that keeps metrics.jsonl and the checkpoints in
-# step: this step's metrics are read (LateMetrics.add), then save_step waits until the last save
-# is committed, writes metrics.jsonl, and saves. It follows that
-#   (a) a checkpoint never lacks its steps' records (but for the evaluation of its own step,
-#       which comes after the save: the next save writes it, or a run resumed from this
-#       checkpoint runs it again, in match_records);
-#   (b) records past the newest checkpoint come from a save that a kill cut short (the table's
-#       first row), and a resume drops them (match_records);
-#   (c) each save's record {"step": s, "committed": c} names the newest committed checkpoint,
-#       c, or None before the first commit: it is written after the wait. metrics.jsonl is the
-#       witness because the loop writes it at every save, beside the checkpoints but apart
-#       from them: a run directory whose records name a checkpoint, but that holds none, has
-#       lost its checkpoints, and refuse_fresh_start refuses to start it over.
+# The loop's save (part (3)): moments 1 to 3 of the table above. The record of moment 2 names the
+# newest committed checkpoint, c (None before the first commit), as it is written after the wait.
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
-    log(step=step, committed=manager.latest_step())  # rule (c)
+    log(step=step, committed=manager.latest_step())  # (refuse_fresh_start reads it)
     log.flush()  # writes metrics.jsonl and log.txt
     save(manager, step, state, cfg, r, data_fingerprint)
 
@@ -826,7 +826,7 @@ def refuse_fresh_start(out, log):
     #   nothing, or records that name no          fresh start: nothing was committed (a kill
     #   committed checkpoint                      may have cut the first save short)
     #   a record that names a committed           refuse: a run trained here, and its
-    #   checkpoint (rule (c), at save)            checkpoints are gone
+    #   checkpoint (moment 2 in the table above)  checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
     # (A run that lost its only checkpoint before a later save recorded it starts fresh: it
     # loses at most save_every steps.)
@@ -843,14 +843,10 @@ step_of = lambda record: json.loads(record)["step"]  # a metrics.jsonl line's st
 
 
 def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
-    # train calls this once the run knows where it starts (done: 0, or the resumed step). Two
-    # things can set the records off the checkpoint, each a kill or a stop at a bad moment:
-    #   records past step done    A save wrote them, and was killed before its commit (rule
-    #                             (b) has an example). They are dropped: the steps after done
-    #                             run again, and write them again.
-    #   no evaluation of done     Step done evaluates after its save (part (5) of the loop), so
-    #                             a run stopped or killed during that evaluation resumes without
-    #                             it. It runs now.
+    # train calls this once the run knows where it starts (done: 0, or the resumed step). It
+    # mends what a kill at moments 2 and 4 of the table above leaves: it drops the records past
+    # step done, and runs step done's evaluation if metrics.jsonl lacks it. (A stop, too, skips
+    # the evaluation of its step, if one falls on it.)
     log.lines["metrics.jsonl"] = [x for x in log.lines["metrics.jsonl"] if step_of(x) <= done]
     evaluated = any(step_of(x) == done and '"eval/' in x for x in log.lines["metrics.jsonl"])
     if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
@@ -859,8 +855,8 @@ def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to matc
 
 # ----------------------------------------------------------------------------- stopping
 # A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
-# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> stop_reason, in
-# the loop -> it saves and exits 75.
+# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> LateMetrics.add
+# returns why the run stops -> the loop saves and exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
@@ -877,15 +873,6 @@ def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to matc
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
-
-
-def stop_reason(step, stop_at, late_metrics):  # -> why the run stops after this step, or None
-    # A signal reached this process or another one (every process reads it in the same step's
-    # metrics, so the run stops within two steps of it: the example above). --stop-at needs no
-    # such care: every process knows it.
-    if late_metrics.signalled:
-        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
-    return "--stop-at" if step == stop_at else None
 
 
 def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
@@ -1010,6 +997,9 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
             choices=CHOICES.get(f.name), metavar=kind.__name__.upper())
     args = ap.parse_args(argv)
     args.out = args.out if args.out else f"runs/{args.preset}"
+    # --eval-tasks' names, a list, each stripped of spaces and tabs alone: any other character (a
+    # "\r" from a CRLF file) makes an unknown task, a one-line error. "," names none.
+    args.eval_tasks = [n.strip(" \t") for n in args.eval_tasks.split(",") if n.strip(" \t")]
     # every field's flag defaults to None, so the fields given are those that are not None
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                          if getattr(args, f.name) is not None}
