@@ -131,9 +131,12 @@ def document_rows(files, eos, seq_len, limit, vocab_size):
     docs = []
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
-        # another tokenizer's ids, past the embedding, would score NaN, with no reason given
-        if tokens.max(initial=0) >= vocab_size:
-            raise SystemExit(f"error: {f} has token ids >= the vocab, {vocab_size}; re-tokenize it")
+        # Another tokenizer's ids, past the embedding, would score NaN, with no reason given. An
+        # empty file (tokenize's heldout.npy when it held nothing out) could leave a set with no
+        # document to score, an error at every evaluation, and so at every resume too.
+        if not tokens.size or tokens.max() >= vocab_size:
+            raise SystemExit(f"error: {f} is empty, or has token ids >= the vocab ({vocab_size}); "
+                             "leave it out, or re-tokenize it")
         # Tokens after a file's last EOS count as one more document here. OLMo-core's eval sets
         # (and our packing) drop them, as iter_document_indices yields only documents that end
         # with an EOS; AI2's token files end with one, so the two agree on them. Kept, so that

@@ -439,12 +439,14 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     if sizes.count(-1) > 1 or any(s < 1 and s != -1 for s in sizes):
         raise SystemExit(f"error: {given}: give each axis a size > 0, or -1 (one axis at most)")
     fixed = math.prod(s for s in sizes if s > 0)  # the devices the sizes given take
-    # The sizes given must fit the devices; with a -1, which takes all the rest, they must divide
-    # their number
-    if fixed > len(devices) or (-1 in sizes and len(devices) % fixed):
-        raise SystemExit(f"error: {given} does not fit {len(devices)} devices: its sizes take "
-                         f"{fixed}, and with a -1 they must divide the devices' number")
     n = len(devices) if -1 in sizes else fixed  # numpy's reshape works out the -1
+    # On a pod, a process that holds none of the mesh's devices would have no rows to read
+    left_out = {d.process_index for d in devices} - {d.process_index for d in devices[:n]}
+    # The sizes given must fit the devices; with a -1, which takes all the rest, they must divide
+    # their number; and they must take some devices of every process
+    if fixed > len(devices) or (-1 in sizes and len(devices) % fixed) or left_out:
+        raise SystemExit(f"error: {given} takes {fixed} of {len(devices)} devices; it must take "
+                         "no more, divide them with a -1, and take some of every process's")
     # The Mesh constructor's axes are Auto: XLA picks every sharding the code does not set
     return Mesh(devices[:n].reshape(sizes), MESH_AXES)
 

@@ -518,7 +518,7 @@ def test_7b_forward_compiles_sharded(preset):
 
 
 def test_mesh_errors_are_one_line():
-    with pytest.raises(SystemExit, match="does not fit 8 devices"):
+    with pytest.raises(SystemExit, match="takes 3 of 8 devices; it must take no more, divide"):
         olmo3.make_mesh(data=3, fsdp=-1)
     with pytest.raises(SystemExit, match=r"\(4, 768, 258\) does not split over mesh"):
         olmo3.abstract_params(dataclasses.replace(TINY, d_model=258), olmo3.make_mesh(fsdp=8))
@@ -1994,6 +1994,19 @@ def test_pod_run_directory_not_shared_is_a_one_line_error_at_start_up(tmp_path, 
         assert "Traceback" not in output
 
 
+def test_pod_mesh_that_leaves_a_process_without_devices_is_one_line_at_start_up(
+    tmp_path, token_files
+):
+    """--mesh fsdp=2 on two processes of two devices takes process 0's alone: process 1 had no
+    rows to read, and died with a traceback while process 0 waited 5 minutes at a barrier."""
+    procs = pod(command(token_files, tmp_path / "run", "--steps", "2", "--mesh", "fsdp=2"))
+    outputs = outputs_of(procs, timeout=120)
+    assert exits(procs, outputs) == [1, 1], outputs
+    for output in outputs:
+        assert "error: mesh data=1,fsdp=2,tensor=1 takes 2 of 4 devices; it must take no" in output
+        assert "Traceback" not in output
+
+
 def test_pod_data_that_differs_between_processes_or_from_the_checkpoint_is_one_line(
     pod_run, token_files, tmp_path
 ):
@@ -2039,6 +2052,17 @@ def test_non_finite_gradients_skip_the_update_and_never_reach_a_checkpoint(
     for step in committed(out):
         saved = train.restore(out / "checkpoints" / str(step), target, cfg)["params"]
         assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), saved, good)))
+
+
+def test_an_empty_held_out_file_is_one_line_at_start_up(tmp_path, token_files):
+    """tokenize's heldout.npy is empty when it holds nothing out. Given as --eval-data, it made
+    the first evaluation fail after its save, and so every resume, which runs it first."""
+    empty = tmp_path / "heldout.npy"
+    empty.write_bytes(b"")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"heldout\.npy is empty, or has token ids >= the vocab"):
+        train.main(run_args(token_files, out, "--steps", "4", "--eval-data", str(empty)))
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
 
 
 def test_only_a_recorded_commit_refuses_a_fresh_start(tmp_path, token_files):
@@ -2521,7 +2545,7 @@ def test_perplexity_sets_follow_olmo_core_instances(tmp_path):
     assert [len(d) for d, _ in got] == [6, 32, 4] and got[1][0][-1] == 31
     # another tokenizer's ids (dolma2's EOS, 100257, for a byte model) would score NaN
     write_tokens(tmp_path / "d.npy", np.array([72, 105, 100257]))
-    with pytest.raises(SystemExit, match=r"d\.npy has token ids >= the vocab, 258; re-tokenize"):
+    with pytest.raises(SystemExit, match=r"d\.npy is empty, or has token ids >= the vocab \(258"):
         evaluation.document_rows([str(tmp_path / "d.npy")], eos, 32, 0, 258)
     cfg, r, args = train.parse_args(SMALL_RUN + ["--global-batch", "4"])
     params = olmo3.init(cfg, jax.random.key(0))

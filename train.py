@@ -217,7 +217,8 @@ class LateMetrics:  # stop = late_metrics.add(step, metrics, saves, stop_at) aft
         if saves or step == stop_at or self.signalled:  # this step saves: read its metrics now
             self.read_pending()
         # A signal reached this process or another one (every process reads it in the same
-        # step's metrics). --stop-at needs no such care: every process knows it.
+        # step's metrics). SIGNALS, this process's signals, is in the stopping section. --stop-at
+        # needs no such care: every process knows it.
         if self.signalled:
             return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
         return "--stop-at" if step == stop_at else None
@@ -512,9 +513,10 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # the embedding. Adam keeps its own count in opt_state, the updates made (a skipped one does not
 # count). Only its bias correction uses it, and --init-from carries it into the next stage
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
-# starts again at 1 in each stage. Why not optax.adamw: it would give stage 2 an LR of 0 at
-# every step. Its LR follows Adam's count, so stage 2 would start at count 1,413,814, past the
-# end of its own 47,684-step decay.
+# starts again at 1 in each stage. Why not optax.adamw: warm-started, it would give stage 2 an
+# LR of 0 at every step. It evaluates the schedule at a count of its own (scale_by_schedule's,
+# in its state, one more each update), which warm Adam would carry over from stage 1: stage 2
+# would start at count 1,413,814, past the end of its own 47,684-step decay.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -652,19 +654,20 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # params, train_state and config.
 # metrics.jsonl is kept in step with the checkpoints by one rule: it always holds the records of
 # every step up to the newest committed checkpoint, and at most one save's steps more. The loop's
-# save (save_step) keeps it. Here is a save at step 200 (save_every 100): what is on disk after
-# each moment, and what a rerun of the same command does after a kill there.
-#   moment                         on disk: records,         a kill here, then the rerun
-#                                  checkpoints
-#   1. wait for step 100's save    1-100; 100                resumes from step 100
-#      to commit
-#   2. write metrics.jsonl, with   1-200 and {"step": 200,   resumes from step 100, and drops
-#      a record naming the         "committed": 100}; 100    records 101-200 (match_records):
-#      newest commit                                         steps 101-200 write them again
-#   3. start step 200's save; it   1-200; 100 and 200        resumes from step 200
-#      commits in the background
-#   4. evaluate step 200           the same (its record is   resumes from step 200, and runs
-#                                  written at the next save) the evaluation first (match_records)
+# save (save_step) keeps it. Here is a save at step 200 (save_every 100), in four moments: what
+# is on disk after each, and what a rerun of the same command does after a kill there. (In the
+# other order, checkpoint first, a kill between its commit and metrics.jsonl's write would leave
+# a checkpoint whose steps have no records, which the resumed run would never write.)
+#   1. Wait for step 100's save to commit. On disk: records 1-100, checkpoint 100. A kill
+#      here: the rerun resumes from step 100.
+#   2. Write metrics.jsonl, with a record {"step": 200, "committed": 100} that names the newest
+#      commit. On disk: records 1-200, checkpoint 100. A kill here: the rerun resumes from step
+#      100, and drops records 101-200 (match_records); steps 101-200 write them again.
+#   3. Start step 200's save, which Orbax commits in the background. Once it has, on disk:
+#      records 1-200, checkpoints 100 and 200; a kill from then on: the rerun resumes from step
+#      200. (A kill before the commit leaves what moment 2 leaves.)
+#   4. Evaluate step 200 (its record is written at the next save). A kill here: the rerun
+#      resumes from step 200, and runs the evaluation first (match_records).
 # A run directory whose checkpoints are lost (deleted, or another disk mounted) still has its
 # records, which name a committed checkpoint: a rerun refuses to start over (refuse_fresh_start).
 # The other failures, and what handles them:
@@ -737,7 +740,8 @@ def resume(cfg, r, manager, target, loader, log):
         log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.*.unreadable")
         multihost_utils.sync_global_devices("unreadable checkpoint renamed")
         manager.reload()
-    # (A cause on this side, as expired credentials, fails every step: the renames undo by hand.)
+    # (A cause on this side, such as expired credentials, fails every step: rename the steps back
+    # by hand once it is fixed.)
     raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); fix "
                      "the cause and rename the .unreadable steps back, or use a new --out")
 
@@ -927,12 +931,12 @@ def start_jax(args):
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError, IndexError) as e:
         # What initialize raised, and what happens:
-        #   ValueError: no cluster found here                    -> one process: go on
-        #   RuntimeError: JAX already runs (the tests call main) -> one process: go on
-        #   JaxRuntimeError (a subclass of RuntimeError): peers
-        #     found, but not reached                             -> raise
-        #   any other, where a flag asked for a cluster          -> a one-line error, not
-        #     (an IndexError: --coordinator without a port)         several lone runs
+        #   JaxRuntimeError (a subclass of RuntimeError): peers found, but not reached -> raise
+        #   any of the three, where a flag (--coordinator, --num-processes, --process-id) asked
+        #     for a cluster -> a one-line error, not several lone runs (an IndexError:
+        #     --coordinator without a port)
+        #   else, ValueError: no cluster found here -> one process: go on
+        #   else, RuntimeError: JAX already runs (the tests call main) -> one process: go on
         if isinstance(e, jax.errors.JaxRuntimeError):
             raise
         if args.coordinator or args.num_processes or args.process_id is not None:
