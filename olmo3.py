@@ -161,12 +161,20 @@ def embed(params, tokens, cfg: Config):  # [B, T] -> [B, T, D] (OLMo 3 does not 
     return constrain(x, "batch", "seq", None)
 
 
+# Every layer is a jax.checkpoint, so the backward pass keeps only what this policy says, and
+# recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
+# elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
+REMAT = {"dots": jax.checkpoint_policies.dots_saveable,
+         "full": jax.checkpoint_policies.nothing_saveable}
+
+
 def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], through the layers
-    # The math is nanoGPT's `for l in range(32): x = block(...)`, but a scan compiles one unit
-    # once instead of 32 layers (as MaxText does). Every scan step runs the same program, and a
-    # layer's window is baked into its program, so the unit is a group of 4 layers (3 sliding,
-    # 1 full), not one layer. In plain Python, for the 7B's 32 layers in 8 groups of 4 (tiny's
-    # 4 layers are 1 group), with windows [4096, 4096, 4096, None]:
+    # The math is nanoGPT's `for l in range(32): x = block(...)`, but a scan compiles one unit once
+    # instead of 32 layers (as MaxText does). Every scan step runs the same program, and a layer's
+    # window is baked into its program (the attention kernels build their masks from a Python int,
+    # as the reference's `if window` does), so the unit is a group of 4 layers (3 sliding, 1 full),
+    # not one layer. In plain Python, for the 7B's 32 layers in 8 groups of 4 (tiny's 4 layers are 1
+    # group), with windows [4096, 4096, 4096, None]:
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = block(weights of layer 4 g + j, x, windows[j], ropes[windows[j]], cfg, segments)
@@ -183,8 +191,9 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # ropes[window]: the RoPE tables, (cos_TE, sin_TE), of the layers with that window (YaRN
     # applies to full-attention layers, window None, only; without it the tables are the same).
     # Positions are absolute within the row (arange(T)), even for packed documents, as
-    # OLMo-core's were when OLMo 3 ran (README, Fidelity).
-    ropes = {win: rope_tables(jnp.arange(x.shape[1]), cfg, win is None) for win in set(windows)}
+    # OLMo-core's were when OLMo 3 ran (README, Fidelity). tiny's: {64: the sliding layers'
+    # tables, None: the full layers'}.
+    ropes = {w: rope_tables(jnp.arange(x.shape[1]), cfg, full=w is None) for w in set(windows)}
 
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
@@ -197,13 +206,6 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
         return x, None
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]
-
-
-# Every layer is a jax.checkpoint, so the backward pass keeps only what this policy says, and
-# recomputes the rest (without it, autodiff keeps every intermediate of every layer, the
-# elementwise ones too). --remat picks the policy (Config.remat says what each keeps).
-REMAT = {"dots": jax.checkpoint_policies.dots_saveable,
-         "full": jax.checkpoint_policies.nothing_saveable}
 
 
 # window is None (full) or W (decoder makes window and cfg static); rope is rope_tables'
