@@ -513,10 +513,10 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # the embedding. Adam keeps its own count in opt_state, the updates made (a skipped one does not
 # count). Only its bias correction uses it, and --init-from carries it into the next stage
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
-# starts again at 1 in each stage. Why not optax.adamw: warm-started, it would give stage 2 an
-# LR of 0 at every step. It evaluates the schedule at a count of its own (scale_by_schedule's,
-# in its state, one more each update), which warm Adam would carry over from stage 1: stage 2
-# would start at count 1,413,814, past the end of its own 47,684-step decay.
+# starts again at 1 in each stage. Why not optax.adamw: it looks its LR up at its own update
+# count (scale_by_schedule's, in its state). Warm Adam would carry that count from stage 1, so
+# stage 2 would start at count 1,413,814, past the end of its 47,684-step schedule, with an LR
+# of 0 throughout.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -653,11 +653,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
 # params, train_state and config.
 # metrics.jsonl is kept in step with the checkpoints by one rule: it always holds the records of
-# every step up to the newest committed checkpoint, and at most one save's steps more. The loop's
-# save (save_step) keeps it. Here is a save at step 200 (save_every 100), in four moments: what
-# is on disk after each, and what a rerun of the same command does after a kill there. (In the
-# other order, checkpoint first, a kill between its commit and metrics.jsonl's write would leave
-# a checkpoint whose steps have no records, which the resumed run would never write.)
+# every step up to the newest committed checkpoint, and at most one save's steps more. Four places
+# keep it: save_step (writes the records, then saves), Log.flush (rewrites the file whole),
+# refuse_fresh_start (reads the "committed" records), match_records (drops the records past the
+# resumed step). A change to one of them needs the other three in mind. Here is a save at step 200
+# (save_every 100), in four moments: what is on disk after each, and what a rerun of the same
+# command does after a kill there. (In the other order, checkpoint first, a kill between its commit
+# and metrics.jsonl's write would leave a checkpoint whose steps have no records, which the resumed
+# run would never write.)
 #   1. Wait for step 100's save to commit. On disk: records 1-100, checkpoint 100. A kill
 #      here: the rerun resumes from step 100.
 #   2. Write metrics.jsonl, with a record {"step": 200, "committed": 100} that names the newest
