@@ -40,7 +40,7 @@ import train
 
 
 def evaluator(cfg, r, mesh, sets_spec, args, log=None):
-    """Reads the sets and tasks once, here, and returns evaluate(params, step), which logs."""
+    # Reads the sets and tasks once, here, and returns evaluate(params, step), which logs.
     # args: the flags; it reads --eval-tasks (args.eval_tasks) and --data-root (args.data_root)
     tokenizer = data.get_tokenizer(cfg.tokenizer)
     sets = perplexity_sets(sets_spec, cfg.tokenizer, args.data_root) if sets_spec else {}
@@ -131,18 +131,19 @@ def document_rows(files, eos, seq_len, limit, vocab_size):
     docs = []
     for f in files:
         tokens = np.fromfile(f, data.TOKEN_DTYPE).astype(np.int32)
-        # Another tokenizer's ids, past the embedding, would score NaN, with no reason given. An
-        # empty file (tokenize's heldout.npy when it held nothing out) could leave a set with no
-        # document to score, an error at every evaluation, and so at every resume too.
-        if not tokens.size or tokens.max() >= vocab_size:
-            raise SystemExit(f"error: {f} is empty, or has token ids >= the vocab ({vocab_size}); "
-                             "leave it out, or re-tokenize it")
+        # another tokenizer's ids, past the embedding, would score NaN, with no reason given
+        if tokens.max(initial=0) >= vocab_size:
+            raise SystemExit(f"error: {f} has token ids >= the vocab, {vocab_size}; re-tokenize it")
         # Tokens after a file's last EOS count as one more document here. OLMo-core's eval sets
         # (and our packing) drop them, as iter_document_indices yields only documents that end
         # with an EOS; AI2's token files end with one, so the two agree on them. Kept, so that
         # a set with no EOS at all (a plain text file) still scores, as one document.
         ends = np.flatnonzero(tokens == eos) + 1  # each document ends just after its EOS
         docs += [d[:seq_len] for d in np.split(tokens, ends) if len(d)]  # cut to seq_len
+    # A set of empty files (tokenize's heldout.npy when it held nothing out) has no document to
+    # score: an error at every evaluation, and so at every resume too, which runs it first
+    if not docs:
+        raise SystemExit(f"error: eval files {files} hold no tokens; leave them out")
     # input t predicts label t = d[t + 1]; score() pads the one-shorter labels with -100
     return [(d, d[1:]) for d in (docs[:limit] if limit else docs)]
 
