@@ -2101,7 +2101,7 @@ def test_the_tenth_skipped_update_in_a_row_stops_the_run_even_if_the_next_is_goo
     for step in range(1, 11):  # steps 1-10 skip; step 11, a save step, does not
         late.add(step, metrics(True))
     with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped"):
-        late.add(11, metrics(False), saves=True)
+        late.add(11, metrics(False))  # reads step 10's metrics (step 11, kept, is a good update)
     assert logged == list(range(1, 11)) and flushed == [10]
 
 

@@ -1,6 +1,5 @@
-"""Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
-
-Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75."""
+"""Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod)."""
+# Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75.
 # Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
 # counter). Every log_every steps, the run prints a progress line like this one (tiny, on a
 # 2-core CPU; tok/s and ETA vary with the machine; one line, wrapped here):
@@ -129,13 +128,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # nanoGPT's init_from: "scratch" (a fresh start), "resume" (torch.load) or "gpt2" (here,
-    # --init-from)
-    state, note = starting_state(cfg, r, args, manager, target, loader, log)
+    # --init-from). A resume checks that the token files are the same (their fingerprint).
+    state, note = starting_state(cfg, r, args, manager, target, loader.fingerprint, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
-    # (Second read.) A run stopped or killed during a save or an evaluation leaves metrics.jsonl
-    # a little off its checkpoint: this drops the records past step done, and runs step done's
-    # evaluation now if a kill cut it short
+    # (Second read.) A stop, or a kill during a save or an evaluation, leaves metrics.jsonl a
+    # little off the checkpoint: this drops its records past step done, and runs step done's
+    # evaluation now if it was cut short (the checkpoints section)
     match_records(log, evals, state["params"], done, r)
     # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5).
     # (So the last step saves, and its metrics are read at once: none are left unread.)
@@ -144,31 +143,31 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
     #       log.metrics(step, jax.device_get(metrics))  # (2) waits for this step
-    #       stop = "--stop-at" if step == args.stop_at else None  # (or a Ctrl-C, a SIGTERM)
-    #       if due(step, r.save_every) or stop: manager.save(step, state)  # (3)
-    #       if stop: return 75  # (4) exits; the same command resumes the run
+    #       if due(step, r.save_every) or step == args.stop_at: manager.save(step, state)  # (3)
+    #       if step == args.stop_at: return 75  # (4) (or a Ctrl-C, a SIGTERM); rerun to resume
     #       if due(step, r.eval_every): evals(state["params"], step)  # (5)
-    # The loop below does the same, with three differences, each explained where it happens:
+    # The loop below does the same, with three differences:
     #   (1)  the step takes a third input, this process's signal flag, so that every process of
     #        a pod stops after the same step (the "stopping" section)
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
-    #   (3)  a save writes metrics.jsonl first, then the checkpoint
+    #   (3)  a save reads its own step's metrics at once, and writes metrics.jsonl before the
+    #        checkpoint
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     # loader.iterate gives batches done, done + 1, ..., r.steps - 1, so step s gets batch s - 1
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
-        batch = olmo3.device_batch(batch, mesh)  # (1) on the devices (one host: jax.device_put)
-        # (1) returns at once. signal_flags: on one host, one bool per device, True after a
-        # Ctrl-C; train_step only ORs them into metrics["signalled"]
-        state, metrics = step_fn(state, batch, signal_flags(mesh))
-        # (2) reads and logs step - 1's metrics (and this step's, if it saves), and keeps this
-        # step's. It returns None, or why the run stops after this step: --stop-at, or a signal
-        # that the metrics it read carry. (After 10 skipped updates in a row, the run is stuck:
-        # add ends it, with an error.)
-        stop = late_metrics.add(step, metrics, due(step, r.save_every), args.stop_at)
-        # (3) Save: wait for the previous save, write metrics.jsonl, then save this step, in an
-        # order that keeps the records in step with the checkpoints (the checkpoints section)
-        if due(step, r.save_every) or stop:
+        # (1) returns at once. device_batch puts the batch on the devices (one host:
+        # jax.device_put); signal_flags is one bool per device, True after a Ctrl-C or SIGTERM.
+        state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
+        late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
+        # (3) A step saves when due, and before a stop: at --stop-at, or once a step's metrics
+        # have carried a signal (late_metrics.signalled)
+        if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
+            late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
+            # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
+        # None, or why the run stops after this step: --stop-at, or a signal in the metrics read
+        # so far, this step's too if a save just read them (the stopping section traces one)
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -185,21 +184,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     return 0
 
 
-class LateMetrics:  # stop = late_metrics.add(step, metrics, saves, stop_at) after each step
+class LateMetrics:  # late_metrics.add(step, metrics) after each step
     # Keeps each step's metrics on the devices until the next step has been dispatched, then
     # reads them. step_fn returns at once, so while the host waits for step 149's metrics,
     # step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
-    # logs.) A step that saves reads its own metrics at once too, so that the metrics.jsonl
-    # saved with a checkpoint has every step. With save_every 100:
-    #   add(199)                reads 198's metrics, keeps 199's
-    #   add(200, saves=True)    reads 199's, then 200's, keeps none
-    #   add(201)                reads none, keeps 201's
-    # So does the step of --stop-at, and every step once a signal has been read, as the run
-    # then saves and stops at this step (add says so: it returns why). The stopping section
-    # traces a signal from a Ctrl-C to the step that stops.
+    # logs.) A step that saves reads its own metrics at once too (read_pending, in the loop), so
+    # that the metrics.jsonl saved with a checkpoint has every step. With save_every 100:
+    #   step 199    add reads 198's metrics, keeps 199's
+    #   step 200    add reads 199's, keeps 200's; the save reads 200's; none are kept
+    #   step 201    add reads none, keeps 201's
     # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
     # with an error (it saves nothing: the newest checkpoint holds good weights).
 
@@ -209,19 +205,9 @@ class LateMetrics:  # stop = late_metrics.add(step, metrics, saves, stop_at) aft
         # becomes True once a step's metrics say some process received a signal.
         self.log, self.pending, self.skipped, self.signalled = log, None, 0, False
 
-    # Reads the last step's metrics, and keeps this step's. Returns None, or why the run stops
-    # after this step.
-    def add(self, step, metrics, saves=False, stop_at=None):
+    def add(self, step, metrics):  # reads the last step's metrics, and keeps this step's
         self.read_pending()
         self.pending = (step, metrics)
-        if saves or step == stop_at or self.signalled:  # this step saves: read its metrics now
-            self.read_pending()
-        # A signal reached this process or another one (every process reads it in the same
-        # step's metrics). SIGNALS, this process's signals, is in the stopping section. --stop-at
-        # needs no such care: every process knows it.
-        if self.signalled:
-            return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
-        return "--stop-at" if step == stop_at else None
 
     def read_pending(self):  # reads the kept step's metrics, if any, and logs them
         if self.pending is not None:
@@ -322,7 +308,7 @@ def init_state(cfg, r, target):
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
 
 
-def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, note)
+def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> (state, note)
     # There are three ways to start:
     #   resume       The run directory has a checkpoint: read the whole state from the newest.
     #   fresh        init_state's new weights, and Adam's moments at zero.
@@ -330,7 +316,7 @@ def starting_state(cfg, r, args, manager, target, loader, log):  # -> (state, no
     #                one (stages 2 and 3). Step and history, and so the LR schedule, start at 0.
     if manager.latest_step() is not None:
         # resume restores the newest step (on a pod, the newest that every host can read)
-        return resume(cfg, r, manager, target, loader, log)  # (state, "resumed from step N")
+        return resume(cfg, r, manager, target, data_fingerprint, log)  # (state, "resumed ...")
     # stops if a run committed a checkpoint in args.out (its metrics.jsonl, which log has read,
     # says so) but left none
     refuse_fresh_start(args.out, log)
@@ -570,10 +556,11 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # The restart at step 596,048 is a fact of AI2's run (512 x 8,192 tokens a step), so it is
+    # AI2 restarted at step 596,048, with 512 x 8,192 tokens a step: a fact of its run, so it is
     # written out, not derived. Like T1, T2 and W2, it moves with the tokens a step: another
     # --global-batch or --seq-len restarts after the same tokens, not the same steps.
-    return lambda k: jnp.where(k < 596_048 * 512 * 8192 // tokens, cosine(T1)(k), part2(k))
+    restart = 596_048 * 512 * 8192 // tokens  # part 2's first step (596,048 for the 7b)
+    return lambda k: jnp.where(k < restart, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -653,14 +640,16 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
 # params, train_state and config.
 # metrics.jsonl is kept in step with the checkpoints by one rule: it always holds the records of
-# every step up to the newest committed checkpoint, and at most one save's steps more. Four places
-# keep it: save_step (writes the records, then saves), Log.flush (rewrites the file whole),
-# refuse_fresh_start (reads the "committed" records), match_records (drops the records past the
-# resumed step). A change to one of them needs the other three in mind. Here is a save at step 200
-# (save_every 100), in four moments: what is on disk after each, and what a rerun of the same
-# command does after a kill there. (In the other order, checkpoint first, a kill between its commit
-# and metrics.jsonl's write would leave a checkpoint whose steps have no records, which the resumed
-# run would never write.)
+# every step up to the newest committed checkpoint, and at most one save's steps more. Three
+# functions keep it, each at one moment of a run, and they stand together just below:
+#   save_step            each save: writes the records, then saves the step
+#   refuse_fresh_start   a start that finds no checkpoint: refuses if a record names a commit
+#   match_records        every start: drops the records past the step it starts from
+# (Log.flush, which writes the file, rewrites it whole, so a kill never leaves half of it.)
+# Here is a save at step 200 (save_every 100), in four moments: what is on disk after each, and
+# what a rerun of the same command does after a kill there. (In the other order, checkpoint first,
+# a kill between its commit and metrics.jsonl's write would leave a checkpoint whose steps have
+# no records, which the resumed run would never write.)
 #   1. Wait for step 100's save to commit. On disk: records 1-100, checkpoint 100. A kill
 #      here: the rerun resumes from step 100.
 #   2. Write metrics.jsonl, with a record {"step": 200, "committed": 100} that names the newest
@@ -678,10 +667,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   read (a corrupt file)             before it (resume)
 #   a read that fails once            retries it (read_retrying)
 #   another model, data order, data   refuses it, with one line (restore, read_item)
-# The functions, in file order: save_step, save, resume, read_retrying, restore (and
+# The functions, in file order: the three above, then save, resume, read_retrying, restore (and
 # compared_settings), read_item, latest_checkpoint (--init-from's step, in a run directory or a
-# converted checkpoint), refuse_fresh_start, match_records. A resume calls resume ->
-# read_retrying -> restore -> read_item.
+# converted checkpoint). A resume calls resume -> read_retrying -> restore -> read_item.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -697,12 +685,46 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 
 
 # The loop's save (part (3)): moments 1 to 3 of the table above. The record of moment 2 names the
-# newest committed checkpoint, c (None before the first commit), as it is written after the wait.
+# newest committed checkpoint, manager.latest_step() (None before the first commit), as it is
+# written after the wait.
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
     log(step=step, committed=manager.latest_step())  # (refuse_fresh_start reads it)
     log.flush()  # writes metrics.jsonl and log.txt
     save(manager, step, state, cfg, r, data_fingerprint)
+
+
+def refuse_fresh_start(out, log):
+    # starting_state calls this when the run directory has no checkpoint to resume. What the
+    # directory holds, and what the run does:
+    #   nothing, or records that name no          fresh start: nothing was committed (a kill
+    #   committed checkpoint                      may have cut the first save short)
+    #   a record that names a committed           refuse: a run trained here, and its
+    #   checkpoint (moment 2 in the table above)  checkpoints are gone
+    #   a step renamed *.unreadable               refuse: resume could read none of them
+    # (A run that lost its only checkpoint before a later save recorded it starts fresh: it
+    # loses at most save_every steps.)
+    unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
+    # a committed checkpoint, by metrics.jsonl's records (as Log read them)
+    trained = any(json.loads(x).get("committed") is not None for x in log.lines["metrics.jsonl"])
+    if unreadable or trained:
+        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
+        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
+                         "restore its checkpoints, or use a new --out")
+
+
+step_of = lambda record: json.loads(record)["step"]  # a metrics.jsonl line's step
+
+
+def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
+    # train calls this once the run knows where it starts (done: 0, or the resumed step). It
+    # mends what a kill at moments 2 and 4 of the table above leaves: it drops the records past
+    # step done, and runs step done's evaluation if metrics.jsonl lacks it. (A stop, too, skips
+    # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
+    log.lines["metrics.jsonl"] = [x for x in log.lines["metrics.jsonl"] if step_of(x) <= done]
+    evaluated = any(step_of(x) == done and '"eval/' in x for x in log.lines["metrics.jsonl"])
+    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
+        evals(params, done)
 
 
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
@@ -724,7 +746,7 @@ def run_settings(cfg, r=None, data_fingerprint=None):
             "recipe": dataclasses.asdict(r) if r is not None else {}}
 
 
-def resume(cfg, r, manager, target, loader, log):
+def resume(cfg, r, manager, target, data_fingerprint, log):
     # Reads the newest checkpoint that every process can read. Each process reads it itself,
     # with retries, then an all-gather of the outcomes decides for all of them (Orbax's own
     # restore would hang at a barrier if one process failed). A step that some process cannot
@@ -733,7 +755,7 @@ def resume(cfg, r, manager, target, loader, log):
         step_dir = manager.directory / str(step)
         log(f"restoring step {step} of {manager.directory}")
         state = read_retrying(restore, step_dir, target, cfg, resuming=True, r=r,
-                              data_fingerprint=loader.fingerprint)
+                              data_fingerprint=data_fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
             return state, f"resumed from step {step}"
@@ -827,43 +849,10 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
-def refuse_fresh_start(out, log):
-    # starting_state calls this when the run directory has no checkpoint to resume. What the
-    # directory holds, and what a rerun does:
-    #   nothing, or records that name no          fresh start: nothing was committed (a kill
-    #   committed checkpoint                      may have cut the first save short)
-    #   a record that names a committed           refuse: a run trained here, and its
-    #   checkpoint (moment 2 in the table above)  checkpoints are gone
-    #   a step renamed *.unreadable               refuse: resume could read none of them
-    # (A run that lost its only checkpoint before a later save recorded it starts fresh: it
-    # loses at most save_every steps.)
-    unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
-    # a committed checkpoint, by metrics.jsonl's records (as Log read them)
-    trained = any(json.loads(x).get("committed") is not None for x in log.lines["metrics.jsonl"])
-    if unreadable or trained:
-        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
-        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
-                         "restore its checkpoints, or use a new --out")
-
-
-step_of = lambda record: json.loads(record)["step"]  # a metrics.jsonl line's step
-
-
-def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
-    # train calls this once the run knows where it starts (done: 0, or the resumed step). It
-    # mends what a kill at moments 2 and 4 of the table above leaves: it drops the records past
-    # step done, and runs step done's evaluation if metrics.jsonl lacks it. (A stop, too, skips
-    # the evaluation of its step, if one falls on it.)
-    log.lines["metrics.jsonl"] = [x for x in log.lines["metrics.jsonl"] if step_of(x) <= done]
-    evaluated = any(step_of(x) == done and '"eval/' in x for x in log.lines["metrics.jsonl"])
-    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
-        evals(params, done)
-
-
 # ----------------------------------------------------------------------------- stopping
 # A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
-# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> LateMetrics.add
-# returns why the run stops -> the loop saves and exits 75.
+# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> the loop saves,
+# stop_reason says why it stops, and it exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
 # the device's process's bool(SIGNALS), which the loop makes for every step.
@@ -875,6 +864,8 @@ def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to matc
 #   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
 #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
 #             exits with code 75, and a rerun resumes at step 153.
+# (Had step 151 saved, its save would have read its metrics at once, and the run would have
+# stopped after step 151.)
 # Why through the step, and not a host all-gather of the flags: that would make every host wait
 # for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
@@ -882,15 +873,22 @@ def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to matc
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
 
+def stop_reason(step, stop_at, signalled):  # -> why the run stops after this step, or None
+    # signalled: a signal reached this process or another one (every process reads it in the
+    # same step's metrics). --stop-at needs no such care: every process knows it.
+    if signalled:
+        return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
+    return "--stop-at" if step == stop_at else None
+
+
 def request_stop(signum, frame):  # checkpoint within two steps, exit (a second Ctrl-C: exit now)
     if SIGNALS and signum == signal.SIGINT:
         raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
     SIGNALS.append(signal.Signals(signum).name)
-    # os.write, not print: Python's buffered streams are not reentrant (its io docs), so a print
-    # here, in a signal handler that interrupted another print, may raise RuntimeError. To
-    # stderr (2), which `| tee` does not take: a Ctrl-C may have stopped tee, closing stdout.
-    # With `2>&1 | tee`, stderr is that closed pipe too: the message is dropped, and the run
-    # saves and stops all the same (an error raised here would end it at once).
+    # os.write to stderr (2), not print: a print in a signal handler that interrupted another
+    # print may raise (Python's streams are not reentrant), and a Ctrl-C may have stopped
+    # `| tee`, closing stdout. Where stderr is closed too, the message is dropped, and the run
+    # saves and stops all the same.
     with contextlib.suppress(OSError):
         os.write(2, f"{SIGNALS[0]}: checkpointing within two steps (Ctrl-C again: now)\n".encode())
 
@@ -933,13 +931,12 @@ def start_jax(args):
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except (ValueError, RuntimeError, IndexError) as e:
-        # What initialize raised, and what happens:
-        #   JaxRuntimeError (a subclass of RuntimeError): peers found, but not reached -> raise
-        #   any of the three, where a flag (--coordinator, --num-processes, --process-id) asked
-        #     for a cluster -> a one-line error, not several lone runs (an IndexError:
-        #     --coordinator without a port)
-        #   else, ValueError: no cluster found here -> one process: go on
-        #   else, RuntimeError: JAX already runs (the tests call main) -> one process: go on
+        # On one machine, initialize finds no cluster and raises ValueError, and the run goes on
+        # as one process (as it does on a RuntimeError when JAX already runs: the tests call
+        # main). Two cases stop instead, in the order below:
+        #   a JaxRuntimeError (a RuntimeError): a cluster was found, but not its peers: raise
+        #   a flag asked for a cluster (--coordinator, --num-processes, --process-id): a one-line
+        #     error, not several lone runs (an IndexError: --coordinator without a port)
         if isinstance(e, jax.errors.JaxRuntimeError):
             raise
         if args.coordinator or args.num_processes or args.process_id is not None:
