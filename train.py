@@ -159,16 +159,17 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # jax.device_put); signal_flags is one bool per device, True after a Ctrl-C or SIGTERM.
         state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # (3) A step saves when due, and before a stop: at --stop-at, or once a step's metrics
-        # have carried a signal (late_metrics.signalled)
+        # (3) A step saves when due, and before a stop: at --stop-at, or once the metrics read so
+        # far carry a signal. A SIGTERM during step 150, say, is in step 151's flags: step 152
+        # reads step 151's metrics, saves and stops. (Had step 151 saved, its save would have
+        # read them, and the run would have stopped after step 151.)
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # None, or why the run stops after this step: --stop-at, or a signal in the metrics read
-        # so far, this step's too if a save just read them (the stopping section traces one)
+        # (4) None, or why the run stops after this step (stop_reason is in the stopping section)
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
-        if stop and step < r.steps:  # (4) a stop (after the last step, the run ends)
+        if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
@@ -333,6 +334,13 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
 
 
 # ----------------------------------------------------------------------------- the step
+
+# The step's third input, the signal flags (the stopping section), described: [devices] bool, one
+# entry per device. P(("data", "fsdp", "tensor")) cuts its one dimension over all three mesh axes
+# together (a tuple in one place, not three dimensions), so each device holds one entry.
+flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
+                                               sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
+
 
 # Ahead of time: --dry-run compiles the same step, and a step that does not fit fails at start-up.
 def compile_step(cfg, r, mesh, target):
@@ -639,10 +647,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # Orbax saves in the background under a temporary name, then commits the step atomically, so a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
 # params, train_state and config.
-# metrics.jsonl is kept in step with the checkpoints by one rule: it always holds the records of
-# every step up to the newest committed checkpoint, and at most one save's steps more. Three
-# functions keep it, each at one moment of a run, and they stand together just below:
-#   save_step            each save: writes the records, then saves the step
+# metrics.jsonl must survive a kill at any moment too: after the rerun, it holds each step's
+# records once, and a run directory that had checkpoints is never silently started over. One
+# rule keeps it so: metrics.jsonl always holds the records of every step up to the newest
+# committed checkpoint, and at most one save's steps more. Three functions keep the rule, each at
+# one moment of a run, and they stand together just below:
+#   save_step            each save: writes the records, one naming the newest commit, then saves
 #   refuse_fresh_start   a start that finds no checkpoint: refuses if a record names a commit
 #   match_records        every start: drops the records past the step it starts from
 # (Log.flush, which writes the file, rewrites it whole, so a kill never leaves half of it.)
@@ -898,14 +908,8 @@ def signal_flags(mesh):  # -> [devices] bool: has each device's process received
     # gives each process's rows. The whole shape is given: where processes hold different
     # numbers of the mesh's devices, JAX could not infer it.
     local = np.full(len(mesh.local_devices), bool(SIGNALS))
+    # (flags_spec, beside compile_step, describes the whole array)
     return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local, (mesh.size,))
-
-
-# signal_flags' array, described: [devices] bool, one entry per device. P(("data", "fsdp",
-# "tensor")) cuts its one dimension over all three mesh axes together (a tuple in one place, not
-# three dimensions), so each device holds one entry.
-flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
-                                               sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
 
 
 # ----------------------------------------------------------------------------- across hosts
@@ -930,15 +934,13 @@ def start_jax(args):
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except jax.errors.JaxRuntimeError:  # a cluster was found, but its processes not reached
+        raise
+    # On one machine, initialize finds no cluster and raises ValueError: the run goes on as one
+    # process, as it does on a RuntimeError (JAX already runs: the tests call main). But where a
+    # flag asked for a cluster, a one-line error, not several lone runs (an IndexError:
+    # --coordinator without a port).
     except (ValueError, RuntimeError, IndexError) as e:
-        # On one machine, initialize finds no cluster and raises ValueError, and the run goes on
-        # as one process (as it does on a RuntimeError when JAX already runs: the tests call
-        # main). Two cases stop instead, in the order below:
-        #   a JaxRuntimeError (a RuntimeError): a cluster was found, but not its peers: raise
-        #   a flag asked for a cluster (--coordinator, --num-processes, --process-id): a one-line
-        #     error, not several lone runs (an IndexError: --coordinator without a port)
-        if isinstance(e, jax.errors.JaxRuntimeError):
-            raise
         if args.coordinator or args.num_processes or args.process_id is not None:
             raise SystemExit(f"error: no cluster ({e}); give --coordinator HOST:PORT") from None
     if jax.process_count() > 1 and not jax.distributed.is_initialized():
