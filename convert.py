@@ -154,11 +154,12 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     # none: refused below), where it is max(4, n_layers).
     kinds = hf.get("layer_types", ["full_attention" if i % 4 == 3 else "sliding_attention"
                                    for i in range(hf["num_hidden_layers"])])
-    first = (kinds + ["full_attention"]).index("full_attention")  # the first full layer, from 0
+    # the first full layer, from 0 (the entry appended makes it len(kinds) where there is none)
+    first = (kinds + ["full_attention"]).index("full_attention")
+    global_every = first + 1 if first < len(kinds) - 1 else max(4, len(kinds))
     cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
-                       global_every=first + 1 if first < len(kinds) - 1 else max(4, len(kinds)),
-                       rope_theta=float(full["rope_theta"]), yarn_factor=float(factor),
-                       yarn_beta_fast=float(full.get("beta_fast", 32)),
+                       global_every=global_every, rope_theta=float(full["rope_theta"]),
+                       yarn_factor=float(factor), yarn_beta_fast=float(full.get("beta_fast", 32)),
                        yarn_beta_slow=float(full.get("beta_slow", 1)),
                        yarn_original_context=full["original_max_position_embeddings"],
                        tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size

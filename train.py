@@ -160,9 +160,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) A step saves when due, and before a stop: at --stop-at, or once the metrics read so
-        # far carry a signal. A SIGTERM during step 150, say, is in step 151's flags: step 152
-        # reads step 151's metrics, saves and stops. (Had step 151 saved, its save would have
-        # read them, and the run would have stopped after step 151.)
+        # far carry a signal (the stopping section traces a SIGTERM to the step that saves)
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
@@ -318,8 +316,8 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
     if manager.latest_step() is not None:
         # resume restores the newest step (on a pod, the newest that every host can read)
         return resume(cfg, r, manager, target, data_fingerprint, log)  # (state, "resumed ...")
-    # stops if a run committed a checkpoint in args.out (its metrics.jsonl, which log has read,
-    # says so) but left none
+    # (Second read; in a new run directory it does nothing.) Stops if a run committed a
+    # checkpoint in args.out (its metrics.jsonl, which log has read, says so) but left none.
     refuse_fresh_start(args.out, log)
     state = init_state(cfg, r, target)
     if not args.init_from:
@@ -334,13 +332,6 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
 
 
 # ----------------------------------------------------------------------------- the step
-
-# The step's third input, the signal flags (the stopping section), described: [devices] bool, one
-# entry per device. P(("data", "fsdp", "tensor")) cuts its one dimension over all three mesh axes
-# together (a tuple in one place, not three dimensions), so each device holds one entry.
-flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
-                                               sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
-
 
 # Ahead of time: --dry-run compiles the same step, and a step that does not fit fails at start-up.
 def compile_step(cfg, r, mesh, target):
@@ -364,7 +355,8 @@ def compile_step(cfg, r, mesh, target):
     #   donate_argnames   the new state reuses the old one's buffers, so memory holds one copy
     #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
     # jit needs no in_shardings: lower() is given ShapeDtypeStructs, which carry their shardings:
-    # target, batch, and flags_spec(mesh), the signal flags' [devices] bool (one per device).
+    # target, batch, and flags_spec(mesh), the signal flags' [devices] bool (one per device;
+    # flags_spec stands beside signal_flags, in the stopping section).
     # lower() traces the step for them and compile() compiles it, before any data exists. The
     # static values are given here, once, so the compiled step takes only arrays:
     #   step_fn(state, batch, flags) -> (state, metrics)
@@ -644,14 +636,16 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # ----------------------------------------------------------------------------- checkpoints
+# In three lines: metrics.jsonl is written just before each checkpoint, so it never falls behind
+# one; a start drops the records past the step it starts from; and a start that finds no
+# checkpoint refuses to start over where a record names a committed one.
 # Orbax saves in the background under a temporary name, then commits the step atomically, so a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
-# params, train_state and config.
-# metrics.jsonl must survive a kill at any moment too: after the rerun, it holds each step's
-# records once, and a run directory that had checkpoints is never silently started over. One
-# rule keeps it so: metrics.jsonl always holds the records of every step up to the newest
-# committed checkpoint, and at most one save's steps more. Three functions keep the rule, each at
-# one moment of a run, and they stand together just below:
+# params, train_state and config. metrics.jsonl must survive a kill at any moment too: after the
+# rerun, it holds each step's records once, and a run directory that had checkpoints is never
+# silently started over. The rule, exactly: metrics.jsonl always holds the records of every step
+# up to the newest committed checkpoint, and at most one save's steps more. Three functions keep
+# it, each at one moment of a run, and they stand together just below:
 #   save_step            each save: writes the records, one naming the newest commit, then saves
 #   refuse_fresh_start   a start that finds no checkpoint: refuses if a record names a commit
 #   match_records        every start: drops the records past the step it starts from
@@ -677,6 +671,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   read (a corrupt file)             before it (resume)
 #   a read that fails once            retries it (read_retrying)
 #   another model, data order, data   refuses it, with one line (restore, read_item)
+# Before you change any of this: test_olmo3.py kills real runs at these moments and checks that
+# the rerun has every step's record once and the losses of an unbroken run (`pytest -k "kill or
+# resume or fresh or commit"`): test_kill_9_at_any_moment_then_the_same_command_resumes_exactly
+# (moments 1-3), test_a_resume_writes_each_step_once_when_the_log_outran_the_checkpoint (2),
+# test_a_kill_during_an_evaluation_loses_no_step (4), and for the refusal
+# test_only_a_recorded_commit_refuses_a_fresh_start.
 # The functions, in file order: the three above, then save, resume, read_retrying, restore (and
 # compared_settings), read_item, latest_checkpoint (--init-from's step, in a run directory or a
 # converted checkpoint). A resume calls resume -> read_retrying -> restore -> read_item.
@@ -785,7 +785,8 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
     for attempt in range(tries):
         try:
             return read(step_dir, *args, **kwargs)
-        except jax.errors.JaxRuntimeError:  # a failing device, not the files
+        # a failing device, not the files (it is an Exception too, so it is let through first)
+        except jax.errors.JaxRuntimeError:
             raise
         # Orbax and tensorstore raise many kinds of errors. restore's one-line mismatch error is
         # a SystemExit, which is not an Exception, so it passes through and is never retried.
@@ -879,6 +880,8 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # Why through the step, and not a host all-gather of the flags: that would make every host wait
 # for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
+# The tests that hold this (`pytest -k "signal or sigterm"`): one process's SIGTERM, a signal
+# read by a save, and a pod of two processes where only one is signalled, at several moments.
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
@@ -908,8 +911,14 @@ def signal_flags(mesh):  # -> [devices] bool: has each device's process received
     # gives each process's rows. The whole shape is given: where processes hold different
     # numbers of the mesh's devices, JAX could not infer it.
     local = np.full(len(mesh.local_devices), bool(SIGNALS))
-    # (flags_spec, beside compile_step, describes the whole array)
     return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local, (mesh.size,))
+
+
+# signal_flags' array, described: [devices] bool, one entry per device. P(("data", "fsdp",
+# "tensor")) cuts its one dimension over all three mesh axes together (a tuple in one place, not
+# three dimensions), so each device holds one entry.
+flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
+                                               sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
 
 
 # ----------------------------------------------------------------------------- across hosts
@@ -934,7 +943,9 @@ def start_jax(args):
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except jax.errors.JaxRuntimeError:  # a cluster was found, but its processes not reached
+    # a cluster was found, but its processes not reached (it is a RuntimeError too, so it is let
+    # through first)
+    except jax.errors.JaxRuntimeError:
         raise
     # On one machine, initialize finds no cluster and raises ValueError: the run goes on as one
     # process, as it does on a RuntimeError (JAX already runs: the tests call main). But where a
