@@ -165,7 +165,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) None, or why the run stops after this step (stop_reason is in the stopping section)
+        # (4) None, or why the run stops after this step (stop_reason is in the stopping section).
+        # Decided after the save, which may just have read a signal in this step's metrics.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
