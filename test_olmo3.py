@@ -2090,9 +2090,10 @@ def test_only_a_recorded_commit_refuses_a_fresh_start(tmp_path, token_files):
 
 
 def test_the_tenth_skipped_update_in_a_row_stops_the_run_even_if_the_next_is_good():
-    """A step that saves reads two steps' metrics at once: the 10th skip, then a good update,
-    set the count to 10 and back to 0 before the loop looked, and the run went on. The 10th
-    skip now ends the run as it is read, with the records written."""
+    """A step that saves reads two steps' metrics, one after the other (add, then the save's
+    read_pending): the 10th skip, then a good update, set the count to 10 and back to 0 before
+    the loop looked, and the run went on. The 10th skip now ends the run as it is read, with the
+    records written, before the save reads the good update."""
     logged, flushed = [], []
     log = type("Log", (), {"metrics": lambda self, step, m: logged.append(step),
                            "flush": lambda self: flushed.append(logged[-1])})()
@@ -2101,7 +2102,8 @@ def test_the_tenth_skipped_update_in_a_row_stops_the_run_even_if_the_next_is_goo
     for step in range(1, 11):  # steps 1-10 skip; step 11, a save step, does not
         late.add(step, metrics(True))
     with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped"):
-        late.add(11, metrics(False))  # reads step 10's metrics (step 11, kept, is a good update)
+        late.add(11, metrics(False))  # reads step 10's metrics: the 10th skip
+        late.read_pending()  # step 11, a save step, would read its good update here: never reached
     assert logged == list(range(1, 11)) and flushed == [10]
 
 

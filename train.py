@@ -1,5 +1,5 @@
-"""Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod)."""
-# Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75.
+"""Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
+Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75."""
 # Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
 # counter). Every log_every steps, the run prints a progress line like this one (tiny, on a
 # 2-core CPU; tok/s and ETA vary with the machine; one line, wrapped here):
@@ -560,8 +560,8 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 restarted at step 596,048, with 512 x 8,192 tokens a step: a fact of its run, so it is
     # written out, not derived. Like T1, T2 and W2, it moves with the tokens a step: another
     # --global-batch or --seq-len restarts after the same tokens, not the same steps.
-    restart = 596_048 * 512 * 8192 // tokens  # part 2's first step (596,048 for the 7b)
-    return lambda k: jnp.where(k < restart, cosine(T1)(k), part2(k))
+    # 596_048 * 512 * 8192 // tokens is part 2's first step: 596,048 for the 7b
+    return lambda k: jnp.where(k < 596_048 * 512 * 8192 // tokens, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -672,12 +672,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   read (a corrupt file)             before it (resume)
 #   a read that fails once            retries it (read_retrying)
 #   another model, data order, data   refuses it, with one line (restore, read_item)
-# Before you change any of this: test_olmo3.py kills real runs at these moments and checks that
-# the rerun has every step's record once and the losses of an unbroken run (`pytest -k "kill or
-# resume or fresh or commit"`): test_kill_9_at_any_moment_then_the_same_command_resumes_exactly
-# (moments 1-3), test_a_resume_writes_each_step_once_when_the_log_outran_the_checkpoint (2),
-# test_a_kill_during_an_evaluation_loses_no_step (4), and for the refusal
-# test_only_a_recorded_commit_refuses_a_fresh_start.
+# Before you change any of this: test_olmo3.py kills or stops real runs at these moments and
+# checks that the rerun has every step's record once and the losses of an unbroken run
+# (`pytest -k "kill or resume or fresh or commit"`):
+#   moments 1-3: test_kill_9_at_any_moment_then_the_same_command_resumes_exactly
+#   moment 2: test_a_resume_writes_each_step_once_when_the_log_outran_the_checkpoint
+#   moment 4: test_a_kill_during_an_evaluation_loses_no_step
+#   the refusal: test_only_a_recorded_commit_refuses_a_fresh_start, and
+#     test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints_is_refused
 # The functions, in file order: the three above, then save, resume, read_retrying, restore (and
 # compared_settings), read_item, latest_checkpoint (--init-from's step, in a run directory or a
 # converted checkpoint). A resume calls resume -> read_retrying -> restore -> read_item.
