@@ -1290,6 +1290,14 @@ def test_flag_errors_are_one_line(capsys):
                  "--vocab-size", "--yarn-original-context", "--steps"):
         with pytest.raises(SystemExit, match=f"^error: {flag} must be 1 or more$"):
             train.parse_args([flag, "0"])
+    # the flags that are not fields: ignored when 0 (--stop-at never stopped, --devices used the
+    # real devices), or passed on to JAX's cluster start
+    for flag in ("--stop-at", "--devices", "--num-processes", "--max-new-tokens"):
+        with pytest.raises(SystemExit, match=f"^error: {flag} must be 1 or more$"):
+            train.parse_args([flag, "0"])
+    with pytest.raises(SystemExit, match="^error: --process-id must be 0 or more$"):
+        train.parse_args(["--process-id", "-1"])
+    train.parse_args(["--process-id", "0", "--stop-at", "1", "--devices", "1"])
     # the seeds: 0 or more (a negative --data-seed failed in the loader, after compiling), and
     # -1 for the file order (it keeps the mix's)
     train.parse_args(["--seed", "0", "--data-seed", "0", "--source-permutation-seed", "-1"])

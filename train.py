@@ -1028,13 +1028,14 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     changes = (STAGE2 if args.stage2 else {}) | given(Recipe)
     r = dataclasses.replace(RECIPES[args.preset], **changes)
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
-    # Every int field is a count or a seed. A flag that sets one below its least value (1, or
-    # the one in `least`) stops here, with a one-line error. 0 would divide by zero (step %
-    # save_every) or keep no checkpoint at all (Orbax), and a negative window or eval limit would
-    # give NaN or drop documents, silently.
-    values = dataclasses.asdict(cfg) | dataclasses.asdict(r) | {"samples": args.samples}
+    # Every int flag is a count, a seed, a step or a process's number. One set below its least
+    # value (1, or the one in `least`) stops here, with a one-line error. 0 would divide by zero
+    # (step % save_every) or keep no checkpoint at all (Orbax), a negative window or eval limit
+    # would give NaN or drop documents, and --stop-at 0 or --devices 0 would be ignored, silently.
+    # (A flag not given is None, and the presets' values are all valid.)
+    values = vars(args)
     least = {"micro_batch": 0, "warmup_steps": 0, "eval_limit": 0, "samples": 0, "seed": 0,
-             "data_seed": 0, "source_permutation_seed": -1}  # -1 keeps the mix file's order
+             "data_seed": 0, "process_id": 0, "source_permutation_seed": -1}  # -1: the mix's order
     for f, value in values.items():
         if type(value) is int and value < least.get(f, 1):
             raise SystemExit(f"error: --{f.replace('_', '-')} must be {least.get(f, 1)} or more")
