@@ -1033,10 +1033,9 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     # (step % save_every) or keep no checkpoint at all (Orbax), a negative window or eval limit
     # would give NaN or drop documents, and --stop-at 0 or --devices 0 would be ignored, silently.
     # (A flag not given is None, and the presets' values are all valid.)
-    values = vars(args)
     least = {"micro_batch": 0, "warmup_steps": 0, "eval_limit": 0, "samples": 0, "seed": 0,
              "data_seed": 0, "process_id": 0, "source_permutation_seed": -1}  # -1: the mix's order
-    for f, value in values.items():
+    for f, value in vars(args).items():
         if type(value) is int and value < least.get(f, 1):
             raise SystemExit(f"error: --{f.replace('_', '-')} must be {least.get(f, 1)} or more")
     if cfg.n_heads % cfg.n_kv_heads:  # (also where n_kv_heads > n_heads)
