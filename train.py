@@ -643,18 +643,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # Orbax saves in the background under a temporary name, then commits the step atomically, so a
 # kill at any moment loses only the steps since the last commit. A step holds three items:
 # params, train_state and config. metrics.jsonl must survive a kill at any moment too: after the
-# rerun, it holds each step's records once, and a run directory that had checkpoints is never
-# silently started over. The rule, exactly: metrics.jsonl always holds the records of every step
-# up to the newest committed checkpoint, and at most one save's steps more. Three functions keep
-# it, each at one moment of a run, and they stand together just below:
+# rerun, it holds each step's records once. The rule, exactly: metrics.jsonl always holds the
+# records of every step up to the newest committed checkpoint, and at most one save's steps
+# more. Three functions keep it, each at one moment of a run, and they stand together below:
 #   save_step            each save: writes the records, one naming the newest commit, then saves
 #   refuse_fresh_start   a start that finds no checkpoint: refuses if a record names a commit
 #   match_records        every start: drops the records past the step it starts from
-# (Log.flush, which writes the file, rewrites it whole, so a kill never leaves half of it.)
 # Here is a save at step 200 (save_every 100), in four moments: what is on disk after each, and
-# what a rerun of the same command does after a kill there. (In the other order, checkpoint first,
-# a kill between its commit and metrics.jsonl's write would leave a checkpoint whose steps have
-# no records, which the resumed run would never write.)
+# what a rerun of the same command does after a kill there.
 #   1. Wait for step 100's save to commit. On disk: records 1-100, checkpoint 100. A kill
 #      here: the rerun resumes from step 100.
 #   2. Write metrics.jsonl, with a record {"step": 200, "committed": 100} that names the newest
@@ -665,24 +661,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      200. (A kill before the commit leaves what moment 2 leaves.)
 #   4. Evaluate step 200 (its record is written at the next save). A kill here: the rerun
 #      resumes from step 200, and runs the evaluation first (match_records).
-# A run directory whose checkpoints are lost (deleted, or another disk mounted) still has its
-# records, which name a committed checkpoint: a rerun refuses to start over (refuse_fresh_start).
-# The other failures, and what handles them:
-#   a step that some process cannot   renames it <step>.<time>.unreadable, and tries the step
-#   read (a corrupt file)             before it (resume)
-#   a read that fails once            retries it (read_retrying)
-#   another model, data order, data   refuses it, with one line (restore, read_item)
-# Before you change any of this: test_olmo3.py kills or stops real runs at these moments and
-# checks that the rerun has every step's record once and the losses of an unbroken run
-# (`pytest -k "kill or resume or fresh or commit"`):
-#   moments 1-3: test_kill_9_at_any_moment_then_the_same_command_resumes_exactly
-#   moment 2: test_a_resume_writes_each_step_once_when_the_log_outran_the_checkpoint
-#   moment 4: test_a_kill_during_an_evaluation_loses_no_step
-#   the refusal: test_only_a_recorded_commit_refuses_a_fresh_start, and
-#     test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints_is_refused
-# The functions, in file order: the three above, then save, resume, read_retrying, restore (and
-# compared_settings), read_item, latest_checkpoint (--init-from's step, in a run directory or a
-# converted checkpoint). A resume calls resume -> read_retrying -> restore -> read_item.
+# (Why records before checkpoint: in the other order, a kill between the checkpoint's commit and
+# metrics.jsonl's write would leave steps that have no records, which no rerun would write.)
+# Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
+# kill or stop real runs at each moment, and check that the rerun has every step's record once
+# and the losses of an unbroken run. (The README's "Checkpoints" bullet lists them, with the
+# other failures: a step some process cannot read, a failed read, another run's settings.)
+# A resume calls resume -> read_retrying -> restore -> read_item, which follow save below.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -726,16 +711,15 @@ def refuse_fresh_start(out, log):
                          "restore its checkpoints, or use a new --out")
 
 
-step_of = lambda record: json.loads(record)["step"]  # a metrics.jsonl line's step
-
-
 def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
     # train calls this once the run knows where it starts (done: 0, or the resumed step). It
     # mends what a kill at moments 2 and 4 of the table above leaves: it drops the records past
     # step done, and runs step done's evaluation if metrics.jsonl lacks it. (A stop, too, skips
     # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
-    log.lines["metrics.jsonl"] = [x for x in log.lines["metrics.jsonl"] if step_of(x) <= done]
-    evaluated = any(step_of(x) == done and '"eval/' in x for x in log.lines["metrics.jsonl"])
+    records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
+    log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
+    # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
+    evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
     if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
         evals(params, done)
 
