@@ -160,13 +160,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) A step saves when due, and before a stop: at --stop-at, or once the metrics read so
-        # far carry a signal. Say a SIGTERM reaches a process during step 150, after the loop
-        # made step 150's flags:
-        #   step 151  its flag says yes; add reads step 150's metrics: no signal
-        #   step 152  add reads step 151's metrics: a signal. Every process saves step 152, and
-        #             (4) stops the run: exit code 75, and a rerun resumes at step 153
-        # (Had step 151 been due to save, the save's read of its metrics would have found the
-        # signal, and the run would have stopped after step 151.)
+        # far carry a signal (the stopping section follows a SIGTERM to the step that saves)
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
@@ -326,7 +320,9 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
     # (Second read; in a new run directory it does nothing.) Stops if a run committed a
     # checkpoint in args.out (its metrics.jsonl, which log has read, says so) but left none.
     refuse_fresh_start(args.out, log)
-    log.lines["metrics.jsonl"] = []  # (what a kill before the first commit left)
+    # Drops the records of a run killed before its first checkpoint committed: this run writes
+    # those steps again, and each step is recorded once
+    log.lines["metrics.jsonl"] = []
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -660,9 +656,16 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # checkpoint never holds it: a resumed run evaluates its step first, if one falls on it (train).
 # One thing more: a run directory whose checkpoints are lost (deleted, or another disk mounted)
 # is never silently started over. Each save's record names the newest committed checkpoint,
-# such as {"step": 200, "committed": 100}, and a start that finds no checkpoint refuses where a
-# record names one (refuse_fresh_start). A kill before the first commit leaves records that name
-# none: its rerun starts fresh.
+# such as {"step": 200, "committed": 100}, so metrics.jsonl, the one file rewritten at every
+# save, is also the ledger of commits; a start that finds no checkpoint refuses where a record
+# names one (refuse_fresh_start). With save_every 100, after a kill:
+#   killed                                  the rerun, and metrics.jsonl after it
+#   before step 100's save commits          starts fresh, dropping records 1-100 (none name a
+#                                           commit); its steps 1-100 write them again
+#   after it commits, at any later moment   resumes from the newest commit, with that
+#     (step 250, say: newest commit 200)    checkpoint's records 1-200; steps 201-250 again
+#   during step 200's evaluation            resumes from step 200, and evaluates it first
+#   ... and then the checkpoints deleted    refuses: a record names a commit
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs before, during and after a save and during an evaluation, and check
 # that the rerun has every step's record once and the losses of an unbroken run. (The README's
@@ -849,8 +852,13 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # train_step reduces it with jnp.any, an all-reduce across the hosts, and adds the answer to
 # its metrics, "signalled". Every process reads the same answer, a step late, with the
 # rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
-# this simply means that a signal stops the run within two steps (the loop's part (3) follows
-# a SIGTERM at step 150 to the save of step 152).
+# this simply means that a signal stops the run within two steps. For example, a SIGTERM
+# reaches one process during step 150, just after the loop made step 150's flags:
+#   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
+#   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
+#             exits with code 75, and a rerun resumes at step 153.
+# (Had step 151 saved, its save would have read its metrics at once, and the run would have
+# stopped after step 151.)
 # Why through the step, and not a host all-gather of the flags: that would make every host wait
 # for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
@@ -910,16 +918,20 @@ def start_jax(args):
     # a compilation cache, so that a restart does not compile the 7B's step again
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
+    # What jax.distributed.initialize may do, and what the run does then:
+    #   joins a cluster it found (a pod, SLURM)       runs as one process of many
+    #   finds a cluster, but cannot reach the other   JaxRuntimeError: let through, and the run
+    #   processes                                     fails (a rerun tries again)
+    #   finds no cluster (ValueError), or finds JAX   runs as one process; but where a flag
+    #   running already (RuntimeError: main called    asked for a cluster, a one-line error,
+    #   after JAX ran, as the tests call it)          not several lone runs
+    #   is given --coordinator without a port         the same one-line error
+    #   (IndexError)
+    # (A JaxRuntimeError is a RuntimeError too, so its clause must come first.)
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    # a cluster was found, but its processes not reached (it is a RuntimeError too, so it is let
-    # through first)
     except jax.errors.JaxRuntimeError:
         raise
-    # On one machine, initialize finds no cluster and raises ValueError: the run goes on as one
-    # process, as it does on a RuntimeError (JAX already runs: the tests call main). But where a
-    # flag asked for a cluster, a one-line error, not several lone runs (an IndexError:
-    # --coordinator without a port).
     except (ValueError, RuntimeError, IndexError) as e:
         if args.coordinator or args.num_processes or args.process_id is not None:
             raise SystemExit(f"error: no cluster ({e}); give --coordinator HOST:PORT") from None
