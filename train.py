@@ -132,13 +132,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     state, note = starting_state(cfg, r, args, manager, target, loader.fingerprint, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
+    # (Second read.) A stop, or a kill during a save or an evaluation, leaves metrics.jsonl a
+    # little off the checkpoint: this drops its records past step done, and runs step done's
+    # evaluation now if it was cut short (the checkpoints section)
+    match_records(log, evals, state["params"], done, r)
     # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5).
     # (So the last step saves, and its metrics are read at once: none are left unread.)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # A resumed run evaluates its step first, if one falls on it: a step evaluates after its
-    # save (part (5)), so the checkpoint never holds that evaluation, and a stop skips it
-    if evals and done and due(done, r.eval_every):
-        evals(state["params"], done)
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -150,8 +150,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   (1)  the step takes a third input, this process's signal flag, so that every process of
     #        a pod stops after the same step (the "stopping" section)
     #   (2)  the metrics are read a step late, so that the devices never wait for the host
-    #   (3)  a save reads its own step's metrics at once, and keeps metrics.jsonl's records in
-    #        the checkpoint, so that a resume can write them back
+    #   (3)  a save reads its own step's metrics at once, and writes metrics.jsonl before the
+    #        checkpoint
     late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
     # loader.iterate gives batches done, done + 1, ..., r.steps - 1, so step s gets batch s - 1
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
@@ -160,7 +160,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) A step saves when due, and before a stop: at --stop-at, or once the metrics read so
-        # far carry a signal (the stopping section follows a SIGTERM to the step that saves)
+        # far carry a signal (the stopping section traces a SIGTERM to the step that saves)
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
@@ -320,9 +320,6 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
     # (Second read; in a new run directory it does nothing.) Stops if a run committed a
     # checkpoint in args.out (its metrics.jsonl, which log has read, says so) but left none.
     refuse_fresh_start(args.out, log)
-    # Drops the records of a run killed before its first checkpoint committed: this run writes
-    # those steps again, and each step is recorded once
-    log.lines["metrics.jsonl"] = []
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -351,12 +348,6 @@ def compile_step(cfg, r, mesh, target):
     array = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                  sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=array, labels=array) | (dict(segments=array) if r.packing else {})
-    # the signal flags, described: [devices] bool, one per device (signal_flags makes them for
-    # each step, in the stopping section). P(("data", "fsdp", "tensor")) cuts the one dimension
-    # over all three mesh axes together (a tuple in one place, not three dimensions), so each
-    # device holds one entry.
-    flags = jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
-                                 sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
 
     n_micro = r.global_batch // micro
     # jax.jit's arguments:
@@ -365,13 +356,14 @@ def compile_step(cfg, r, mesh, target):
     #   donate_argnames   the new state reuses the old one's buffers, so memory holds one copy
     #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
     # jit needs no in_shardings: lower() is given ShapeDtypeStructs, which carry their shardings:
-    # target, batch and flags.
+    # target, batch, and flags_spec(mesh), the signal flags' [devices] bool (one per device;
+    # flags_spec stands beside signal_flags, in the stopping section).
     # lower() traces the step for them and compile() compiles it, before any data exists. The
     # static values are given here, once, so the compiled step takes only arrays:
     #   step_fn(state, batch, flags) -> (state, metrics)
     jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
-    return jitted.lower(target, batch, flags, cfg=cfg, r=r, n_micro=n_micro).compile()
+    return jitted.lower(target, batch, flags_spec(mesh), cfg=cfg, r=r, n_micro=n_micro).compile()
 
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
@@ -645,35 +637,37 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # ----------------------------------------------------------------------------- checkpoints
+# In three lines: metrics.jsonl is written just before each checkpoint, so it never falls behind
+# one; a start drops the records past the step it starts from; and a start that finds no
+# checkpoint refuses to start over where a record names a committed one.
 # Orbax saves in the background under a temporary name, then commits the step atomically, so a
-# kill at any moment loses only the steps since the last commit. A step holds four items:
-# params, train_state, config (the run's settings) and records (metrics.jsonl's lines, up to
-# the step).
-# metrics.jsonl must come through a kill at any moment too, with each step's records once. A
-# kill leaves it ahead of the newest checkpoint (it is written as a save starts) or not, so
-# the file itself is not trusted: a resume writes the checkpoint's records back (resume), and a
-# fresh start drops them (starting_state). A step's own evaluation runs after its save, so the
-# checkpoint never holds it: a resumed run evaluates its step first, if one falls on it (train).
-# One thing more: a run directory whose checkpoints are lost (deleted, or another disk mounted)
-# is never silently started over. Each save's record names the newest committed checkpoint,
-# such as {"step": 200, "committed": 100}, so metrics.jsonl, the one file rewritten at every
-# save, is also the ledger of commits; a start that finds no checkpoint refuses where a record
-# names one (refuse_fresh_start). With save_every 100, after a kill:
-#   killed                                  the rerun, and metrics.jsonl after it
-#   before step 100's save commits          starts fresh, dropping records 1-100 (none name a
-#                                           commit); its steps 1-100 write them again
-#   after it commits, at any later moment   resumes from the newest commit, with that
-#     (step 250, say: newest commit 200)    checkpoint's records 1-200; steps 201-250 again
-#   during step 200's evaluation            resumes from step 200, and evaluates it first
-#   ... and then the checkpoints deleted    refuses: a record names a commit
+# kill at any moment loses only the steps since the last commit. A step holds three items:
+# params, train_state and config. metrics.jsonl must survive a kill at any moment too: after the
+# rerun, it holds each step's records once. The rule, exactly: metrics.jsonl always holds the
+# records of every step up to the newest committed checkpoint, and at most one save's steps
+# more. Three functions keep it, each at one moment of a run, and they stand together below:
+#   save_step            each save: writes the records, one naming the newest commit, then saves
+#   refuse_fresh_start   a start that finds no checkpoint: refuses if a record names a commit
+#   match_records        every start: drops the records past the step it starts from
+# Here is a save at step 200 (save_every 100), in four moments: what is on disk after each, and
+# what a rerun of the same command does after a kill there.
+#   1. Wait for step 100's save to commit. On disk: records 1-100, checkpoint 100. A kill
+#      here: the rerun resumes from step 100.
+#   2. Write metrics.jsonl, with a record {"step": 200, "committed": 100} that names the newest
+#      commit. On disk: records 1-200, checkpoint 100. A kill here: the rerun resumes from step
+#      100, and drops records 101-200 (match_records); steps 101-200 write them again.
+#   3. Start step 200's save, which Orbax commits in the background. Once it has, on disk:
+#      records 1-200, checkpoints 100 and 200; a kill from then on: the rerun resumes from step
+#      200. (A kill before the commit leaves what moment 2 leaves.)
+#   4. Evaluate step 200 (its record is written at the next save). A kill here: the rerun
+#      resumes from step 200, and runs the evaluation first (match_records).
+# (Why records before checkpoint: in the other order, a kill between the checkpoint's commit and
+# metrics.jsonl's write would leave steps that have no records, which no rerun would write.)
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
-# kill or stop real runs before, during and after a save and during an evaluation, and check
-# that the rerun has every step's record once and the losses of an unbroken run. (The README's
-# "Checkpoints" bullet lists them, with the other failures: a step some process cannot read, a
-# failed read, another run's settings.)
-# The functions, in file order: save_step, refuse_fresh_start, save, resume, read_retrying,
-# restore (and compared_settings), read_item, latest_checkpoint (--init-from's step). A resume
-# calls resume -> read_retrying -> restore -> read_item.
+# kill or stop real runs at each moment, and check that the rerun has every step's record once
+# and the losses of an unbroken run. (The README's "Checkpoints" bullet lists them, with the
+# other failures: a step some process cannot read, a failed read, another run's settings.)
+# A resume calls resume -> read_retrying -> restore -> read_item, which follow save below.
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -688,13 +682,14 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# The loop's save (part (3)). Its record names the newest committed checkpoint,
-# manager.latest_step() (None before the first commit), as it is written after the wait.
+# The loop's save (part (3)): moments 1 to 3 of the table above. The record of moment 2 names the
+# newest committed checkpoint, manager.latest_step() (None before the first commit), as it is
+# written after the wait.
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
     log(step=step, committed=manager.latest_step())  # (refuse_fresh_start reads it)
     log.flush()  # writes metrics.jsonl and log.txt
-    save(manager, step, state, cfg, r, data_fingerprint, log.lines["metrics.jsonl"])
+    save(manager, step, state, cfg, r, data_fingerprint)
 
 
 def refuse_fresh_start(out, log):
@@ -703,7 +698,7 @@ def refuse_fresh_start(out, log):
     #   nothing, or records that name no          fresh start: nothing was committed (a kill
     #   committed checkpoint                      may have cut the first save short)
     #   a record that names a committed           refuse: a run trained here, and its
-    #   checkpoint                                checkpoints are gone
+    #   checkpoint (moment 2 in the table above)  checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
     # (A run that lost its only checkpoint before a later save recorded it starts fresh: it
     # loses at most save_every steps.)
@@ -716,15 +711,27 @@ def refuse_fresh_start(out, log):
                          "restore its checkpoints, or use a new --out")
 
 
+def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
+    # train calls this once the run knows where it starts (done: 0, or the resumed step). It
+    # mends what a kill at moments 2 and 4 of the table above leaves: it drops the records past
+    # step done, and runs step done's evaluation if metrics.jsonl lacks it. (A stop, too, skips
+    # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
+    records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
+    log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
+    # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
+    evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
+    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
+        evals(params, done)
+
+
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
 # state to host memory, and writes the files in the background, so the next step may reuse the
-# state's device memory (donation). r, data_fingerprint and records are optional: convert.py
-# saves params alone.
-def save(manager, step, state, cfg, r=None, data_fingerprint=None, records=()):
+# state's device memory (donation). r and data_fingerprint are optional: convert.py saves params
+# alone.
+def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
         saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
-    saves["records"] = ocp.args.JsonSave(list(records))  # metrics.jsonl's lines, as strings
     config = ocp.args.JsonSave(run_settings(cfg, r, data_fingerprint))
     manager.save(step, args=ocp.args.Composite(**saves, config=config))
 
@@ -748,8 +755,6 @@ def resume(cfg, r, manager, target, data_fingerprint, log):
                               data_fingerprint=data_fingerprint)
         read = multihost_utils.process_allgather(np.int32(state is not None))
         if read.all():
-            # metrics.jsonl as it was at this step's save (process 0's; the others write none)
-            log.lines["metrics.jsonl"] = ocp.JsonCheckpointHandler().restore(step_dir / "records")
             return state, f"resumed from step {step}"
         failed = np.flatnonzero(read == 0).tolist()
         if jax.process_index() == 0:  # a new name each time: the step saved again may fail again
@@ -893,9 +898,14 @@ def signal_flags(mesh):  # -> [devices] bool: has each device's process received
     # gives each process's rows. The whole shape is given: where processes hold different
     # numbers of the mesh's devices, JAX could not infer it.
     local = np.full(len(mesh.local_devices), bool(SIGNALS))
-    # cut as compile_step describes them: one entry per device
-    sharding = NamedSharding(mesh, P(olmo3.MESH_AXES))
-    return jax.make_array_from_process_local_data(sharding, local, (mesh.size,))
+    return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local, (mesh.size,))
+
+
+# signal_flags' array, described: [devices] bool, one entry per device. P(("data", "fsdp",
+# "tensor")) cuts its one dimension over all three mesh axes together (a tuple in one place, not
+# three dimensions), so each device holds one entry.
+flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
+                                               sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
 
 
 # ----------------------------------------------------------------------------- across hosts
