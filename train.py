@@ -3,8 +3,8 @@ Rerunning a command resumes its run; one stopped early (a signal, --stop-at) sav
 # Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
 # counter). Every log_every steps, the run prints a progress line like this one (tiny, on a
 # 2-core CPU; tok/s and ETA vary with the machine; one line, wrapped here):
-# step     50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 7,222 tok/s | MFU n/a
-#   | ETA 0:04:15
+# step     50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 4,001 tok/s | MFU n/a
+#   | ETA 0:07:41
 # Read it from the top down: the recipe, `main`, `train` (setup, then the loop), then the helpers
 # down to the optimizer. That is the first read. Below it, a banner starts the "second read": the
 # 7B's schedule, the progress line, and what a pod needs. On a first read, trust those helpers
