@@ -500,10 +500,10 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # the embedding. Adam keeps its own count in opt_state, the updates made (a skipped one does not
 # count). Only its bias correction uses it, and --init-from carries it into the next stage
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
-# starts again at 1 in each stage. Why not optax.adamw: it looks its LR up at its own update
-# count (scale_by_schedule's, in its state). Warm Adam would carry that count from stage 1, so
-# stage 2 would start at count 1,413,814, past the end of its 47,684-step schedule, with an LR
-# of 0 throughout.
+# starts again at 1 in each stage.
+# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) calls
+# schedule(count) with Adam's own count, and warm Adam carries stage 1's count, 1,413,814, into
+# stage 2: past the end of stage 2's 47,684-step schedule, where the LR is 0.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -667,7 +667,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # kill or stop real runs at each moment, and check that the rerun has every step's record once
 # and the losses of an unbroken run. (The README's "Checkpoints" bullet lists them, with the
 # other failures: a step some process cannot read, a failed read, another run's settings.)
-# A resume calls resume -> read_retrying -> restore -> read_item, which follow save below.
+# The calls, by path (the functions follow in about this order):
+#   each save      the loop -> save_step -> save -> run_settings
+#   a resume       starting_state -> resume -> read_retrying -> restore (-> saved_settings,
+#                  compared_settings) -> read_item
+#   a fresh start  starting_state -> refuse_fresh_start, then init_state
+#   --init-from    starting_state -> latest_checkpoint, then restore(resuming=False)
+#   every start    train -> match_records
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
