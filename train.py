@@ -502,8 +502,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
 # starts again at 1 in each stage.
 # Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) calls
-# schedule(count) with Adam's own count, and warm Adam carries stage 1's count, 1,413,814, into
-# stage 2: past the end of stage 2's 47,684-step schedule, where the LR is 0.
+# schedule(count) with a count in its own state (scale_by_schedule's), and warm Adam carries
+# that state from stage 1, at 1,413,814, into stage 2: past the end of stage 2's 47,684-step
+# schedule, where the LR is 0.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -672,7 +673,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   a resume       starting_state -> resume -> read_retrying -> restore (-> saved_settings,
 #                  compared_settings) -> read_item
 #   a fresh start  starting_state -> refuse_fresh_start, then init_state
-#   --init-from    starting_state -> latest_checkpoint, then restore(resuming=False)
+#   --init-from    a fresh start, then starting_state -> latest_checkpoint, restore(resuming=False)
 #   every start    train -> match_records
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
@@ -941,8 +942,8 @@ def start_jax(args):
     #   finds no cluster (ValueError), or finds JAX   runs as one process; but where a flag
     #   running already (RuntimeError: main called    asked for a cluster, a one-line error,
     #   after JAX ran, as the tests call it)          not several lone runs
-    #   is given --coordinator without a port         the same one-line error
-    #   (IndexError)
+    #   is given --coordinator without a port, and    the same one-line error
+    #   the process counts (IndexError)
     # (A JaxRuntimeError is a RuntimeError too, so its clause must come first.)
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
