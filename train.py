@@ -503,7 +503,7 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # starts again at 1 in each stage.
 # Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) calls
 # schedule(count) with a count in its own state (scale_by_schedule's), and warm Adam carries
-# that state from stage 1, at 1,413,814, into stage 2: past the end of stage 2's 47,684-step
+# that state from stage 1, at about 1,413,814, into stage 2: past the end of stage 2's 47,684-step
 # schedule, where the LR is 0.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
