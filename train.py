@@ -132,13 +132,13 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     state, note = starting_state(cfg, r, args, manager, target, loader.fingerprint, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
-    # (Second read.) A stop, or a kill during a save or an evaluation, leaves metrics.jsonl a
-    # little off the checkpoint: this drops its records past step done, and runs step done's
-    # evaluation now if it was cut short (the checkpoints section)
-    match_records(log, evals, state["params"], done, r)
     # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5).
     # (So the last step saves, and its metrics are read at once: none are left unread.)
     due = lambda step, every: step % every == 0 or step == r.steps
+    # (Second read.) A stop, or a kill during a save or an evaluation, leaves metrics.jsonl a
+    # little off the checkpoint: this drops its records past step done, and runs step done's
+    # evaluation now if one is due and was cut short (the checkpoints section)
+    match_records(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
@@ -718,16 +718,17 @@ def refuse_fresh_start(out, log):
                          "restore its checkpoints, or use a new --out")
 
 
-def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
-    # train calls this once the run knows where it starts (done: 0, or the resumed step). It
-    # mends what a kill at moments 2 and 4 of the table above leaves: it drops the records past
-    # step done, and runs step done's evaluation if metrics.jsonl lacks it. (A stop, too, skips
+def match_records(log, evals, params, done, eval_due):  # metrics.jsonl, mended to match step done
+    # train calls this once the run knows where it starts (done: 0, or the resumed step), and
+    # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
+    # kill at moments 2 and 4 of the table above leaves: it drops the records past step done, and
+    # runs step done's evaluation if one is due and metrics.jsonl lacks it. (A stop, too, skips
     # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
     evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
-    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
+    if evals and done and eval_due and not evaluated:
         evals(params, done)
 
 
