@@ -112,7 +112,7 @@ class Loader:
         return np.stack(inputs).astype(np.int32)
 
     def tokens(self, f, offset, count):  # reads `count` tokens of file f, from token `offset` on
-        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=int(offset) * 4)  # 4 B a token
+        x = np.fromfile(self.files[f], TOKEN_DTYPE, count, offset=offset * TOKEN_DTYPE.itemsize)
         if self.vocab_size is not None and x.size and x.max() >= self.vocab_size:
             raise SystemExit(f"error: token id {x.max()} >= vocab_size {self.vocab_size} in "
                              f"{self.files[f]}: another tokenizer's; re-tokenize it")
@@ -225,10 +225,10 @@ def pack_documents(loader, group_size):  # -> [4, documents]: file, offset, leng
         instance = n_instances + np.repeat(np.arange(len(bins)), [len(b) for b in bins])
         packed.append(np.concatenate([docs[:, order], instance[None]]))
         n_instances += len(bins)  # the next group's instances are numbered from here
-        # The rest is the progress line only: done is the MB of token files read so far (4 bytes
-        # a token; at least 1e-9, as the ETA divides by it).
-        done = max(sum(loader.sizes[:last]) * 4e-6, 1e-9)
-        eta = (sum(loader.sizes) * 4e-6 - done) / done * (time.time() - t)
+        # The rest is the progress line only: done is the MB of token files read so far (at
+        # least 1e-9, as the ETA divides by it).
+        done = max(sum(loader.sizes[:last]) * TOKEN_DTYPE.itemsize / 1e6, 1e-9)
+        eta = (sum(loader.sizes) * TOKEN_DTYPE.itemsize / 1e6 - done) / done * (time.time() - t)
         print(f"packed {last}/{len(files)} files ({done:,.0f} MB, {done / (time.time() - t):.0f}"
               f" MB/s, ETA {eta:.0f}s) into {n_instances:,} instances", file=sys.stderr)
     return np.concatenate(packed, axis=1)
