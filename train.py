@@ -638,15 +638,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# In three lines: metrics.jsonl is written just before each checkpoint, so it never falls behind
-# one; a start drops the records past the step it starts from; and a start that finds no
-# checkpoint refuses to start over where a record names a committed one.
-# Orbax saves in the background under a temporary name, then commits the step atomically, so a
-# kill at any moment loses only the steps since the last commit. A step holds three items:
-# params, train_state and config. metrics.jsonl must survive a kill at any moment too: after the
-# rerun, it holds each step's records once. The rule, exactly: metrics.jsonl always holds the
-# records of every step up to the newest committed checkpoint, and at most one save's steps
-# more. Three functions keep it, each at one moment of a run, and they stand together below:
+# The rule: metrics.jsonl always holds the records of every step up to the newest committed
+# checkpoint, and at most one save's steps more, so that after a kill at any moment the rerun
+# holds each step's records once. (Orbax saves a step, its params, train_state and config items,
+# in the background under a temporary name, then commits it atomically: a kill loses only the
+# steps since the last commit.) Three functions keep the rule, each at one moment of a run, and
+# they stand together below:
 #   save_step            each save: writes the records, one naming the newest commit, then saves
 #   refuse_fresh_start   a start that finds no checkpoint: refuses if a record names a commit
 #   match_records        every start: drops the records past the step it starts from
@@ -665,9 +662,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # (Why records before checkpoint: in the other order, a kill between the checkpoint's commit and
 # metrics.jsonl's write would leave steps that have no records, which no rerun would write.)
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
-# kill or stop real runs at each moment, and check that the rerun has every step's record once
-# and the losses of an unbroken run. (The README's "Checkpoints" bullet lists them, with the
-# other failures: a step some process cannot read, a failed read, another run's settings.)
+# kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
 # The calls, by path (the functions follow in about this order):
 #   each save      the loop -> save_step -> save -> run_settings
 #   a resume       starting_state -> resume -> read_retrying -> restore (-> saved_settings,
