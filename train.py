@@ -160,13 +160,15 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) A step saves when due, and before a stop: at --stop-at, or once the metrics read so
-        # far carry a signal (the stopping section traces a SIGTERM to the step that saves)
+        # far carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) None, or why the run stops after this step (stop_reason is in the stopping section).
-        # Decided after the save, which may just have read a signal in this step's metrics.
+        # Decided after the save, which may just have read a signal in this step's metrics. So a
+        # SIGTERM that comes just after step 150's flags were made stops the run after step 152,
+        # or after 151 if 151 saves (the stopping section traces it).
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
@@ -368,7 +370,8 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"].
+    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"]:
+    # so every process of a pod reads a signal in the same step's metrics (the stopping section).
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -638,15 +641,23 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# The rule: metrics.jsonl always holds the records of every step up to the newest committed
-# checkpoint, and at most one save's steps more, so that after a kill at any moment the rerun
-# holds each step's records once. (Orbax saves a step, its params, train_state and config items,
-# in the background under a temporary name, then commits it atomically: a kill loses only the
-# steps since the last commit.) Three functions keep the rule, each at one moment of a run, and
-# they stand together below:
-#   save_step            each save: writes the records, one naming the newest commit, then saves
-#   refuse_fresh_start   a start that finds no checkpoint: refuses if a record names a commit
-#   match_records        every start: drops the records past the step it starts from
+# On one host that nobody stops or kills, this section comes down to two calls:
+#   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
+#   resume   read the newest step's items onto target's shapes and shardings      (restore)
+# The rest makes them safe through a kill at any moment, and on a pod:
+#   save_step            writes metrics.jsonl just before each save (the rule below)
+#   refuse_fresh_start   refuses to start over where a record names a committed checkpoint, or
+#                        a step was renamed unreadable
+#   match_records        drops the records past the step a run starts from
+#   resume               every process reads the same step; one that some cannot is renamed
+#   read_retrying        tries a failed read again
+#   restore              refuses another model, data order or data (compared_settings)
+#   read_item            refuses a layout this code does not make
+# Orbax saves a step in the background under a temporary name, then commits it atomically: a
+# kill loses only the steps since the last commit. metrics.jsonl keeps this rule: it always
+# holds the records of every step up to the newest committed checkpoint, and at most one save's
+# steps more, so that after a kill at any moment the rerun holds each step's records once.
+# save_step, refuse_fresh_start and match_records keep it, each at one moment of a run.
 # Here is a save at step 200 (save_every 100), in four moments: what is on disk after each, and
 # what a rerun of the same command does after a kill there.
 #   1. Wait for step 100's save to commit. On disk: records 1-100, checkpoint 100. A kill
