@@ -165,10 +165,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) None, or why the run stops after this step (stop_reason is in the stopping section).
-        # Decided after the save, which may just have read a signal in this step's metrics. So a
-        # SIGTERM that comes just after step 150's flags were made stops the run after step 152,
-        # or after 151 if 151 saves (the stopping section traces it).
+        # (4) None, or why the run stops after this step: --stop-at, or a signal read in the
+        # metrics (on one host, a Ctrl-C or a SIGTERM; the stopping section traces a pod's). It
+        # is decided after the save, which may just have read a signal in this step's metrics.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
@@ -272,6 +271,9 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 # dtype and sharding, with nothing allocated. init_state creates a fresh state that matches it,
 # restore reads a checkpoint onto it, and compile_step compiles the step for it. starting_state
 # picks between a resume, a fresh start, and --init-from.
+# To add an entry (an average of the weights, say): make it in fresh_state, describe it in
+# abstract_state, and name it in TRAIN_STATE (the checkpoints section) so that a save keeps it. A
+# test checks that the first two agree.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
