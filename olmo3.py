@@ -78,7 +78,8 @@ MODELS = {
     # 256 attend differently).
     "7b-wide": Config(n_heads=16, n_kv_heads=16, head_dim=256),
     # AI2's released model after stage 3. It uses YaRN x8 on the full-attention layers. That
-    # stage trains 65,536-token rows, which fit v5p-128 only with remat (64 of 95 GiB, see README).
+    # stage trains 65,536-token rows, which fit v5p-128 only with remat: 64 of 95 GiB a device
+    # (docs/pods.md).
     "7b-long": Config(yarn_factor=8.0, remat="full"),
 }
 

@@ -272,8 +272,9 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 # restore reads a checkpoint onto it, and compile_step compiles the step for it. starting_state
 # picks between a resume, a fresh start, and --init-from.
 # To add an entry (an average of the weights, say): make it in fresh_state, describe it in
-# abstract_state, and name it in TRAIN_STATE (the checkpoints section) so that a save keeps it. A
-# test checks that the first two agree.
+# abstract_state, update and return it in train_step (which returns the new state entry by entry),
+# and name it in TRAIN_STATE (the checkpoints section) so that a save keeps it. A test checks that
+# the first two agree.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
