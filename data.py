@@ -192,8 +192,8 @@ class PackedLoader(Loader):
         # own document. The row's last E has no target, since padding follows it.
         batch = super().batch(i)
         lengths = self.lengths[self.ids(i), None]  # [rows, 1]: each row's tokens before padding
-        padding = np.arange(self.seq_len) + 1 >= lengths  # [rows, seq_len]: no label here
-        batch["labels"][padding] = -100
+        # the mask [rows, seq_len] is True where t + 1 >= the row's length: no label there
+        batch["labels"][np.arange(self.seq_len) + 1 >= lengths] = -100
         # Segments: a document's runs up to and including its EOS, and the padding is a segment
         # of its own (OLMo-core's doc_lens, generate_doc_lengths=True). With EOS at 2 and 4:
         #   tokens a b E c E pad pad -> cumsum(eos) 0 0 1 1 2 2 2, minus eos -> 0 0 0 1 1 2 2.

@@ -578,6 +578,5 @@ def attention_splash(q, k, v, window: int | None, segments=None):
     # padded and dp, tp the data-parallel and tensor sizes:
     #   q [B', T', H, E] -shard_map-> [B'/dp, T', H/tp, E] -heads_first-> [b, h, T', E]
     #   -vmap over b-> the kernel on [h, T', E] -> back, and reassembled by out_specs
-    sharded = jax.shard_map(local, in_specs=(pspec,) * 3 + (logical_to_spec(("batch", None)),),
-                            out_specs=pspec, check_vma=False)
-    return sharded(q, k, v, segments)[:B, :T]
+    return jax.shard_map(local, in_specs=(pspec,) * 3 + (logical_to_spec(("batch", None)),),
+                         out_specs=pspec, check_vma=False)(q, k, v, segments)[:B, :T]

@@ -2213,6 +2213,10 @@ def test_wrong_init_checkpoint_and_batch_not_dividing_are_one_line_errors(tmp_pa
         run_train(tmp_path / "b", token_files, "--global-batch", "12")
     with pytest.raises(SystemExit, match=r"^error: --data is required with the dolma2 tokenizer"):
         train.main(["--preset", "7b", "--out", str(tmp_path / "7b")])
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit, match=r"^error: --out .*a-file is a file; give a directory"):
+        run_train(a_file, token_files)
 
 
 def test_stage2_starts_from_a_converted_checkpoints_weights(tmp_path, token_files):

@@ -137,7 +137,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     due = lambda step, every: step % every == 0 or step == r.steps
     # (Second read.) A stop, or a kill during a save or an evaluation, leaves metrics.jsonl a
     # little off the checkpoint: this drops its records past step done, and runs step done's
-    # evaluation now if one is due and was cut short (the checkpoints section)
+    # evaluation now if one is due and was cut short (the checkpoints section). On a run that
+    # nobody stopped or killed, it does nothing.
     match_records(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -495,9 +496,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # the second k - W. Stage 2's (P 2.07e-4, F 0, W 0, T 47,684) gives P (1 - 1/T) = 2.0712e-4
     # at step 1, P / 2 at step 23,842, and 0 at step 47,684, the last.
     if r.schedule == "linear":
-        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
-                                     optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))],
-                                    [warmup])
+        decay = optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
     # "olmo3" is AI2's stage 1, in two parts (for the 7b presets; olmo3_stage1, second read)
     return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
 
@@ -567,8 +567,10 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # AI2 restarted at step 596,048, with 512 x 8,192 tokens a step: a fact of its run, so it is
     # written out, not derived. Like T1, T2 and W2, it moves with the tokens a step: another
     # --global-batch or --seq-len restarts after the same tokens, not the same steps.
-    # 596_048 * 512 * 8192 // tokens is part 2's first step: 596,048 for the 7b
-    return lambda k: jnp.where(k < 596_048 * 512 * 8192 // tokens, cosine(T1)(k), part2(k))
+    # restart_tokens is part 2's first step in AI2's tokens (596,048 steps of 512 x 8,192), and
+    # restart_tokens // tokens the same step in this run's steps: 596,048 for the 7b
+    restart_tokens = 596_048 * 512 * 8192
+    return lambda k: jnp.where(k < restart_tokens // tokens, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -970,6 +972,9 @@ def check_run_directory(out):  # every host must see the run directory that proc
     # Process 0 writes a fresh number (the time) into it. A host that has another disk there
     # reads no number (-1), or an old one.
     mark = epath.Path(out) / "run-mark.txt"
+    # every process checks, so that none waits for process 0 at the barrier below
+    if mark.parent.is_file():
+        raise SystemExit(f"error: --out {out} is a file; give a directory for the run")
     if jax.process_index() == 0:
         mark.parent.mkdir(parents=True, exist_ok=True)
         mark.write_text(str(time.time_ns()))
