@@ -158,12 +158,16 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         # (1) returns at once. device_batch puts the batch on the devices (one host:
         # jax.device_put); signal_flags is one bool per device, True after a Ctrl-C or SIGTERM.
+        # The step reduces the flags over every device (jnp.any, an all-reduce across hosts), so
+        # every host of a pod reads a signal in the same step's metrics, with no extra wait.
         state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
         # (3) A step saves when due, and before a stop: at --stop-at, or once the metrics read so
         # far carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            late_metrics.read_pending()  # this step's metrics too, at once: the save holds them
+            # this step's metrics too, at once: metrics.jsonl, written just before the save,
+            # must hold this step's record
+            late_metrics.read_pending()
             # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) None, or why the run stops after this step: --stop-at, or a signal read in the
@@ -380,10 +384,12 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
     params = state["params"]
-    # The counters at step s (Adam keeps a count of its own, which adamw explains):
+    # The counters at step s:
     #   the batch       s - 1 (the loader counts batches from 0)
     #   the LR          schedule(r)(s): s is OLMo-core's k
     #   state["step"]   the steps done: s - 1 before this step, s after it (a checkpoint's step)
+    #   Adam's count    the updates made, over every stage (warm Adam carries it on); only its
+    #                   bias correction reads it (adamw says why it is not the LR's step)
     step = state["step"] + 1  # s, this step
     # -- The loss and its gradients, over the micro-batches (nanoGPT's forward and backward)
     # Each micro-batch's loss sum is divided by the whole batch's target count, so the sum over
