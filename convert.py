@@ -2,11 +2,11 @@
 
     python convert.py hf-to-jax HF_DIR OUT_DIR [--verify]   # --verify: logits against transformers
     python convert.py jax-to-hf CKPT_DIR OUT_DIR [--verify] # a converted or a run's checkpoint"""
-# Read hf_tensors and hf_view, then from_hf and to_hf; config_from_hf and config_to_hf map
-# config.json (skim them), and verify is --verify. The HF name of each weight is in
-# olmo3.param_specs. Torch Linear weights are [out, in] and ours are [in, out], so every matrix
-# but the embedding is transposed. The whole model is held in host memory as fp32 numpy arrays,
-# so a 7B (29 GB) converts on a machine with about 64 GB.
+# Read hf_tensors and hf_view, then from_hf and to_hf; config_from_hf (with rope_from_hf and
+# global_every_from) and config_to_hf map config.json (skim them), and verify is --verify. The HF
+# name of each weight is in olmo3.param_specs. Torch Linear weights are [out, in] and ours are
+# [in, out], so every matrix but the embedding is transposed. The whole model is held in host
+# memory as fp32 numpy arrays, so a 7B (29 GB) converts on a machine with about 64 GB.
 import argparse
 import dataclasses
 import json
@@ -107,14 +107,33 @@ HF_CONFIG = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
              "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps"}
 
 
+def need(ok, what):  # config_from_hf's and rope_from_hf's checks of a config.json
+    if not ok:
+        raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
+
+
 def config_from_hf(hf: dict) -> olmo3.Config:
-    def need(ok, what):
-        if not ok:
-            raise SystemExit(f"error: config.json: {what}; only OLMo 3 checkpoints convert")
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
-    # a null means the default: dropped here, so that `defaults` below fills it in
+    # a null means the default: dropped here, so that the defaults (below, and rope_from_hf's) apply
     hf = {key: value for key, value in hf.items() if value is not None}
-    # RoPE (only a YaRN model needs it: skip it on a first read). config.json gives it in one of
+    rope_fields = rope_from_hf(hf)  # Config's rope_theta and yarn_ fields (only YaRN needs them)
+    # transformers' Olmo3Config defaults, for a key that config.json leaves out (OLMo 3's files
+    # give every one; rms_norm_eps is 1e-6 in them, though transformers' default is 1e-5)
+    defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
+                "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-5}
+    # The layer kinds: config.json's, or else transformers' default (every 4th layer full)
+    kinds = hf.get("layer_types", ["full_attention" if i % 4 == 3 else "sliding_attention"
+                                   for i in range(hf["num_hidden_layers"])])
+    cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
+                       **rope_fields, global_every=global_every_from(kinds),
+                       tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
+    # (258 is the bytes tokenizer's vocabulary: 256 bytes, EOS and pad)
+    need(kinds == layer_types(cfg), "layer_types: not every k-th layer and the last full attention")
+    return cfg
+
+
+def rope_from_hf(hf):  # config.json's RoPE, either form -> Config's rope_theta and yarn_ fields
+    # (Only a YaRN model needs this: skip it on a first read.) config.json gives RoPE in one of
     # two forms, here with AI2's stage-3 values (... is YaRN's other keys):
     #   legacy:  rope_theta: 500000, rope_scaling: {rope_type: yarn, factor: 8, ...}
     #   newer:   rope_parameters: {full_attention: {rope_type: yarn, factor: 8, ...},
@@ -122,7 +141,8 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     # A legacy file is first rewritten in the newer form (its rope_scaling is the full layers').
     # Then full, the full-attention layers' RoPE, is rope_theta (500,000 if absent) with the
     # full_attention keys over it: {rope_theta: 500000, rope_type: yarn, factor: 8, ...} for
-    # either form above. Without YaRN (stages 1 and 2), factor is 0.
+    # either form above, and the fields are {rope_theta: 500000.0, yarn_factor: 8.0, ...}.
+    # Without YaRN (stages 1 and 2), factor is 0.
     rope = hf.get("rope_parameters", {"full_attention": hf.get("rope_scaling", {})})
     # (YaRN's original context defaults to max_position_embeddings, 2,048 if absent, as in
     # transformers' standardize_rope_params and Olmo3Config)
@@ -137,35 +157,26 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     # that sets another would not match our RoPE
     expected = 0.1 * math.log(max(factor, 1)) + 1
     need(full.get("attention_factor", expected) == expected, f"YaRN {full}: only OLMo 3's form")
-    # transformers' Olmo3Config defaults, for a key that config.json leaves out (OLMo 3's files
-    # give every one; rms_norm_eps is 1e-6 in them, though transformers' default is 1e-5)
-    defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,
-                "head_dim": hf["hidden_size"] // hf["num_attention_heads"], "rms_norm_eps": 1e-5}
-    # The layer kinds: config.json's, or else transformers' default (every 4th layer full). Ours
-    # are every global_every-th layer and the last, so global_every is the first full layer's
-    # number (from 1), and then every layer must match. Where only the last is full, any
+    return {"rope_theta": float(full["rope_theta"]), "yarn_factor": float(factor),
+            "yarn_beta_fast": float(full.get("beta_fast", 32)),
+            "yarn_beta_slow": float(full.get("beta_slow", 1)),
+            "yarn_original_context": full["original_max_position_embeddings"]}
+
+
+def global_every_from(kinds):  # config.json's layer kinds -> our global_every
+    # In short: global_every is the first full layer's number (from 1), unless the first full
+    # layer is the last (or there is none: config_from_hf's check refuses it), where it is
+    # max(4, n_layers). Why: ours are every global_every-th layer and the last, so every layer
+    # must then match (config_from_hf checks it), and where only the last is full, any
     # global_every from n_layers up fits: OLMo 3's 4, unless there are more layers. For example:
     #   32 layers, full at 3, 7, ..., 31    first 3   global_every 4 (the 7B)
     #   4 layers, full at 1 and 3           first 1   global_every 2
     #   2 layers, full at 1 (the last)      first 1   global_every 4 (2 would do as well)
     #   6 layers, full at 3 only            first 3   global_every 4, but layer 5 is not full:
     #                                                 refused (transformers' default for 6)
-    # In short: global_every is first + 1, unless the first full layer is the last (or there is
-    # none: refused below), where it is max(4, n_layers).
-    kinds = hf.get("layer_types", ["full_attention" if i % 4 == 3 else "sliding_attention"
-                                   for i in range(hf["num_hidden_layers"])])
     # the first full layer, from 0 (the entry appended makes it len(kinds) where there is none)
     first = (kinds + ["full_attention"]).index("full_attention")
-    global_every = first + 1 if first < len(kinds) - 1 else max(4, len(kinds))
-    cfg = olmo3.Config(**{name: hf.get(key, defaults.get(key)) for name, key in HF_CONFIG.items()},
-                       global_every=global_every, rope_theta=float(full["rope_theta"]),
-                       yarn_factor=float(factor), yarn_beta_fast=float(full.get("beta_fast", 32)),
-                       yarn_beta_slow=float(full.get("beta_slow", 1)),
-                       yarn_original_context=full["original_max_position_embeddings"],
-                       tokenizer="bytes" if hf["vocab_size"] == 258 else "dolma2")  # by size
-    # (258 is the bytes tokenizer's vocabulary: 256 bytes, EOS and pad)
-    need(kinds == layer_types(cfg), "layer_types: not every k-th layer and the last full attention")
-    return cfg
+    return first + 1 if first < len(kinds) - 1 else max(4, len(kinds))
 
 
 def layer_types(cfg):

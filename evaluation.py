@@ -20,8 +20,6 @@
 #                     olmo_eval's does: it runs HF's model, which has no padding.
 # With converted weights, the two softmaxes differ by at most 0.00074 nats a token
 # (convert.from_hf's comment derives the bound, and a test checks it).
-import dataclasses
-import functools
 import gzip
 import importlib.util
 import json
@@ -32,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import data
 import olmo3
@@ -79,7 +76,7 @@ def evaluator(cfg, r, mesh, sets_spec, args, log=None):
     return evaluate
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))  # cfg, vocab
+@jax.jit(static_argnums=(3, 4))  # cfg, vocab
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]
     return -olmo3.loss_terms(logits, labels, 0.0, axis=-1)[0]  # [rows], cut as the rows are
@@ -93,9 +90,10 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     # so logprobs compiles once for each vocab. The batch's rows are cut over the data-parallel
     # devices, as in training, and each must get as many: step_rows is rounded up to a multiple
     # of their count.
-    # whole: every device holds all of the array (P() cuts no dimension). On a pod, a host can
-    # read only what its own devices hold, so the sums are put whole before np.asarray reads them.
-    whole = NamedSharding(mesh, P())
+    # whole: every device holds all of the array (an empty PartitionSpec cuts no dimension). On
+    # a pod, a host can read only what its own devices hold, so the sums are put whole before
+    # np.asarray reads them.
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     out = []
     for start in range(0, len(rows), step_rows):
@@ -155,8 +153,8 @@ def load_weights(cfg, args, mesh):
     # (olmo3.NUMERICS: dtype, remat, attention) from the command line. It reads only the params,
     # 4 bytes a parameter.
     step_dir = train.latest_checkpoint(args.init_from)
-    saved = olmo3.Config(**train.saved_settings(step_dir)["model"])
-    cfg = dataclasses.replace(saved, **{f: getattr(cfg, f) for f in olmo3.NUMERICS})
+    saved = train.saved_settings(step_dir)["model"]  # the Config's fields, as the run saved them
+    cfg = olmo3.Config(**(saved | {f: getattr(cfg, f) for f in olmo3.NUMERICS}))
     return cfg, train.read_item(step_dir / "params", olmo3.abstract_params(cfg, mesh))
 
 
@@ -189,7 +187,7 @@ def main(cfg, r, args):
 # ----------------------------------------------------------------------------- generation
 
 # (static_argnames makes these static whether they are passed by name or by position)
-@functools.partial(jax.jit, static_argnames=("cfg", "n_new", "temperature"))
+@jax.jit(static_argnames=("cfg", "n_new", "temperature"))
 def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
     """Prompts [B, T] -> n_new more tokens each [B, n_new] (greedy at temperature 0)."""
     # Each new token comes from a forward pass over the whole buffer [B, T + n_new], the

@@ -48,11 +48,10 @@ def documents(path):
     with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
         for n, line in enumerate(f, 1):
             try:
-                text = json.loads(line)["text"] if line.strip() else ""
+                yield json.loads(line)["text"] if line.strip() else ""  # main skips an empty one
             except (ValueError, KeyError, TypeError):
                 raise SystemExit(f"error: {path} line {n} is not a JSON object with a 'text' "
                                  "field; fix or remove that line") from None
-            yield text  # main skips an empty one
 
 
 def shakespeare():
