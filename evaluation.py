@@ -76,6 +76,7 @@ def evaluator(cfg, r, mesh, sets_spec, args, log=None):
     return evaluate
 
 
+# jax.jit given only its options returns a decorator: @functools.partial(jax.jit, ...) in short
 @jax.jit(static_argnums=(3, 4))  # cfg, vocab
 def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels that are not -100
     logits = olmo3.forward(params, inputs, cfg)[..., :vocab]

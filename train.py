@@ -545,7 +545,7 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 
 # Returns a function: step k -> its LR, for peak P, floor F, warmup W and the tokens in a step.
 # cosine(T) is schedule's CosWithWarmup aimed at T steps, passed in because part 1 is that cosine.
-def olmo3_stage1(peak, floor, warmup, tokens, cosine):
+def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; the
     # README's Training section tells the story). Part 1, up to step 596,047, is cosine(T1),
     # aimed at 5T tokens. Part 2 starts at step 596,048, where AI2 restarted. It is OLMo-core's
@@ -560,10 +560,11 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     #   step 596,048      1.647e-4   part 2's first, just inside its warmup
     #   step 597,046      1.650e-4   W2: part 2's warmup ends at (F + P) / 2, then it decays
     #   step 1,413,814    3.93e-5    the last step, 0.131 P
-    T1, T2 = -(-int(5e12) // tokens), -(-int(7e12) // tokens)  # 5T and 7T tokens' steps, rounded up
+    # 5T and 7T tokens' steps, rounded up
+    T1, T2 = -(-int(5e12) // tokens_per_step), -(-int(7e12) // tokens_per_step)
     # -2.py's W2 is original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
     # is 5T tokens' steps rounded down (an integer division, unlike T1)
-    W2 = int(5e12) // tokens // 2 + warmup // 2
+    W2 = int(5e12) // tokens_per_step // 2 + warmup // 2
     # The cosine's angle, pi (k - W2 + T2 - W2) / (2 (T2 - W2)), as in the formula above. It is
     # the same as pi / 2 + (pi / 2) (k - W2) / (T2 - W2): it goes from pi / 2 at W2 to pi at T2,
     # and stays there.
@@ -574,9 +575,9 @@ def olmo3_stage1(peak, floor, warmup, tokens, cosine):
     # written out, not derived. Like T1, T2 and W2, it moves with the tokens a step: another
     # --global-batch or --seq-len restarts after the same tokens, not the same steps.
     # restart_tokens is part 2's first step in AI2's tokens (596,048 steps of 512 x 8,192), and
-    # restart_tokens // tokens the same step in this run's steps: 596,048 for the 7b
+    # restart_tokens // tokens_per_step the same step in this run's steps: 596,048 for the 7b
     restart_tokens = 596_048 * 512 * 8192
-    return lambda k: jnp.where(k < restart_tokens // tokens, cosine(T1)(k), part2(k))
+    return lambda k: jnp.where(k < restart_tokens // tokens_per_step, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
