@@ -116,7 +116,7 @@ def config_from_hf(hf: dict) -> olmo3.Config:
     need(hf.get("model_type") == "olmo3", f"model_type is {hf.get('model_type')!r}, not 'olmo3'")
     # a null means the default: dropped here, so that the defaults (below, and rope_from_hf's) apply
     hf = {key: value for key, value in hf.items() if value is not None}
-    rope_fields = rope_from_hf(hf)  # Config's rope_theta and yarn_ fields (only YaRN needs them)
+    rope_fields = rope_from_hf(hf)  # Config's rope_theta and yarn_ fields (skim it: YaRN's part)
     # transformers' Olmo3Config defaults, for a key that config.json leaves out (OLMo 3's files
     # give every one; rms_norm_eps is 1e-6 in them, though transformers' default is 1e-5)
     defaults = {"num_key_value_heads": hf["num_attention_heads"], "sliding_window": 4096,

@@ -707,7 +707,7 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# The loop's save (part (3)): moments 1 to 3 of the table above. The record of moment 2 names the
+# The loop's save (part (3)): moments 1 to 3 of the four above. The record of moment 2 names the
 # newest committed checkpoint, manager.latest_step() (None before the first commit), as it is
 # written after the wait.
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
@@ -723,7 +723,7 @@ def refuse_fresh_start(out, log):
     #   nothing, or records that name no          fresh start: nothing was committed (a kill
     #   committed checkpoint                      may have cut the first save short)
     #   a record that names a committed           refuse: a run trained here, and its
-    #   checkpoint (moment 2 in the table above)  checkpoints are gone
+    #   checkpoint (moment 2 of the four above)   checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
     # (A run that lost its only checkpoint before a later save recorded it starts fresh: it
     # loses at most save_every steps.)
@@ -739,7 +739,7 @@ def refuse_fresh_start(out, log):
 def match_records(log, evals, params, done, eval_due):  # metrics.jsonl, mended to match step done
     # train calls this once the run knows where it starts (done: 0, or the resumed step), and
     # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
-    # kill at moments 2 and 4 of the table above leaves: it drops the records past step done, and
+    # kill at moments 2 and 4 of the four above leaves: it drops the records past step done, and
     # runs step done's evaluation if one is due and metrics.jsonl lacks it. (A stop, too, skips
     # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
@@ -979,7 +979,9 @@ def check_run_directory(out):  # every host must see the run directory that proc
     # Process 0 writes a fresh number (the time) into it. A host that has another disk there
     # reads no number (-1), or an old one.
     mark = epath.Path(out) / "run-mark.txt"
-    # every process checks, so that none waits for process 0 at the barrier below
+    # every process checks, so that none waits for process 0 at the barrier below (where the
+    # hosts see different disks, and only some find a file there, the rest wait there until JAX
+    # times them out)
     if mark.parent.is_file():
         raise SystemExit(f"error: --out {out} is a file; give a directory for the run")
     if jax.process_index() == 0:
