@@ -115,13 +115,7 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
     # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # The second read's helpers are glossed where this function calls them. On one host that
-    # nobody stops or kills, they come down to this (the README's stop 5 has a longer table):
-    #   olmo3.device_batch(batch, mesh)   jax.device_put(batch)
-    #   match_records(...)                nothing
-    #   signal_flags(mesh)                all False, so late_metrics.signalled stays False
-    #   save_step(...)                    waits for the last save, writes the logs, then saves
-    #   stop_reason(...)                  "--stop-at" at that step, else None
+    # The second read's helpers are glossed where this function calls them.
     # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
     # writes both files into the run directory
     log = Log(cfg, r, args.out, mesh)
