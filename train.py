@@ -574,10 +574,9 @@ def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # AI2 restarted at step 596,048, with 512 x 8,192 tokens a step: a fact of its run, so it is
     # written out, not derived. Like T1, T2 and W2, it moves with the tokens a step: another
     # --global-batch or --seq-len restarts after the same tokens, not the same steps.
-    # restart_tokens is part 2's first step in AI2's tokens (596,048 steps of 512 x 8,192), and
-    # restart_tokens // tokens_per_step the same step in this run's steps: 596,048 for the 7b
-    restart_tokens = 596_048 * 512 * 8192
-    return lambda k: jnp.where(k < restart_tokens // tokens_per_step, cosine(T1)(k), part2(k))
+    # part 2's first step, AI2's restart, in this run's steps: 596,048 for the 7b
+    restart_step = 596_048 * 512 * 8192 // tokens_per_step
+    return lambda k: jnp.where(k < restart_step, cosine(T1)(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
