@@ -113,74 +113,55 @@ def main(argv=None):
 
 
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
-    # args holds the flags that are not Config or Recipe fields (parse_args, at the end), such
-    # as args.out (the run directory), args.data, args.init_from, args.stop_at and args.samples.
-    # The second read's helpers are glossed where this function calls them.
-    # log(text) prints a line, log(**record) adds a record to metrics.jsonl, and log.flush()
-    # writes both files into the run directory
-    log = Log(cfg, r, args.out, mesh)
-    # target describes the state: each array's shape, dtype and sharding, with nothing allocated
+    # args holds the flags that are not Config or Recipe fields, such as args.out (the run
+    # directory) and args.data (parse_args, at the end)
+    log = Log(cfg, r, args.out, mesh)  # log(text) prints; log(**record) adds to metrics.jsonl
+    # target: the state's arrays described (shape, dtype, sharding), with nothing allocated
     target = abstract_state(cfg, r, mesh)
     log(f"{olmo3.param_count(cfg):,} parameters | {log.kind} {dict(mesh.shape)} | compiling")
-    # nanoGPT's torch.compile, ahead of time. It comes first, so that a batch that does not
-    # split over the devices, or a step that does not fit in their memory, fails at once.
-    step_fn = compile_step(cfg, r, mesh, target)
+    # nanoGPT's torch.compile, ahead of time: a batch that does not split over the devices, or a
+    # step that does not fit in their memory, fails here, before any data is read
+    compiled = compile_step(cfg, r, mesh, target)
+
+    def step_fn(state, batch):  # puts the batch on the devices, adds this process's signal flag
+        return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
+
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
-    # nanoGPT's init_from: "scratch" (a fresh start), "resume" (torch.load) or "gpt2" (here,
-    # --init-from). A resume checks that the token files are the same (their fingerprint).
+    # nanoGPT's init_from: a fresh start, a resume, or --init-from (nanoGPT's "gpt2")
     state, note = starting_state(cfg, r, args, manager, target, loader.fingerprint, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
-    # every `every` steps, and at the last: when a step saves (part (3) below) and evaluates (5).
-    # (So the last step saves, and its metrics are read at once: none are left unread.)
+    # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # (Second read.) A stop, or a kill during a save or an evaluation, leaves metrics.jsonl a
-    # little off the checkpoint: this drops its records past step done, and runs step done's
-    # evaluation now if one is due and was cut short (the checkpoints section). On a run that
-    # nobody stopped or killed, it does nothing.
+    # (Second read: on a run that nobody stopped or killed, it does nothing.) Drops metrics.jsonl's
+    # records past step done, and runs step done's evaluation if a kill cut it short.
     match_records(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
-    #       state, metrics = step_fn(state, jax.device_put(loader.batch(step - 1)))  # (1)
+    #       state, metrics = step_fn(state, loader.batch(step - 1))  # (1)
     #       log.metrics(step, jax.device_get(metrics))  # (2) waits for this step
     #       if due(step, r.save_every) or step == args.stop_at: manager.save(step, state)  # (3)
     #       if step == args.stop_at: return 75  # (4) (or a Ctrl-C, a SIGTERM); rerun to resume
     #       if due(step, r.eval_every): evals(state["params"], step)  # (5)
-    # The loop below does the same, with three differences:
-    #   (1)  the step takes a third input, this process's signal flag, so that every process of
-    #        a pod stops after the same step (the "stopping" section)
-    #   (2)  the metrics are read a step late, so that the devices never wait for the host
-    #   (3)  a save reads its own step's metrics at once, and writes metrics.jsonl before the
-    #        checkpoint
-    late_metrics = LateMetrics(log)  # reads each step's metrics a step late, and logs them
-    # loader.iterate gives batches done, done + 1, ..., r.steps - 1, so step s gets batch s - 1
-    for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
-        # (1) returns at once. device_batch puts the batch on the devices (one host:
-        # jax.device_put); signal_flags is one bool per device, True after a Ctrl-C or SIGTERM.
-        # The step reduces the flags over every device (jnp.any, an all-reduce across hosts), so
-        # every host of a pod reads a signal in the same step's metrics, with no extra wait.
-        state, metrics = step_fn(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
-        late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this step's
-        # (3) A step saves when due, and before a stop: at --stop-at, or once the metrics read so
-        # far carry a signal
+    # The loop below reads each step's metrics a step late, so that the devices never wait for
+    # the host (LateMetrics); and a step that saves reads its own metrics first.
+    late_metrics = LateMetrics(log)
+    for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):  # batch step - 1
+        state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
+        late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
+        # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            # this step's metrics too, at once: metrics.jsonl, written just before the save,
-            # must hold this step's record
-            late_metrics.read_pending()
-            # waits for the previous save, writes metrics.jsonl, saves (the checkpoints section)
-            save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) None, or why the run stops after this step: --stop-at, or a signal read in the
-        # metrics (on one host, a Ctrl-C or a SIGTERM; the stopping section traces a pod's). It
-        # is decided after the save, which may just have read a signal in this step's metrics.
+            late_metrics.read_pending()  # this step's metrics: metrics.jsonl must hold its record
+            save_step(manager, log, step, state, cfg, r, loader.fingerprint)  # (checkpoints)
+        # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
-        # (5) Evaluate, after the save: the save commits in the background meanwhile, so a
-        # preempted host's SIGTERM during a long evaluation finds this step saved
+        # (5) after the save, which commits in the background meanwhile
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
@@ -198,10 +179,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
     # logs.) A step that saves reads its own metrics at once too (read_pending, in the loop), so
-    # that the metrics.jsonl saved with a checkpoint has every step. With save_every 100:
-    #   step 199    add reads 198's metrics, keeps 199's
-    #   step 200    add reads 199's, keeps 200's; the save reads 200's; none are kept
-    #   step 201    add reads none, keeps 201's
+    # that the metrics.jsonl written with its checkpoint holds every step up to it.
     # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
     # with an error (it saves nothing: the newest checkpoint holds good weights).
 
@@ -366,11 +344,11 @@ def compile_step(cfg, r, mesh, target):
     #   donate_argnames   the new state reuses the old one's buffers, so memory holds one copy
     #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
     # jit needs no in_shardings: lower() is given ShapeDtypeStructs, which carry their shardings:
-    # target, batch, and flags_spec(mesh), the signal flags' [devices] bool (one per device;
-    # flags_spec stands beside signal_flags, in the stopping section).
+    # target, batch, and flags_spec(mesh), the signal flags (the stopping section).
     # lower() traces the step for them and compile() compiles it, before any data exists. The
     # static values are given here, once, so the compiled step takes only arrays:
-    #   step_fn(state, batch, flags) -> (state, metrics)
+    #   compiled(state, batch, flags) -> (state, metrics)   (train's step_fn adds the batch's
+    #                                                         move and the flags)
     jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh), cfg=cfg, r=r, n_micro=n_micro).compile()
@@ -378,8 +356,8 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"]:
-    # so every process of a pod reads a signal in the same step's metrics (the stopping section).
+    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"]
+    # (the stopping section).
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -436,7 +414,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), updated, old)
     # -- The metrics, which the loop reads a step late
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
-    # and "signalled", any process's flag: on a pod, an all-reduce over the hosts ("stopping")
+    # and "signalled", any process's flag (jnp.any: on a pod, an all-reduce over the hosts)
     return new | {"step": step, "history": history}, metrics | {"signalled": jnp.any(flags)}
 
 
@@ -655,8 +633,24 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # On one host that nobody stops or kills, this section comes down to two calls:
 #   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# The rest makes them safe through a kill at any moment, and on a pod:
-#   save_step            writes metrics.jsonl just before each save (the rule below)
+# The rest makes them safe through a kill at any moment, and on a pod. The rule it keeps:
+# metrics.jsonl holds the records of every step up to the newest committed checkpoint, and at
+# most one save's steps more, so that a rerun after a kill holds each step's records once.
+# Orbax saves a step in the background under a temporary name, then commits it atomically: a
+# kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
+# four moments; what is on disk after each, and what a rerun does after a kill there:
+#   moment                             on disk                   a rerun after a kill there
+#   1. wait for step 100's save        records 1-100, ckpt 100   resumes from step 100
+#   2. write metrics.jsonl, with       records 1-200, ckpt 100   resumes from 100, and drops
+#      {"step": 200, "committed": 100}                           records 101-200 (match_records)
+#   3. save step 200 (Orbax commits    records 1-200, ckpts 100  resumes from 200 once it is
+#      it in the background)           and 200, once committed   committed, else as after 2
+#   4. evaluate step 200               the same                  resumes from 200, and runs the
+#                                                                evaluation first (match_records)
+# (Why records before checkpoint: in the other order, a kill between the checkpoint's commit and
+# metrics.jsonl's write would leave steps that have no records, which no rerun would write.)
+# Who does what:
+#   save_step            moments 1 to 3, for the loop
 #   refuse_fresh_start   refuses to start over where a record names a committed checkpoint, or
 #                        a step was renamed unreadable
 #   match_records        drops the records past the step a run starts from
@@ -664,34 +658,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   read_retrying        tries a failed read again
 #   restore              refuses another model, data order or data (compared_settings)
 #   read_item            refuses a layout this code does not make
-# Orbax saves a step in the background under a temporary name, then commits it atomically: a
-# kill loses only the steps since the last commit. metrics.jsonl keeps this rule: it always
-# holds the records of every step up to the newest committed checkpoint, and at most one save's
-# steps more, so that after a kill at any moment the rerun holds each step's records once.
-# save_step, refuse_fresh_start and match_records keep it, each at one moment of a run.
-# Here is a save at step 200 (save_every 100), in four moments: what is on disk after each, and
-# what a rerun of the same command does after a kill there.
-#   1. Wait for step 100's save to commit. On disk: records 1-100, checkpoint 100. A kill
-#      here: the rerun resumes from step 100.
-#   2. Write metrics.jsonl, with a record {"step": 200, "committed": 100} that names the newest
-#      commit. On disk: records 1-200, checkpoint 100. A kill here: the rerun resumes from step
-#      100, and drops records 101-200 (match_records); steps 101-200 write them again.
-#   3. Start step 200's save, which Orbax commits in the background. Once it has, on disk:
-#      records 1-200, checkpoints 100 and 200; a kill from then on: the rerun resumes from step
-#      200. (A kill before the commit leaves what moment 2 leaves.)
-#   4. Evaluate step 200 (its record is written at the next save). A kill here: the rerun
-#      resumes from step 200, and runs the evaluation first (match_records).
-# (Why records before checkpoint: in the other order, a kill between the checkpoint's commit and
-# metrics.jsonl's write would leave steps that have no records, which no rerun would write.)
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
-# The calls, by path (the functions follow in about this order):
-#   each save      the loop -> save_step -> save -> run_settings
-#   a resume       starting_state -> resume -> read_retrying -> restore (-> saved_settings,
-#                  compared_settings) -> read_item
-#   a fresh start  starting_state -> refuse_fresh_start, then init_state
-#   --init-from    a fresh start, then starting_state -> latest_checkpoint, restore(resuming=False)
-#   every start    train -> match_records
 
 TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
@@ -878,7 +846,7 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # stop_reason says why it stops, and it exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
 # own moment. So the compiled step takes one more input, signal_flags: one entry per device,
-# the device's process's bool(SIGNALS), which the loop makes for every step.
+# the device's process's bool(SIGNALS), which train's step_fn makes for every step.
 # train_step reduces it with jnp.any, an all-reduce across the hosts, and adds the answer to
 # its metrics, "signalled". Every process reads the same answer, a step late, with the
 # rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
@@ -1068,15 +1036,14 @@ def boolean(text):  # "true" or "false" (argparse reports anything else)
 # A left-out data or tensor is 1, and a left-out fsdp takes the devices the others leave (-1),
 # unless another axis already does: tensor=2 on 8 devices is fsdp=4,tensor=2, and data=-1 is
 # data=8 with fsdp=1. Naming every axis's size uses only those devices (to resume on fewer).
-def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "fsdp": -1, "tensor": 1}
-    sizes = {"data": 1, "fsdp": None, "tensor": 1}
+def parse_mesh(text):  # "data=2,fsdp=-1" -> {"fsdp": -1, "data": 2, "tensor": 1}
+    sizes = {"data": 1, "tensor": 1}
     for name, _, value in (part.partition("=") for part in text.split(",")):
         if name not in olmo3.MESH_AXES or not value.lstrip("-").isdigit():
             raise SystemExit(f"error: --mesh {text!r}: expected data=N,fsdp=N,tensor=N (-1: rest)")
         sizes[name] = int(value)
-    if sizes["fsdp"] is None:
-        sizes["fsdp"] = 1 if -1 in sizes.values() else -1
-    return sizes
+    # fsdp's default, then the sizes given: in `a | b`, b's values win, so a given fsdp stays
+    return {"fsdp": 1 if -1 in sizes.values() else -1} | sizes
 
 
 if __name__ == "__main__":
