@@ -123,18 +123,20 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # step that does not fit in their memory, fails here, before any data is read
     compiled = compile_step(cfg, r, mesh, target)
 
-    # step_fn puts the batch on the devices (one host: jax.device_put), and adds this process's
-    # signal flags, which stay False until a Ctrl-C or a SIGTERM (the stopping section)
-    def step_fn(state, batch):
+    def step_fn(state, batch):  # puts the batch on the devices, adds this process's signal flag
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
     # nanoGPT's init_from: a fresh start, a resume, or --init-from (nanoGPT's "gpt2")
-    state = starting_state(cfg, r, args, manager, target, loader.fingerprint, log, evals)
+    state, note = starting_state(cfg, r, args, manager, target, loader.fingerprint, log)
     done = int(state["step"])  # the steps done before this run: 0, or the checkpoint's step
+    log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
+    # (Second read: on a run that nobody stopped or killed, it does nothing.) Drops metrics.jsonl's
+    # records past step done, and runs step done's evaluation if a kill cut it short.
+    match_records(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, loader.batch(step - 1))  # (1)
@@ -259,8 +261,7 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
-# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it; adamw
-# says why this is not optax.adamw)
+# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
 adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
@@ -295,7 +296,7 @@ def init_state(cfg, r, target):
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
 
 
-def starting_state(cfg, r, args, manager, target, data_fingerprint, log, evals):  # -> the state
+def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> (state, note)
     # There are three ways to start:
     #   resume       The run directory has a checkpoint: read the whole state from the newest.
     #   fresh        init_state's new weights, and Adam's moments at zero.
@@ -303,25 +304,20 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log, evals):
     #                one (stages 2 and 3). Step and history, and so the LR schedule, start at 0.
     if manager.latest_step() is not None:
         # resume restores the newest step (on a pod, the newest that every host can read)
-        state, note = resume(cfg, r, manager, target, data_fingerprint, log)
-    else:
-        # (Second read; in a new run directory it does nothing.) Stops if a run committed a
-        # checkpoint in args.out (its metrics.jsonl, which log has read, says so) but left none.
-        refuse_fresh_start(args.out, log)
-        state, note = init_state(cfg, r, target), "fresh start"
-        if args.init_from:
-            # restore reads what the checkpoint has: params alone from a converted model, the
-            # whole state from a run. Not resuming, it checks only that the model's settings
-            # match, since another run's data and data order may differ from this one's.
-            restored = restore(latest_checkpoint(args.init_from), target, cfg, resuming=False)
-            # "Warm Adam": params and opt_state (Adam's moments and its count) carry over
-            carried = {k: restored[k] for k in ("params", "opt_state") if k in restored}
-            state, note = state | carried, f"{' and '.join(carried)} of {args.init_from}"
-    log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
-    # (Second read: on a run that nobody stopped or killed, it does nothing.) Drops metrics.jsonl's
-    # records past this step, and runs its evaluation if a kill cut it short.
-    match_records(log, evals, state["params"], int(state["step"]), r)
-    return state
+        return resume(cfg, r, manager, target, data_fingerprint, log)  # (state, "resumed ...")
+    # (Second read; in a new run directory it does nothing.) Stops if a run committed a
+    # checkpoint in args.out (its metrics.jsonl, which log has read, says so) but left none.
+    refuse_fresh_start(args.out, log)
+    state = init_state(cfg, r, target)
+    if not args.init_from:
+        return state, "fresh start"
+    # restore reads what the checkpoint has: params alone from a converted model, the whole
+    # state from a run. Not resuming, it checks only that the model's settings match, since
+    # another run's data and data order may differ from this one's.
+    restored = restore(latest_checkpoint(args.init_from), target, cfg, resuming=False)
+    # "Warm Adam": params and opt_state (Adam's moments and its count) carry over, nothing else
+    carried = {k: restored[k] for k in ("params", "opt_state") if k in restored}
+    return state | carried, f"{' and '.join(carried)} of {args.init_from}"
 
 
 # ----------------------------------------------------------------------------- the step
@@ -707,17 +703,17 @@ def refuse_fresh_start(out, log):
                          "restore its checkpoints, or use a new --out")
 
 
-def match_records(log, evals, params, done, r):  # metrics.jsonl, mended to match step done
-    # starting_state calls this once the run knows where it starts (done: 0, or the resumed
-    # step). It mends what a kill at moments 2 and 4 of the four above leaves: it drops the
-    # records past step done, and runs step done's evaluation if one is due (as train's `due`
-    # says) and metrics.jsonl lacks it. (A stop, too, skips the evaluation of its step, if one
-    # falls on it.) On a fresh start, it drops every record.
+def match_records(log, evals, params, done, eval_due):  # metrics.jsonl, mended to match step done
+    # train calls this once the run knows where it starts (done: 0, or the resumed step), and
+    # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
+    # kill at moments 2 and 4 of the four above leaves: it drops the records past step done, and
+    # runs step done's evaluation if one is due and metrics.jsonl lacks it. (A stop, too, skips
+    # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
     evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
-    if evals and done and (done % r.eval_every == 0 or done == r.steps) and not evaluated:
+    if evals and done and eval_due and not evaluated:
         evals(params, done)
 
 
