@@ -112,6 +112,22 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
+# train, and what it calls, use names that the second read explains. On one host that nobody
+# stops or kills, take each as this (in the order train meets them):
+#   Log                         log(text) prints a line, log(**record) adds a record to
+#                               metrics.jsonl, and log.flush() writes both files
+#   olmo3.device_batch(b, mesh) jax.device_put(b)
+#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
+#   olmo3.local_rows            every row of the batch (a pod's process holds only some)
+#   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
+#   match_records               does nothing (after a kill: drops the records past the step the run
+#                               starts from, and runs that step's evaluation if a kill cut it short)
+#   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
+#   late_metrics.signalled      False
+#   save_step                   writes metrics.jsonl and log.txt, then manager.save(step, state)
+#   stop_reason                 "--stop-at" at that step, else None
+# The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
+# saved_settings) are plain save and load.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out (the run
     # directory) and args.data (parse_args, at the end)
@@ -123,7 +139,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # step that does not fit in their memory, fails here, before any data is read
     compiled = compile_step(cfg, r, mesh, target)
 
-    def step_fn(state, batch):  # puts the batch on the devices, adds this process's signal flag
+    # step_fn puts the batch on the devices (one host: jax.device_put), and adds this process's
+    # signal flags, which stay False until a Ctrl-C or a SIGTERM. Why a signal goes through the
+    # step: the step ORs every host's flags, so every host of a pod learns of a signal in the same
+    # step's metrics, with no extra wait (the stopping section).
+    def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
@@ -152,7 +172,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            late_metrics.read_pending()  # this step's metrics: metrics.jsonl must hold its record
+            # this step's metrics too: metrics.jsonl, written before the checkpoint, must hold
+            # every step the checkpoint has (the rule atop the checkpoints section)
+            late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)  # (checkpoints)
         # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
@@ -261,7 +283,8 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
-# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it)
+# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it; adamw
+# says why this is not optax.adamw)
 adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
@@ -491,8 +514,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # count). Only its bias correction uses it, and --init-from carries it into the next stage
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
 # starts again at 1 in each stage.
-# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) calls
-# schedule(count) with a count in its own state (scale_by_schedule's), and warm Adam carries
+# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) is a
+# chain of scale_by_adam, add_decayed_weights and scale_by_learning_rate(schedule), and that last
+# one calls schedule(count) with a count in its own state (scale_by_schedule's); warm Adam carries
 # that state from stage 1, at about 1,413,814, into stage 2: past the end of stage 2's 47,684-step
 # schedule, where the LR is 0.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
