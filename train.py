@@ -142,7 +142,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # step_fn puts the batch on the devices (one host: jax.device_put), and adds this process's
     # signal flags, which stay False until a Ctrl-C or a SIGTERM. Why a signal goes through the
     # step: the step ORs every host's flags, so every host of a pod learns of a signal in the same
-    # step's metrics, with no extra wait (the stopping section).
+    # step's metrics, with no extra wait (the comment above SIGNALS traces a signal's path).
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -173,10 +173,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             # this step's metrics too: metrics.jsonl, written before the checkpoint, must hold
-            # every step the checkpoint has (the rule atop the checkpoints section)
+            # every step the checkpoint has (the rule above TRAIN_STATE)
             late_metrics.read_pending()
-            save_step(manager, log, step, state, cfg, r, loader.fingerprint)  # (checkpoints)
-        # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None
+            save_step(manager, log, step, state, cfg, r, loader.fingerprint)
+        # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None.
+        # It comes after (3), whose read_pending may have just read a signal in this step's metrics.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
@@ -367,7 +368,7 @@ def compile_step(cfg, r, mesh, target):
     #   donate_argnames   the new state reuses the old one's buffers, so memory holds one copy
     #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
     # jit needs no in_shardings: lower() is given ShapeDtypeStructs, which carry their shardings:
-    # target, batch, and flags_spec(mesh), the signal flags (the stopping section).
+    # target, batch, and flags_spec(mesh), the signal flags (see signal_flags).
     # lower() traces the step for them and compile() compiles it, before any data exists. The
     # static values are given here, once, so the compiled step takes only arrays:
     #   compiled(state, batch, flags) -> (state, metrics)   (train's step_fn adds the batch's
@@ -380,7 +381,7 @@ def compile_step(cfg, r, mesh, target):
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
     # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"]
-    # (the stopping section).
+    # (see signal_flags).
     # It is written as for one device. batch and params are global arrays cut over the mesh,
     # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
     # reduce-scatters (olmo3.py's sharding comment, part three).
@@ -593,7 +594,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
     # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
     # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
     # slice loses with the slice.
-    # The loop writes the files just before each save (part (3) of the loop).
+    # The loop writes the files just before each save (save_step).
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -657,9 +658,10 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # On one host that nobody stops or kills, this section comes down to two calls:
 #   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# The rest makes them safe through a kill at any moment, and on a pod. The rule it keeps:
-# metrics.jsonl holds the records of every step up to the newest committed checkpoint, and at
-# most one save's steps more, so that a rerun after a kill holds each step's records once.
+# The rest makes them safe through a kill at any moment, and on a pod. metrics.jsonl is both the
+# run's log and its ledger of commits, and the rule it keeps is: it holds the records of every
+# step up to the newest committed checkpoint, and at most one save's steps more, so that a rerun
+# after a kill holds each step's records once.
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
@@ -671,17 +673,25 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      it in the background)           and 200, once committed   committed, else as after 2
 #   4. evaluate step 200               the same                  resumes from 200, and runs the
 #                                                                evaluation first (match_records)
+# metrics.jsonl on disk after moment 2 (a tiny run of 300 steps; rounded, some fields left out):
+#   {"step": 100, "loss": 2.01, "lr": 0.0027, "grad_norm": 0.54, ...}
+#   {"step": 100, "committed": null}     <- step 100's save_step: no commit before it
+#   {"step": 100, "eval/lm/heldout/CE loss": 2.55, ...}    <- step 100's evaluation (moment 4)
+#   {"step": 125, "loss": 1.97, "lr": 0.0024, "grad_norm": 0.53, ...}
+#   ...
+#   {"step": 200, "loss": 1.62, "lr": 0.0012, "grad_norm": 0.48, ...}
+#   {"step": 200, "committed": 100}      <- refuse_fresh_start looks for a committed step
 # (Why records before checkpoint: in the other order, a kill between the checkpoint's commit and
 # metrics.jsonl's write would leave steps that have no records, which no rerun would write.)
-# Who does what:
-#   save_step            moments 1 to 3, for the loop
-#   refuse_fresh_start   refuses to start over where a record names a committed checkpoint, or
-#                        a step was renamed unreadable
-#   match_records        drops the records past the step a run starts from
-#   resume               every process reads the same step; one that some cannot is renamed
-#   read_retrying        tries a failed read again
-#   restore              refuses another model, data order or data (compared_settings)
-#   read_item            refuses a layout this code does not make
+# Who does what, in the order a run calls them:
+#   refuse_fresh_start   (a fresh start) refuses to start over where a record names a committed
+#                        checkpoint, or a step was renamed unreadable
+#   resume               (a resume) every process reads the same step; one that some cannot is
+#                        renamed. It reads through read_retrying, which tries a failed read
+#                        again, and restore, which refuses another model, data order or data
+#                        (compared_settings) and a layout this code does not make (read_item)
+#   match_records        (every start) drops the records past the step the run starts from
+#   save_step            (each save) moments 1 to 3, for the loop; it calls save
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
 
