@@ -117,7 +117,8 @@ def main(argv=None):
 #   Log                         log(text) prints a line, log(**record) adds a record to
 #                               metrics.jsonl, and log.flush() writes both files
 #   olmo3.device_batch(b, mesh) jax.device_put(b)
-#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
+#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM);
+#                               flags_spec(mesh), in compile_step, describes that array
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
 #   match_records               does nothing (after a kill: drops the records past the step the run
@@ -172,8 +173,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            # this step's metrics too: metrics.jsonl, written before the checkpoint, must hold
-            # every step the checkpoint has (the rule above TRAIN_STATE)
+            # this step's metrics too: its record must be in metrics.jsonl before its checkpoint
+            # is saved, so that no checkpointed step lacks a record (the rule above TRAIN_STATE)
             late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None.
@@ -187,6 +188,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (5) after the save, which commits in the background meanwhile
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
+    # (the last step always saves, so no metrics are left unread)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
@@ -658,10 +660,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # On one host that nobody stops or kills, this section comes down to two calls:
 #   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# The rest makes them safe through a kill at any moment, and on a pod. metrics.jsonl is both the
-# run's log and its ledger of commits, and the rule it keeps is: it holds the records of every
-# step up to the newest committed checkpoint, and at most one save's steps more, so that a rerun
-# after a kill holds each step's records once.
+# The rest makes them safe through a kill at any moment, and on a pod. The rule: metrics.jsonl is
+# rewritten just before each save, so it holds every step up to the newest committed checkpoint
+# and at most one save's steps more; every start cuts it back to the step it starts from
+# (match_records). (In the other order, a kill between the checkpoint's commit and metrics.jsonl's
+# write would leave checkpointed steps with no records, which no rerun would write.) It is also
+# the run's ledger of commits: a record that names one forbids a fresh start (refuse_fresh_start).
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
@@ -681,8 +685,6 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   ...
 #   {"step": 200, "loss": 1.62, "lr": 0.0012, "grad_norm": 0.48, ...}
 #   {"step": 200, "committed": 100}      <- refuse_fresh_start looks for a committed step
-# (Why records before checkpoint: in the other order, a kill between the checkpoint's commit and
-# metrics.jsonl's write would leave steps that have no records, which no rerun would write.)
 # Who does what, in the order a run calls them:
 #   refuse_fresh_start   (a fresh start) refuses to start over where a record names a committed
 #                        checkpoint, or a step was renamed unreadable
@@ -955,16 +957,11 @@ def start_jax(args):
     # a compilation cache, so that a restart does not compile the 7B's step again
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
-    # What jax.distributed.initialize may do, and what the run does then:
-    #   joins a cluster it found (a pod, SLURM)       runs as one process of many
-    #   finds a cluster, but cannot reach the other   JaxRuntimeError: let through, and the run
-    #   processes                                     fails (a rerun tries again)
-    #   finds no cluster (ValueError), or finds JAX   runs as one process; but where a flag
-    #   running already (RuntimeError: main called    asked for a cluster, a one-line error,
-    #   after JAX ran, as the tests call it)          not several lone runs
-    #   is given --coordinator without a port, and    the same one-line error
-    #   the process counts (IndexError)
-    # (A JaxRuntimeError is a RuntimeError too, so its clause must come first.)
+    # jax.distributed.initialize joins the cluster it finds (a pod, SLURM). One it finds but
+    # cannot reach raises JaxRuntimeError, let through: the run fails, and a rerun tries again
+    # (its clause comes first, as it is a RuntimeError too). No cluster (ValueError), JAX running
+    # already (RuntimeError: the tests call main after JAX ran) or a --coordinator without a port
+    # (IndexError) leave one process; but where a flag asked for a cluster, a one-line error.
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except jax.errors.JaxRuntimeError:
