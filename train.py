@@ -1067,14 +1067,15 @@ def boolean(text):  # "true" or "false" (argparse reports anything else)
 # A left-out data or tensor is 1, and a left-out fsdp takes the devices the others leave (-1),
 # unless another axis already does: tensor=2 on 8 devices is fsdp=4,tensor=2, and data=-1 is
 # data=8 with fsdp=1. Naming every axis's size uses only those devices (to resume on fewer).
-def parse_mesh(text):  # "data=2,fsdp=-1" -> {"fsdp": -1, "data": 2, "tensor": 1}
+def parse_mesh(text):  # "data=2,fsdp=-1" -> {"data": 2, "tensor": 1, "fsdp": -1}
     sizes = {"data": 1, "tensor": 1}
     for name, _, value in (part.partition("=") for part in text.split(",")):
         if name not in olmo3.MESH_AXES or not value.lstrip("-").isdigit():
             raise SystemExit(f"error: --mesh {text!r}: expected data=N,fsdp=N,tensor=N (-1: rest)")
         sizes[name] = int(value)
-    # fsdp's default, then the sizes given: in `a | b`, b's values win, so a given fsdp stays
-    return {"fsdp": 1 if -1 in sizes.values() else -1} | sizes
+    # where fsdp was not given: the devices left (-1), or 1 if another axis already takes them
+    sizes.setdefault("fsdp", 1 if -1 in sizes.values() else -1)
+    return sizes
 
 
 if __name__ == "__main__":
