@@ -392,11 +392,12 @@ def tokenize(texts, out_dir, tokenizer="dolma2", heldout=0.0, total=None):
             np.append(ids, tok.eos_id).astype(TOKEN_DTYPE).tofile((train, held)[split])
             # progress: documents per split, bytes read, seconds since the start
             docs[split], done, seconds = docs[split] + 1, done + len(raw), time.time() - start
-            eta = f", ETA {max(total - done, 0) / done * seconds:.0f}s" if total else ""
-            end = "\r" if sum(docs) % 1000 else "\n"  # a line per 1000 documents
-            print(f"tokenized {sum(docs):,} documents ({docs[1]:,} held out), {done / 1e6:,.1f} MB "
-                  f"at {done / 1e6 / seconds:.1f} MB/s{eta}", end=end, file=sys.stderr)
-    print(file=sys.stderr)
+            # a line per 1000 documents (not a "\r" per document, which a piped log keeps whole)
+            if sum(docs) % 1000 == 0:
+                eta = f", ETA {max(total - done, 0) / done * seconds:.0f}s" if total else ""
+                print(f"tokenized {sum(docs):,} documents ({docs[1]:,} held out), {done / 1e6:,.1f}"
+                      f" MB at {done / 1e6 / seconds:.1f} MB/s{eta}", file=sys.stderr)
+    print(f"tokenized {sum(docs):,} documents ({docs[1]:,} held out)", file=sys.stderr)
     if docs[0] == 0:
         raise SystemExit("error: no documents to train on; give non-empty text or JSON lines")
     for split, n in zip(("train", "heldout"), docs):
