@@ -105,15 +105,15 @@ def main(argv=None):
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
     check_run_directory(args.out)  # makes the directory; a pod's hosts must all see it
-    mesh = olmo3.make_mesh(**args.mesh)  # args.mesh is a dict: {"data": 1, "fsdp": -1, "tensor": 1}
+    mesh = olmo3.make_mesh(**args.mesh)  # args.mesh is a dict: {"data": 1, "tensor": 1, "fsdp": -1}
     # The manager is Orbax's CheckpointManager. It lists the saved steps and saves in the
     # background; leaving the `with` waits for its last save, and closes it.
     with jax.set_mesh(mesh), checkpoints(f"{args.out}/checkpoints", r) as manager:
         return train(cfg, r, args, mesh, manager)
 
 
-# train, and what it calls, use names that the second read explains. On one host that nobody
-# stops or kills, take each as this (in the order train meets them):
+# train, and what it calls, use names that later parts explain. On one host that nobody stops
+# or kills, take each as this (in the order train's text names them):
 #   Log                         log(text) prints a line, log(**record) adds a record to
 #                               metrics.jsonl, and log.flush() writes both files
 #   olmo3.device_batch(b, mesh) jax.device_put(b)
@@ -121,11 +121,13 @@ def main(argv=None):
 #                               flags_spec(mesh), in compile_step, describes that array
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   match_records               does nothing (after a kill: drops the records past the step the run
-#                               starts from, and runs that step's evaluation if a kill cut it short)
+#   match_records               does nothing (after a stop or a kill: drops the records past the
+#                               step the run starts from, and runs that step's evaluation if the
+#                               stop skipped it or the kill cut it short)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
-#   save_step                   writes metrics.jsonl and log.txt, then manager.save(step, state)
+#   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
+#                               manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
 # The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
 # saved_settings) are plain save and load.
@@ -156,7 +158,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
     # (Second read: on a run that nobody stopped or killed, it does nothing.) Drops metrics.jsonl's
-    # records past step done, and runs step done's evaluation if a kill cut it short.
+    # records past step done, and runs step done's evaluation if a stop skipped it or a kill cut it
+    # short.
     match_records(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -678,6 +681,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   4. evaluate step 200               the same                  resumes from 200, and runs the
 #                                                                evaluation first (match_records)
 # metrics.jsonl on disk after moment 2 (a tiny run of 300 steps; rounded, some fields left out):
+#   ...
 #   {"step": 100, "loss": 2.01, "lr": 0.0027, "grad_norm": 0.54, ...}
 #   {"step": 100, "committed": null}     <- step 100's save_step: no commit before it
 #   {"step": 100, "eval/lm/heldout/CE loss": 2.55, ...}    <- step 100's evaluation (moment 4)
@@ -686,13 +690,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   {"step": 200, "loss": 1.62, "lr": 0.0012, "grad_norm": 0.48, ...}
 #   {"step": 200, "committed": 100}      <- refuse_fresh_start looks for a committed step
 # Who does what, in the order a run calls them:
-#   refuse_fresh_start   (a fresh start) refuses to start over where a record names a committed
-#                        checkpoint, or a step was renamed unreadable
 #   resume               (a resume) every process reads the same step; one that some cannot is
 #                        renamed. It reads through read_retrying, which tries a failed read
 #                        again, and restore, which refuses another model, data order or data
 #                        (compared_settings) and a layout this code does not make (read_item)
-#   match_records        (every start) drops the records past the step the run starts from
+#   refuse_fresh_start   (else, a fresh start) refuses to start over where a record names a
+#                        committed checkpoint, or a step was renamed unreadable
+#   match_records        (every start) drops the records past the step the run starts from, and
+#                        runs that step's evaluation where a stop or a kill left it out
 #   save_step            (each save) moments 1 to 3, for the loop; it calls save
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
@@ -887,7 +892,7 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # its metrics, "signalled". Every process reads the same answer, a step late, with the
 # rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
 # this simply means that a signal stops the run within two steps. For example, a SIGTERM
-# reaches one process during step 150, just after the loop made step 150's flags:
+# reaches one process during step 150, just after step_fn made step 150's flags:
 #   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
 #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
 #             exits with code 75, and a rerun resumes at step 153.
