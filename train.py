@@ -188,7 +188,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
-        # (5) after the save, which commits in the background meanwhile
+        # (5) after the save, which commits in the background meanwhile: a SIGTERM during a long
+        # evaluation finds this step saved
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
     # (the last step always saves, so no metrics are left unread)
