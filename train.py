@@ -121,9 +121,9 @@ def main(argv=None):
 #                               flags_spec(mesh), in compile_step, describes that array
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   match_records               does nothing (after a stop or a kill: drops the records past the
-#                               step the run starts from, and runs that step's evaluation if the
-#                               stop skipped it or the kill cut it short)
+#   trim_records                does nothing, and returns False (after a stop or a kill: drops
+#                               the records past the step the run starts from, and says whether
+#                               that step's evaluation is among those left)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
 #   save_step                   reads this step's metrics, waits for the last save, writes
@@ -142,10 +142,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # step that does not fit in their memory, fails here, before any data is read
     compiled = compile_step(cfg, r, mesh, target)
 
-    # step_fn puts the batch on the devices (one host: jax.device_put), and adds this process's
-    # signal flags, which stay False until a Ctrl-C or a SIGTERM. Why a signal goes through the
-    # step: the step ORs every host's flags, so every host of a pod learns of a signal in the same
-    # step's metrics, with no extra wait (the comment above SIGNALS traces a signal's path).
+    # step_fn puts the batch on the devices (one host: jax.device_put), and adds the signal flags:
+    # all False until a Ctrl-C or a SIGTERM. They pass through the step so that every host of a pod
+    # learns of a signal in the same step's metrics (second read: the comment above SIGNALS).
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -157,10 +156,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # (Second read: on a run that nobody stopped or killed, it does nothing.) Drops metrics.jsonl's
-    # records past step done, and runs step done's evaluation if a stop skipped it or a kill cut it
-    # short.
-    match_records(log, evals, state["params"], done, due(done, r.eval_every))
+    # (Second read: on a run that nobody stopped or killed, these do nothing.) Drops metrics.jsonl's
+    # records past step done. A stop skips its step's evaluation, and a kill may cut one short:
+    # if step done's is due but not on record, it runs now.
+    evaluated = trim_records(log, done)  # is step done's evaluation among the records left?
+    if evals and done and due(done, r.eval_every) and not evaluated:
+        evals(state["params"], done)
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, loader.batch(step - 1))  # (1)
@@ -519,12 +520,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # the embedding. Adam keeps its own count in opt_state, the updates made (a skipped one does not
 # count). Only its bias correction uses it, and --init-from carries it into the next stage
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
-# starts again at 1 in each stage.
-# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) is a
-# chain of scale_by_adam, add_decayed_weights and scale_by_learning_rate(schedule), and that last
-# one calls schedule(count) with a count in its own state (scale_by_schedule's); warm Adam carries
-# that state from stage 1, at about 1,413,814, into stage 2: past the end of stage 2's 47,684-step
-# schedule, where the LR is 0.
+# starts again at 1 in each stage. (Why not optax.adamw: it would give stage 2 an LR of 0; the
+# second read's "stages" comment, after olmo3_stage1, says why.)
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -536,8 +533,9 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 
 
 # =============================================================================
-# The second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B
-# needs on a pod (checkpoints, stopping, several hosts), then the command line.
+# The second read, in this order: the 7B's schedule (and why adamw is not optax.adamw), the
+# progress line (Log), then what the 7B needs on a pod (checkpoints, stopping, several hosts),
+# then the command line.
 # A pod run on 4 hosts, preempted and resumed from step 500, meets the pod sections like this:
 #   checkpoints   Every host reads checkpoint 500 onto its own devices (resume).
 #   stopping      Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
@@ -585,6 +583,13 @@ def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # part 2's first step, AI2's restart, in this run's steps: 596,048 for the 7b
     restart_step = 596_048 * 512 * 8192 // tokens_per_step
     return lambda k: jnp.where(k < restart_step, cosine(T1)(k), part2(k))
+
+
+# The stages: why adamw is not optax.adamw. optax.adamw would give stage 2 an LR of 0
+# throughout. optax.adamw(schedule) is a chain of scale_by_adam, add_decayed_weights and
+# scale_by_learning_rate(schedule), and that last one calls schedule(count) with a count in its
+# own state (scale_by_schedule's). Warm Adam (--init-from) carries that state from stage 1, at
+# about 1,413,814, into stage 2: past the end of stage 2's 47,684-step schedule, where the LR is 0.
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -656,30 +661,33 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.last = (step, now)
         # one call, both kinds: it prints the line, and adds the step's record to metrics.jsonl
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
-             tokens_per_s=rate, time=now - self.started)
+             tokens_per_s=rate, time=now - self.started)  # time: since this process started
 
 
 # ----------------------------------------------------------------------------- checkpoints
 # On one host that nobody stops or kills, this section comes down to two calls:
 #   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# The rest makes them safe through a kill at any moment, and on a pod. The rule: metrics.jsonl is
-# rewritten just before each save, so it holds every step up to the newest committed checkpoint
-# and at most one save's steps more; every start cuts it back to the step it starts from
-# (match_records). (In the other order, a kill between the checkpoint's commit and metrics.jsonl's
-# write would leave checkpointed steps with no records, which no rerun would write.) It is also
-# the run's ledger of commits: a record that names one forbids a fresh start (refuse_fresh_start).
+# The rest makes them safe through a kill at any moment, and on a pod. The goal: after a kill,
+# the rerun resumes with every step's record in metrics.jsonl exactly once, and a run directory
+# that lost its checkpoints is never silently started over.
+# The rule: metrics.jsonl is rewritten just before each save, so it holds every step up to the
+# newest committed checkpoint and at most one save's steps more; every start cuts it back to the
+# step it starts from (trim_records). (In the other order, a kill between the checkpoint's commit
+# and metrics.jsonl's write would leave checkpointed steps with no records, which no rerun would
+# write.) It is also the run's ledger of commits: each save's record names the newest checkpoint
+# committed before it, and one that names a checkpoint forbids a fresh start (refuse_fresh_start).
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
 #   moment                             on disk                   a rerun after a kill there
 #   1. wait for step 100's save        records 1-100, ckpt 100   resumes from step 100
 #   2. write metrics.jsonl, with       records 1-200, ckpt 100   resumes from 100, and drops
-#      {"step": 200, "committed": 100}                           records 101-200 (match_records)
+#      {"step": 200, "committed": 100}                           records 101-200 (trim_records)
 #   3. save step 200 (Orbax commits    records 1-200, ckpts 100  resumes from 200 once it is
 #      it in the background)           and 200, once committed   committed, else as after 2
 #   4. evaluate step 200               the same                  resumes from 200, and runs the
-#                                                                evaluation first (match_records)
+#                                                                evaluation first (train)
 # metrics.jsonl on disk after moment 2 (a tiny run of 300 steps; rounded, some fields left out):
 #   ...
 #   {"step": 100, "loss": 2.01, "lr": 0.0027, "grad_norm": 0.54, ...}
@@ -688,7 +696,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   {"step": 125, "loss": 1.97, "lr": 0.0024, "grad_norm": 0.53, ...}
 #   ...
 #   {"step": 200, "loss": 1.62, "lr": 0.0012, "grad_norm": 0.48, ...}
-#   {"step": 200, "committed": 100}      <- refuse_fresh_start looks for a committed step
+#   {"step": 200, "committed": 100}      <- written before step 200's save: names the last commit
 # Who does what, in the order a run calls them:
 #   resume               (a resume) every process reads the same step; one that some cannot is
 #                        renamed. It reads through read_retrying, which tries a failed read
@@ -696,8 +704,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #                        (compared_settings) and a layout this code does not make (read_item)
 #   refuse_fresh_start   (else, a fresh start) refuses to start over where a record names a
 #                        committed checkpoint, or a step was renamed unreadable
-#   match_records        (every start) drops the records past the step the run starts from, and
-#                        runs that step's evaluation where a stop or a kill left it out
+#   trim_records         (every start) drops the records past the step the run starts from, and
+#                        says whether that step's evaluation is left (train runs it if not)
 #   save_step            (each save) moments 1 to 3, for the loop; it calls save
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
@@ -746,18 +754,15 @@ def refuse_fresh_start(out, log):
                          "restore its checkpoints, or use a new --out")
 
 
-def match_records(log, evals, params, done, eval_due):  # metrics.jsonl, mended to match step done
-    # train calls this once the run knows where it starts (done: 0, or the resumed step), and
-    # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
-    # kill at moments 2 and 4 of the four above leaves: it drops the records past step done, and
-    # runs step done's evaluation if one is due and metrics.jsonl lacks it. (A stop, too, skips
-    # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
+def trim_records(log, done):  # -> is step done's evaluation among the records left?
+    # train calls this once the run knows where it starts (done: 0, or the resumed step). It mends
+    # what a kill at moment 2 of the four above leaves: it drops the records past step done. On a
+    # fresh start, it drops every record. Its answer lets train run step done's evaluation where a
+    # kill at moment 4 cut it short, or a stop skipped it.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
-    evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
-    if evals and done and eval_due and not evaluated:
-        evals(params, done)
+    return any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
 
 
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
@@ -964,11 +969,13 @@ def start_jax(args):
     # a compilation cache, so that a restart does not compile the 7B's step again
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
-    # jax.distributed.initialize joins the cluster it finds (a pod, SLURM). One it finds but
-    # cannot reach raises JaxRuntimeError, let through: the run fails, and a rerun tries again
-    # (its clause comes first, as it is a RuntimeError too). No cluster (ValueError), JAX running
-    # already (RuntimeError: the tests call main after JAX ran) or a --coordinator without a port
-    # (IndexError) leave one process; but where a flag asked for a cluster, a one-line error.
+    # jax.distributed.initialize joins the cluster it finds (a pod, SLURM). What it raises:
+    #   JaxRuntimeError   a cluster found but not reached    let through: the run fails, and a
+    #                                                        rerun tries again
+    #   ValueError        no cluster                         one process, or with --coordinator,
+    #   RuntimeError      JAX ran already (the tests do)     --num-processes or --process-id
+    #   IndexError        a --coordinator without a port     (a cluster asked for) a one-line error
+    # JaxRuntimeError's clause comes first: it is a RuntimeError too.
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except jax.errors.JaxRuntimeError:
