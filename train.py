@@ -121,9 +121,9 @@ def main(argv=None):
 #                               flags_spec(mesh), in compile_step, describes that array
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   trim_records                does nothing, and returns False (after a stop or a kill: drops
-#                               the records past the step the run starts from, and says whether
-#                               that step's evaluation is among those left)
+#   catch_up                    does nothing (after a stop or a kill: drops the records past the
+#                               step the run starts from, and runs that step's evaluation if the
+#                               stop skipped it or the kill cut it short)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
 #   save_step                   reads this step's metrics, waits for the last save, writes
@@ -156,12 +156,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # (Second read: on a run that nobody stopped or killed, these do nothing.) Drops metrics.jsonl's
-    # records past step done. A stop skips its step's evaluation, and a kill may cut one short:
-    # if step done's is due but not on record, it runs now.
-    evaluated = trim_records(log, done)  # is step done's evaluation among the records left?
-    if evals and done and due(done, r.eval_every) and not evaluated:
-        evals(state["params"], done)
+    # (Second read: on a run that nobody stopped or killed, it does nothing.) After a stop or a
+    # kill, it drops metrics.jsonl's records past step done, and runs step done's evaluation if
+    # the stop skipped it or the kill cut it short.
+    catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, loader.batch(step - 1))  # (1)
@@ -520,8 +518,12 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # the embedding. Adam keeps its own count in opt_state, the updates made (a skipped one does not
 # count). Only its bias correction uses it, and --init-from carries it into the next stage
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
-# starts again at 1 in each stage. (Why not optax.adamw: it would give stage 2 an LR of 0; the
-# second read's "stages" comment, after olmo3_stage1, says why.)
+# starts again at 1 in each stage.
+# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) is a
+# chain of scale_by_adam, add_decayed_weights and scale_by_learning_rate(schedule), and that last
+# one calls schedule(count) with a count in its own state (scale_by_schedule's); warm Adam carries
+# that state from stage 1, at about 1,413,814, into stage 2: past the end of stage 2's 47,684-step
+# schedule, where the LR is 0.
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -533,9 +535,8 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 
 
 # =============================================================================
-# The second read, in this order: the 7B's schedule (and why adamw is not optax.adamw), the
-# progress line (Log), then what the 7B needs on a pod (checkpoints, stopping, several hosts),
-# then the command line.
+# The second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B
+# needs on a pod (checkpoints, stopping, several hosts), then the command line.
 # A pod run on 4 hosts, preempted and resumed from step 500, meets the pod sections like this:
 #   checkpoints   Every host reads checkpoint 500 onto its own devices (resume).
 #   stopping      Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
@@ -584,12 +585,6 @@ def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     restart_step = 596_048 * 512 * 8192 // tokens_per_step
     return lambda k: jnp.where(k < restart_step, cosine(T1)(k), part2(k))
 
-
-# The stages: why adamw is not optax.adamw. optax.adamw would give stage 2 an LR of 0
-# throughout. optax.adamw(schedule) is a chain of scale_by_adam, add_decayed_weights and
-# scale_by_learning_rate(schedule), and that last one calls schedule(count) with a count in its
-# own state (scale_by_schedule's). Warm Adam (--init-from) carries that state from stage 1, at
-# about 1,413,814, into stage 2: past the end of stage 2's 47,684-step schedule, where the LR is 0.
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -673,21 +668,22 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # that lost its checkpoints is never silently started over.
 # The rule: metrics.jsonl is rewritten just before each save, so it holds every step up to the
 # newest committed checkpoint and at most one save's steps more; every start cuts it back to the
-# step it starts from (trim_records). (In the other order, a kill between the checkpoint's commit
+# step it starts from (catch_up). (In the other order, a kill between the checkpoint's commit
 # and metrics.jsonl's write would leave checkpointed steps with no records, which no rerun would
-# write.) It is also the run's ledger of commits: each save's record names the newest checkpoint
-# committed before it, and one that names a checkpoint forbids a fresh start (refuse_fresh_start).
+# write.) It is also the run's ledger of commits. A new run directory and one whose checkpoints
+# were lost look the same on disk, so each save's record names the newest checkpoint committed
+# before it; one that names a checkpoint forbids a fresh start (refuse_fresh_start).
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
 #   moment                             on disk                   a rerun after a kill there
 #   1. wait for step 100's save        records 1-100, ckpt 100   resumes from step 100
 #   2. write metrics.jsonl, with       records 1-200, ckpt 100   resumes from 100, and drops
-#      {"step": 200, "committed": 100}                           records 101-200 (trim_records)
+#      {"step": 200, "committed": 100}                           records 101-200 (catch_up)
 #   3. save step 200 (Orbax commits    records 1-200, ckpts 100  resumes from 200 once it is
 #      it in the background)           and 200, once committed   committed, else as after 2
 #   4. evaluate step 200               the same                  resumes from 200, and runs the
-#                                                                evaluation first (train)
+#                                                                evaluation first (catch_up)
 # metrics.jsonl on disk after moment 2 (a tiny run of 300 steps; rounded, some fields left out):
 #   ...
 #   {"step": 100, "loss": 2.01, "lr": 0.0027, "grad_norm": 0.54, ...}
@@ -704,8 +700,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #                        (compared_settings) and a layout this code does not make (read_item)
 #   refuse_fresh_start   (else, a fresh start) refuses to start over where a record names a
 #                        committed checkpoint, or a step was renamed unreadable
-#   trim_records         (every start) drops the records past the step the run starts from, and
-#                        says whether that step's evaluation is left (train runs it if not)
+#   catch_up             (every start) drops the records past the step the run starts from, and
+#                        runs that step's evaluation where a stop or a kill left it out
 #   save_step            (each save) moments 1 to 3, for the loop; it calls save
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
@@ -728,7 +724,7 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 # written after the wait.
 def save_step(manager, late_metrics, step, state, cfg, r, data_fingerprint):
     # this step's metrics first, so that no checkpointed step lacks a record (the rule above)
-    late_metrics.read_pending()
+    late_metrics.read_pending()  # (late_metrics.log is the run's Log, train's log)
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
     late_metrics.log(step=step, committed=manager.latest_step())  # (refuse_fresh_start reads it)
     late_metrics.log.flush()  # writes metrics.jsonl and log.txt
@@ -754,15 +750,18 @@ def refuse_fresh_start(out, log):
                          "restore its checkpoints, or use a new --out")
 
 
-def trim_records(log, done):  # -> is step done's evaluation among the records left?
-    # train calls this once the run knows where it starts (done: 0, or the resumed step). It mends
-    # what a kill at moment 2 of the four above leaves: it drops the records past step done. On a
-    # fresh start, it drops every record. Its answer lets train run step done's evaluation where a
-    # kill at moment 4 cut it short, or a stop skipped it.
+def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
+    # train calls this once the run knows where it starts (done: 0, or the resumed step), and
+    # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
+    # kill at moments 2 and 4 of the four above leaves: it drops the records past step done, and
+    # runs step done's evaluation if one is due and metrics.jsonl lacks it. (A stop, too, skips
+    # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
-    return any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
+    evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
+    if evals and done and eval_due and not evaluated:
+        evals(params, done)
 
 
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
