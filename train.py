@@ -126,8 +126,8 @@ def main(argv=None):
 #                               stop skipped it or the kill cut it short)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
-#   save_step                   reads this step's metrics, waits for the last save, writes
-#                               metrics.jsonl and log.txt, then manager.save(step, state)
+#   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
+#                               manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
 # The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
 # saved_settings) are plain save and load.
@@ -173,12 +173,14 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):  # batch step - 1
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
-        # (3) saves when due, at --stop-at, or once the metrics read carry a signal. save_step
-        # reads this step's metrics first, so that the step's record is written with its save.
+        # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            save_step(manager, late_metrics, step, state, cfg, r, loader.fingerprint)
+            # this step's metrics too: its record must be in metrics.jsonl before its checkpoint
+            # is saved, so that no checkpointed step lacks a record (the rule above TRAIN_STATE)
+            late_metrics.read_pending()
+            save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None.
-        # It comes after (3): a save reads this step's metrics, which may carry a signal.
+        # It comes after (3), whose read_pending may have just read a signal in this step's metrics.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
@@ -204,7 +206,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
-    # logs.) A step that saves reads its own metrics at once too (read_pending, in save_step), so
+    # logs.) A step that saves reads its own metrics at once too (read_pending, in the loop), so
     # that the metrics.jsonl written with its checkpoint holds every step up to it.
     # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
     # with an error (it saves nothing: the newest checkpoint holds good weights).
@@ -722,12 +724,10 @@ def checkpoints(directory, r=Recipe(), read_only=False):
 # The loop's save (part (3)): moments 1 to 3 of the four above. The record of moment 2 names the
 # newest committed checkpoint, manager.latest_step() (None before the first commit), as it is
 # written after the wait.
-def save_step(manager, late_metrics, step, state, cfg, r, data_fingerprint):
-    # this step's metrics first, so that no checkpointed step lacks a record (the rule above)
-    late_metrics.read_pending()  # (late_metrics.log is the run's Log, train's log)
+def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
-    late_metrics.log(step=step, committed=manager.latest_step())  # (refuse_fresh_start reads it)
-    late_metrics.log.flush()  # writes metrics.jsonl and log.txt
+    log(step=step, committed=manager.latest_step())  # (refuse_fresh_start reads it)
+    log.flush()  # writes metrics.jsonl and log.txt
     save(manager, step, state, cfg, r, data_fingerprint)
 
 
@@ -949,7 +949,7 @@ flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
 
 
 # ----------------------------------------------------------------------------- across hosts
-# What each function does on a pod, and what it comes to on one host:
+# What each function does on a pod, and what it does on one host:
 #   start_jax              joins every host's process into one JAX run      one process
 #   check_run_directory    checks that every host sees the run directory    makes the directory
 #                          that process 0 writes (else the first save
