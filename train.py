@@ -588,7 +588,6 @@ def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     return lambda k: jnp.where(k < restart_step, cosine(T1)(k), part2(k))
 
 
-
 # ----------------------------------------------------------------------------- the progress line
 
 # For the MFU: dense bf16 TFLOP/s per JAX device (Ironwood, TPU7x, has two devices per chip). The
@@ -657,8 +656,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
         self.last = (step, now)
         # one call, both kinds: it prints the line, and adds the step's record to metrics.jsonl
+        # (time: the seconds since train began, so from 0 again after a resume)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
-             tokens_per_s=rate, time=now - self.started)  # time: since this process started
+             tokens_per_s=rate, time=now - self.started)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -667,14 +667,16 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
 # The rest makes them safe through a kill at any moment, and on a pod. The goal: after a kill,
 # the rerun resumes with every step's record in metrics.jsonl exactly once, and a run directory
-# that lost its checkpoints is never silently started over.
+# whose lost checkpoints a later save recorded is never silently started over
+# (refuse_fresh_start has the one exception).
 # The rule: metrics.jsonl is rewritten just before each save, so it holds every step up to the
 # newest committed checkpoint and at most one save's steps more; every start cuts it back to the
 # step it starts from (catch_up). (In the other order, a kill between the checkpoint's commit
 # and metrics.jsonl's write would leave checkpointed steps with no records, which no rerun would
-# write.) It is also the run's ledger of commits. A new run directory and one whose checkpoints
-# were lost look the same on disk, so each save's record names the newest checkpoint committed
-# before it; one that names a checkpoint forbids a fresh start (refuse_fresh_start).
+# write.) It is also the run's ledger of commits. To Orbax, a new run directory and one whose
+# checkpoints were lost look the same (checkpoints/ holds no step), so each save's record names
+# the newest checkpoint committed before it; one that names a checkpoint forbids a fresh start
+# (refuse_fresh_start).
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
@@ -971,9 +973,10 @@ def start_jax(args):
     # jax.distributed.initialize joins the cluster it finds (a pod, SLURM). What it raises:
     #   JaxRuntimeError   a cluster found but not reached    let through: the run fails, and a
     #                                                        rerun tries again
-    #   ValueError        no cluster                         one process, or with --coordinator,
-    #   RuntimeError      JAX ran already (the tests do)     --num-processes or --process-id
-    #   IndexError        a --coordinator without a port     (a cluster asked for) a one-line error
+    #   ValueError        no cluster                         one process; but where
+    #   RuntimeError      JAX ran already (the tests do)     --coordinator, --num-processes or
+    #   IndexError        a --coordinator without a port     --process-id asked for a cluster,
+    #                                                        a one-line error
     # JaxRuntimeError's clause comes first: it is a RuntimeError too.
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
