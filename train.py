@@ -667,8 +667,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
 # The rest makes them safe through a kill at any moment, and on a pod. The goal: after a kill,
 # the rerun resumes with every step's record in metrics.jsonl exactly once, and a run directory
-# whose lost checkpoints a later save recorded is never silently started over
-# (refuse_fresh_start has the one exception).
+# that lost its checkpoints is not silently started over (refuse_fresh_start says when it is: a
+# run that lost its only checkpoint before a later save recorded it).
 # The rule: metrics.jsonl is rewritten just before each save, so it holds every step up to the
 # newest committed checkpoint and at most one save's steps more; every start cuts it back to the
 # step it starts from (catch_up). (In the other order, a kill between the checkpoint's commit
