@@ -1326,7 +1326,7 @@ def test_an_empty_task_list_evaluates_nothing(tmp_path, token_files):
     run = ["--data", token_files["train"], "--eval-tasks", ", \t,", "--eval-every", "1"]
     for _ in range(2):  # a run, then a rerun of the finished run
         assert train.main(SMALL_RUN + run + ["--steps", "2", "--out", str(tmp_path)]) == 0
-    assert [r["step"] for r in records_of(tmp_path) if "committed" not in r] == [1, 2]
+    assert [r["step"] for r in records_of(tmp_path)] == [1, 2]
     newline = ["--data", token_files["train"], "--eval-tasks", "\n", "--out", str(tmp_path / "n")]
     with pytest.raises(SystemExit, match="^error: "):  # (it too wrote empty records)
         train.main(SMALL_RUN + newline)
@@ -1484,12 +1484,12 @@ def test_a_kill_before_the_first_save_starts_fresh_and_a_run_without_checkpoints
         train.main(args)
     for step_dir in (out / "checkpoints").iterdir():
         shutil.rmtree(step_dir)
-    with pytest.raises(SystemExit, match=r"^error: .* holds a run \(metrics.jsonl\) but no "
+    with pytest.raises(SystemExit, match=r"^error: .* holds a run \(committed.txt\) but no "
                        r"checkpoint to resume; restore its checkpoints, or use a new --out$"):
         train.main(args)
     assert (out / "metrics.jsonl").read_text() == before
-    # A save's leftover temporary step changes nothing: a record names a committed checkpoint
-    # (each save's record is written after the wait for the save before it)
+    # A save's leftover temporary step changes nothing: committed.txt names a committed
+    # checkpoint (each save writes it after the wait for the save before it)
     (out / "checkpoints" / "3.orbax-checkpoint-tmp-1").mkdir()
     with pytest.raises(SystemExit, match="holds a run"):
         train.main(args)
@@ -2078,23 +2078,24 @@ def test_an_empty_held_out_file_is_one_line_at_start_up(tmp_path, token_files):
 
 
 def test_only_a_recorded_commit_refuses_a_fresh_start(tmp_path, token_files):
-    """refuse_fresh_start reads the record each save writes, {"step", "committed"}. A run that
-    ended on the 10-skips error before any commit starts fresh, whatever --save-every (it was
-    refused once its records passed the new, smaller one); a run stopped after a commit,
-    between progress lines, then robbed of its checkpoints is refused, whatever --log-every (it
-    started fresh: no record passed its first save)."""
+    """refuse_fresh_start reads committed.txt, which each save writes once a checkpoint is
+    committed. A run that ended on the 10-skips error before any commit starts fresh, whatever
+    --save-every (it was refused once its records passed the new, smaller one); a run stopped
+    after a commit, between progress lines, then robbed of its checkpoints is refused, whatever
+    --log-every (it started fresh: no record passed its first save)."""
     stuck = tmp_path / "stuck"
     with pytest.raises(SystemExit, match=r"^error: 10 updates in a row skipped"):
         run_train(stuck, token_files, "--steps", "30", "--lr", "1e30")  # saves every 100
     assert not list((stuck / "checkpoints").iterdir()) and max(train_losses(records_of(stuck))) > 5
+    assert not (stuck / "committed.txt").exists()
     run_train(stuck, token_files, "--steps", "6", "--save-every", "5")  # nothing to lose
     assert [r["step"] for r in records_of(stuck) if "loss" in r] == list(range(1, 7))
     out = tmp_path / "run"
     run_train(out, token_files, "--steps", "40", "--save-every", "10", "--log-every", "25",
               "--stop-at", "12")
-    assert [r["committed"] for r in records_of(out) if "committed" in r] == [None, 10]
+    assert (out / "committed.txt").read_text() == "10\n"  # step 12's save, after step 10's commit
     shutil.rmtree(out / "checkpoints")
-    with pytest.raises(SystemExit, match=r"holds a run \(metrics.jsonl\) but no checkpoint"):
+    with pytest.raises(SystemExit, match=r"holds a run \(committed.txt\) but no checkpoint"):
         train.main(run_args(token_files, out, "--steps", "40", "--save-every", "50"))
 
 

@@ -126,8 +126,8 @@ def main(argv=None):
 #                               stop skipped it or the kill cut it short)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
-#   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
-#                               manager.save(step, state)
+#   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
+#                               committed.txt), then manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
 # The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
 # saved_settings) are plain save and load.
@@ -143,8 +143,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     compiled = compile_step(cfg, r, mesh, target)
 
     # step_fn puts the batch on the devices (one host: jax.device_put), and adds the signal flags:
-    # all False until a Ctrl-C or a SIGTERM. They pass through the step so that every host of a pod
-    # learns of a signal in the same step's metrics (second read: the comment above SIGNALS).
+    # all False until a Ctrl-C or a SIGTERM. train_step reduces them with jnp.any (on a pod, an
+    # all-reduce), so that every host learns of a signal in the same step's metrics, and all stop
+    # after the same step (second read: the comment above SIGNALS).
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -176,7 +177,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             # this step's metrics too: its record must be in metrics.jsonl before its checkpoint
-            # is saved, so that no checkpointed step lacks a record (the rule above TRAIN_STATE)
+            # is saved, so that no checkpointed step lacks a record (the checkpoints section)
             late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None.
@@ -335,8 +336,8 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
         # resume restores the newest step (on a pod, the newest that every host can read)
         return resume(cfg, r, manager, target, data_fingerprint, log)  # (state, "resumed ...")
     # (Second read; in a new run directory it does nothing.) Stops if a run committed a
-    # checkpoint in args.out (its metrics.jsonl, which log has read, says so) but left none.
-    refuse_fresh_start(args.out, log)
+    # checkpoint in args.out (its committed.txt says so) but left none.
+    refuse_fresh_start(args.out)
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
@@ -668,42 +669,35 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # The rest makes them safe through a kill at any moment, and on a pod. The goal: after a kill,
 # the rerun resumes with every step's record in metrics.jsonl exactly once, and a run directory
 # that lost its checkpoints is not silently started over (refuse_fresh_start says when it is: a
-# run that lost its only checkpoint before a later save recorded it).
-# The rule: metrics.jsonl is rewritten just before each save, so it holds every step up to the
-# newest committed checkpoint and at most one save's steps more; every start cuts it back to the
-# step it starts from (catch_up). (In the other order, a kill between the checkpoint's commit
-# and metrics.jsonl's write would leave checkpointed steps with no records, which no rerun would
-# write.) It is also the run's ledger of commits. To Orbax, a new run directory and one whose
-# checkpoints were lost look the same (checkpoints/ holds no step), so each save's record names
-# the newest checkpoint committed before it; one that names a checkpoint forbids a fresh start
-# (refuse_fresh_start).
+# run that lost its only checkpoint before a later save wrote committed.txt).
+# Two small files in the run directory, beside checkpoints/, make that so:
+#   metrics.jsonl   Rewritten just before each save, so it holds every step up to the newest
+#                   committed checkpoint, and at most one save's steps more. Every start cuts it
+#                   back to the step it starts from (catch_up). (In the other order, a kill
+#                   between the checkpoint's commit and metrics.jsonl's write would leave
+#                   checkpointed steps with no records, which no rerun would write.)
+#   committed.txt   The newest committed checkpoint's step, also written just before each save,
+#                   once there is one. To Orbax, a new run directory and one whose checkpoints
+#                   were lost look the same (checkpoints/ holds no step); this file tells them
+#                   apart, and where it exists, refuse_fresh_start refuses a fresh start.
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
 #   moment                             on disk                   a rerun after a kill there
 #   1. wait for step 100's save        records 1-100, ckpt 100   resumes from step 100
-#   2. write metrics.jsonl, with       records 1-200, ckpt 100   resumes from 100, and drops
-#      {"step": 200, "committed": 100}                           records 101-200 (catch_up)
+#   2. write metrics.jsonl, and        records 1-200, ckpt 100,  resumes from 100, and drops
+#      committed.txt: 100              committed.txt: 100        records 101-200 (catch_up)
 #   3. save step 200 (Orbax commits    records 1-200, ckpts 100  resumes from 200 once it is
 #      it in the background)           and 200, once committed   committed, else as after 2
 #   4. evaluate step 200               the same                  resumes from 200, and runs the
 #                                                                evaluation first (catch_up)
-# metrics.jsonl on disk after moment 2 (a tiny run of 300 steps; rounded, some fields left out):
-#   ...
-#   {"step": 100, "loss": 2.01, "lr": 0.0027, "grad_norm": 0.54, ...}
-#   {"step": 100, "committed": null}     <- step 100's save_step: no commit before it
-#   {"step": 100, "eval/lm/heldout/CE loss": 2.55, ...}    <- step 100's evaluation (moment 4)
-#   {"step": 125, "loss": 1.97, "lr": 0.0024, "grad_norm": 0.53, ...}
-#   ...
-#   {"step": 200, "loss": 1.62, "lr": 0.0012, "grad_norm": 0.48, ...}
-#   {"step": 200, "committed": 100}      <- written before step 200's save: names the last commit
 # Who does what, in the order a run calls them:
 #   resume               (a resume) every process reads the same step; one that some cannot is
 #                        renamed. It reads through read_retrying, which tries a failed read
 #                        again, and restore, which refuses another model, data order or data
 #                        (compared_settings) and a layout this code does not make (read_item)
-#   refuse_fresh_start   (else, a fresh start) refuses to start over where a record names a
-#                        committed checkpoint, or a step was renamed unreadable
+#   refuse_fresh_start   (else, a fresh start) refuses to start over where committed.txt exists,
+#                        or a step was renamed unreadable
 #   catch_up             (every start) drops the records past the step the run starts from, and
 #                        runs that step's evaluation where a stop or a kill left it out
 #   save_step            (each save) moments 1 to 3, for the loop; it calls save
@@ -723,31 +717,30 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# The loop's save (part (3)): moments 1 to 3 of the four above. The record of moment 2 names the
-# newest committed checkpoint, manager.latest_step() (None before the first commit), as it is
-# written after the wait.
+# The loop's save (part (3)): moments 1 to 3 of the four above. committed.txt is written after
+# the wait, so manager.latest_step() is the newest committed checkpoint (None before the first).
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
-    log(step=step, committed=manager.latest_step())  # (refuse_fresh_start reads it)
     log.flush()  # writes metrics.jsonl and log.txt
+    # committed.txt, once a checkpoint is committed (only process 0 writes the run's files)
+    if manager.latest_step() is not None and jax.process_index() == 0:
+        (manager.directory.parent / "committed.txt").write_text(f"{manager.latest_step()}\n")
     save(manager, step, state, cfg, r, data_fingerprint)
 
 
-def refuse_fresh_start(out, log):
+def refuse_fresh_start(out):
     # starting_state calls this when the run directory has no checkpoint to resume. What the
     # directory holds, and what the run does:
-    #   nothing, or records that name no          fresh start: nothing was committed (a kill
-    #   committed checkpoint                      may have cut the first save short)
-    #   a record that names a committed           refuse: a run trained here, and its
-    #   checkpoint (moment 2 of the four above)   checkpoints are gone
+    #   nothing, or metrics.jsonl alone           fresh start: nothing was committed (a kill
+    #                                             may have cut the first save short)
+    #   committed.txt (save_step's, moment 2)     refuse: a run trained here, and its
+    #                                             checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
-    # (A run that lost its only checkpoint before a later save recorded it starts fresh: it
-    # loses at most save_every steps.)
+    # (A run that lost its only checkpoint before a later save wrote committed.txt starts fresh:
+    # it loses at most save_every steps.)
     unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
-    # a committed checkpoint, by metrics.jsonl's records (as Log read them)
-    trained = any(json.loads(x).get("committed") is not None for x in log.lines["metrics.jsonl"])
-    if unreadable or trained:
-        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "metrics.jsonl"
+    if unreadable or (epath.Path(out) / "committed.txt").exists():
+        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "committed.txt"
         raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
                          "restore its checkpoints, or use a new --out")
 
