@@ -114,8 +114,8 @@ def main(argv=None):
 
 # train, and what it calls, use names that later parts explain. On one host that nobody stops
 # or kills, take each as this (in the order train's text names them):
-#   Log                         log(text) prints a line, log(**record) adds a record to
-#                               metrics.jsonl, and log.flush() writes both files
+#   Log                         log(text) prints a line; log(text, **record) also keeps the
+#                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) jax.device_put(b)
 #   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM);
 #                               flags_spec(mesh), in compile_step, describes that array
@@ -134,7 +134,7 @@ def main(argv=None):
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out (the run
     # directory) and args.data (parse_args, at the end)
-    log = Log(cfg, r, args.out, mesh)  # log(text) prints; log(**record) adds to metrics.jsonl
+    log = Log(cfg, r, args.out, mesh)  # log(text) prints; log(text, **record) keeps a record too
     # target: the state's arrays described (shape, dtype, sharding), with nothing allocated
     target = abstract_state(cfg, r, mesh)
     log(f"{olmo3.param_count(cfg):,} parameters | {log.kind} {dict(mesh.shape)} | compiling")
@@ -614,17 +614,19 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
         self.lines = {name: path.read_text().splitlines(True) if path.exists() else []
                       for name, path in self.files.items()}
 
-    def __call__(self, text=None, **record):  # log(text) prints; log(**record) is a metric record
-        if jax.process_index() == 0 and text:
+    # log(text) prints a line, and keeps it for log.txt. log(text, **record) also keeps the record,
+    # the line's numbers, for metrics.jsonl. (Only process 0 prints and keeps.)
+    def __call__(self, text, **record):
+        if jax.process_index() == 0:
             self.lines["log.txt"].append(text + "\n")
+            if record:
+                self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
             try:
                 print(text, flush=True)
             # The console is gone: a Ctrl-C or a SIGTERM stops `| tee` too. The run must still
             # save and stop, so stdout goes to /dev/null from here (log.txt keeps every line).
             except OSError:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        if record and jax.process_index() == 0:  # only process 0 writes
-            self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
 
     # Rewrites each file whole and atomically (an object store cannot append), and draws
     # loss.png
@@ -656,7 +658,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             eta = datetime.timedelta(seconds=round((self.r.steps - step) * tokens / rate))
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
         self.last = (step, now)
-        # one call, both kinds: it prints the line, and adds the step's record to metrics.jsonl
+        # it prints the line, and keeps the step's record for metrics.jsonl
         # (time: the seconds since train began, so from 0 again after a resume)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
