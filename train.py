@@ -670,18 +670,19 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
 # The rest makes them safe through a kill at any moment, and on a pod. The goal: after a kill,
 # the rerun resumes with every step's record in metrics.jsonl exactly once, and a run directory
-# that lost its checkpoints is not silently started over (refuse_fresh_start says when it is: a
-# run that lost its only checkpoint before a later save wrote committed.txt).
+# that lost its checkpoints is not silently started over (with one exception: a run that lost
+# its first checkpoint before the second save began starts over, losing at most save_every steps).
 # Two small files in the run directory, beside checkpoints/, make that so:
 #   metrics.jsonl   Rewritten just before each save, so it holds every step up to the newest
 #                   committed checkpoint, and at most one save's steps more. Every start cuts it
 #                   back to the step it starts from (catch_up). (In the other order, a kill
 #                   between the checkpoint's commit and metrics.jsonl's write would leave
 #                   checkpointed steps with no records, which no rerun would write.)
-#   committed.txt   The newest committed checkpoint's step, also written just before each save,
-#                   once there is one. To Orbax, a new run directory and one whose checkpoints
-#                   were lost look the same (checkpoints/ holds no step); this file tells them
-#                   apart, and where it exists, refuse_fresh_start refuses a fresh start.
+#   committed.txt   The newest committed checkpoint's step, also written just before each save
+#                   once a checkpoint is committed: it appears at the run's second save, naming
+#                   the first. To Orbax, a new run directory and one whose checkpoints were lost
+#                   look the same (checkpoints/ holds no step); this file tells them apart, and
+#                   where it exists, refuse_fresh_start refuses a fresh start.
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
@@ -738,8 +739,8 @@ def refuse_fresh_start(out):
     #   committed.txt (save_step's, moment 2)     refuse: a run trained here, and its
     #                                             checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
-    # (A run that lost its only checkpoint before a later save wrote committed.txt starts fresh:
-    # it loses at most save_every steps.)
+    # (committed.txt appears at the second save, naming the first. A run that lost its first
+    # checkpoint before then starts fresh: it loses at most save_every steps.)
     unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
     if unreadable or (epath.Path(out) / "committed.txt").exists():
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "committed.txt"
