@@ -284,9 +284,8 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 # restore reads a checkpoint onto it, and compile_step compiles the step for it. starting_state
 # picks between a resume, a fresh start, and --init-from.
 # To add an entry (an average of the weights, say): make it in fresh_state, describe it in
-# abstract_state, update and return it in train_step (which returns the new state entry by entry),
-# and name it in TRAIN_STATE (the checkpoints section) so that a save keeps it. A test checks that
-# the first two agree.
+# abstract_state, and update and return it in train_step (which returns the new state entry by
+# entry). A save keeps it with the rest (train_state_of). A test checks that the first two agree.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
@@ -707,7 +706,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
 
-TRAIN_STATE = ("opt_state", "step", "history")  # a checkpoint's train_state item
+# a checkpoint's train_state item: every entry of the state but params (opt_state, step, history)
+train_state_of = lambda state: {k: v for k, v in state.items() if k != "params"}
 DATA_ORDER = ("seq_len", "global_batch", "data_seed", "packing", "source_group_size",
               "source_permutation_seed")  # Recipe's fields a resumed run must keep (restore)
 
@@ -769,7 +769,7 @@ def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluatio
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
-        saves["train_state"] = ocp.args.StandardSave({k: state[k] for k in TRAIN_STATE})
+        saves["train_state"] = ocp.args.StandardSave(train_state_of(state))
     config = ocp.args.JsonSave(run_settings(cfg, r, data_fingerprint))
     manager.save(step, args=ocp.args.Composite(**saves, config=config))
 
@@ -841,8 +841,8 @@ def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None
                          "or the settings and data it was made with")
     state = {"params": read_item(step_dir / "params", target["params"])}
     # A converted checkpoint holds params alone, and evaluation.py's target asks for params alone
-    if "opt_state" in target and (step_dir / "train_state").exists():  # opt_state, step, history
-        state |= read_item(step_dir / "train_state", {k: target[k] for k in TRAIN_STATE})
+    if "opt_state" in target and (step_dir / "train_state").exists():
+        state |= read_item(step_dir / "train_state", train_state_of(target))
     return state
 
 
