@@ -121,9 +121,8 @@ def main(argv=None):
 #                               flags_spec(mesh), in compile_step, describes that array
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   catch_up                    does nothing (after a stop or a kill: drops the records past the
-#                               step the run starts from, and runs that step's evaluation if the
-#                               stop skipped it or the kill cut it short)
+#   catch_up                    does nothing (what it does after a stop or a kill: the
+#                               checkpoints section)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
 #   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
@@ -177,7 +176,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             # this step's metrics too: its record must be in metrics.jsonl before its checkpoint
-            # is saved, so that no checkpointed step lacks a record (the checkpoints section)
+            # is saved, so that no checkpointed step lacks a record (rule 1, checkpoints section)
             late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None.
@@ -667,21 +666,22 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # On one host that nobody stops or kills, this section comes down to two calls:
 #   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# The rest makes them safe through a kill at any moment, and on a pod. The goal: after a kill,
-# the rerun resumes with every step's record in metrics.jsonl exactly once, and a run directory
-# that lost its checkpoints is not silently started over (with one exception: a run that lost
-# its first checkpoint before the second save began starts over, losing at most save_every steps).
-# Two small files in the run directory, beside checkpoints/, make that so:
-#   metrics.jsonl   Rewritten just before each save, so it holds every step up to the newest
-#                   committed checkpoint, and at most one save's steps more. Every start cuts it
-#                   back to the step it starts from (catch_up). (In the other order, a kill
-#                   between the checkpoint's commit and metrics.jsonl's write would leave
-#                   checkpointed steps with no records, which no rerun would write.)
-#   committed.txt   The newest committed checkpoint's step, also written just before each save
-#                   once a checkpoint is committed: it appears at the run's second save, naming
-#                   the first. To Orbax, a new run directory and one whose checkpoints were lost
-#                   look the same (checkpoints/ holds no step); this file tells them apart, and
-#                   where it exists, refuse_fresh_start refuses a fresh start.
+# The rest makes them safe through a kill at any moment, and on a pod. It keeps three rules,
+# with two small files in the run directory, beside checkpoints/:
+#   1. Every checkpointed step has its record in metrics.jsonl: save_step rewrites metrics.jsonl
+#      just before each save. (In the other order, a kill between the checkpoint's commit and
+#      metrics.jsonl's write would leave checkpointed steps with no records, which no rerun
+#      would write.)
+#   2. No step has two records: every start cuts metrics.jsonl back to the step it starts from
+#      (catch_up), since the file may hold up to one save's steps past the newest checkpoint.
+#   3. A run directory that lost its checkpoints is not silently started over: committed.txt,
+#      the newest committed checkpoint's step, exists once a checkpoint has been committed, and
+#      where it exists, refuse_fresh_start refuses a fresh start. (To Orbax, a new run directory
+#      and one whose checkpoints were lost look the same: checkpoints/ holds no step.)
+#      Orbax commits a save in the background, so the run learns of a commit when it waits for
+#      it, at the next save: each save from the second on writes committed.txt, naming the save
+#      before it. So a run that lost its first checkpoint before its second save starts over,
+#      losing at most save_every steps: the one exception.
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
