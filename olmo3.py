@@ -443,7 +443,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
         raise SystemExit(f"error: {given}: give each axis a size > 0, or -1 (one axis at most)")
     fixed = math.prod(s for s in sizes if s > 0)  # the devices the sizes given take
     n = len(devices) if -1 in sizes else fixed  # numpy's reshape works out the -1
-    # On a pod, a process that holds none of the mesh's devices would have no rows to read
+    # (Pods only; on one host it is empty.) A process that holds none of the mesh's devices
+    # would have no rows to read.
     left_out = {d.process_index for d in devices} - {d.process_index for d in devices[:n]}
     # The sizes given must fit the devices; with a -1, which takes all the rest, they must divide
     # their number; and they must take some devices of every process

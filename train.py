@@ -520,11 +520,11 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 # count). Only its bias correction uses it, and --init-from carries it into the next stage
 # ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
 # starts again at 1 in each stage.
-# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. optax.adamw(schedule) is a
-# chain of scale_by_adam, add_decayed_weights and scale_by_learning_rate(schedule), and that last
-# one calls schedule(count) with a count in its own state (scale_by_schedule's); warm Adam carries
-# that state from stage 1, at about 1,413,814, into stage 2: past the end of stage 2's 47,684-step
-# schedule, where the LR is 0.
+# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. It reads its LR schedule at a
+# count kept in its own optimizer state, and warm Adam carries that state from stage 1, at about
+# 1,413,814, into stage 2: past the end of stage 2's 47,684-step schedule, where the LR is 0.
+# (optax.adamw(schedule) chains scale_by_adam, add_decayed_weights and
+# scale_by_learning_rate(schedule); the last calls schedule(count) with scale_by_schedule's count.)
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
@@ -967,13 +967,11 @@ def start_jax(args):
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
     # jax.distributed.initialize joins the cluster it finds (a pod, SLURM). What it raises:
-    #   JaxRuntimeError   a cluster found but not reached    let through: the run fails, and a
-    #                                                        rerun tries again
-    #   ValueError        no cluster                         one process; but where
-    #   RuntimeError      JAX ran already (the tests do)     --coordinator, --num-processes or
-    #   IndexError        a --coordinator without a port     --process-id asked for a cluster,
-    #                                                        a one-line error
-    # JaxRuntimeError's clause comes first: it is a RuntimeError too.
+    #   - JaxRuntimeError: a cluster found but not reached. It is let through: the run fails,
+    #     and a rerun tries again. (Its clause comes first: it is a RuntimeError too.)
+    #   - ValueError (no cluster), RuntimeError (JAX ran already, as in the tests) or IndexError
+    #     (a --coordinator without a port): the run goes on as one process, unless --coordinator,
+    #     --num-processes or --process-id asked for a cluster; then it stops with a one-line error.
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except jax.errors.JaxRuntimeError:
