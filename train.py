@@ -678,10 +678,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      the newest committed checkpoint's step, exists once a checkpoint has been committed, and
 #      where it exists, refuse_fresh_start refuses a fresh start. (To Orbax, a new run directory
 #      and one whose checkpoints were lost look the same: checkpoints/ holds no step.)
-#      Orbax commits a save in the background, so the run learns of a commit when it waits for
-#      it, at the next save: each save from the second on writes committed.txt, naming the save
-#      before it. So a run that lost its first checkpoint before its second save starts over,
-#      losing at most save_every steps: the one exception.
+#      Orbax commits a save in the background, so the run learns of a commit only when it waits
+#      for it, at the next save. With save_every 100, what each save writes first:
+#        save 100   no committed.txt (its wait finds nothing committed)
+#        save 200   committed.txt: 100
+#        save 300   committed.txt: 200
+#      So a run that lost checkpoint 100 before save 200 starts over, losing at most 100 steps:
+#      the one exception.
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
