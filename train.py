@@ -674,17 +674,18 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      would write.)
 #   2. No step has two records: every start cuts metrics.jsonl back to the step it starts from
 #      (catch_up), since the file may hold up to one save's steps past the newest checkpoint.
-#   3. A run directory that lost its checkpoints is not silently started over: committed.txt,
-#      the newest committed checkpoint's step, exists once a checkpoint has been committed, and
-#      where it exists, refuse_fresh_start refuses a fresh start. (To Orbax, a new run directory
-#      and one whose checkpoints were lost look the same: checkpoints/ holds no step.)
+#   3. A run directory that lost its checkpoints is not silently started over: save_step writes
+#      committed.txt, a checkpoint's step, once it knows of a committed checkpoint, and where the
+#      file exists, refuse_fresh_start refuses a fresh start. (To Orbax, a new run directory and
+#      one whose checkpoints were lost look the same: checkpoints/ holds no step.)
 #      Orbax commits a save in the background, so the run learns of a commit only when it waits
 #      for it, at the next save. With save_every 100, what each save writes first:
 #        save 100   no committed.txt (its wait finds nothing committed)
 #        save 200   committed.txt: 100
 #        save 300   committed.txt: 200
-#      So a run that lost checkpoint 100 before save 200 starts over, losing at most 100 steps:
-#      the one exception.
+#      So the file names the checkpoint before the newest (the last save is not waited for
+#      here), and a run that lost checkpoint 100 before save 200 starts over, losing at most 100
+#      steps: the one exception.
 # Orbax saves a step in the background under a temporary name, then commits it atomically: a
 # kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
 # four moments; what is on disk after each, and what a rerun does after a kill there:
