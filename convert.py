@@ -164,18 +164,19 @@ def rope_from_hf(hf):  # config.json's RoPE, either form -> Config's rope_theta 
 
 
 def global_every_from(kinds):  # config.json's layer kinds -> our global_every
-    # The global_every that gives these kinds. Ours are full at every global_every-th layer and at
-    # the last, so it is the first full layer's number (from 1); config_from_hf then checks that
-    # every later layer matches. One exception: where the only full layer is the last, every
-    # global_every from n_layers up gives the same kinds, and this takes OLMo 3's 4 where it
-    # fits, else n_layers: a small model trained with the default 4 converts back to the same
-    # Config, which restore compares. (With no full layer, none fits, and the check refuses.)
-    #   32 layers, full at 3, 7, ..., 31    global_every 4 (the 7B)
-    #   4 layers, full at 1 and 3           global_every 2
-    #   2 layers, full at 1 (the last)      global_every 4: the exception (2 would do as well)
-    #   6 layers, full at 3 only            global_every 4, but layer 5 is not full: refused
-    # the first full layer, from 0 (the entry appended makes it len(kinds) where there is none)
-    first = (kinds + ["full_attention"]).index("full_attention")
+    # Ours are full at every global_every-th layer and at the last. So global_every is the first
+    # full layer's number, from 1 (config_from_hf then checks every other layer). The one case
+    # that number does not settle: only the last layer is full. Any global_every >= n_layers
+    # gives that, and max(4, n_layers) picks OLMo 3's 4 for a model of up to 4 layers (so a
+    # small model trained with the default converts back to the same Config, which restore
+    # compares), else n_layers. For example:
+    #   32 layers, full at 3, 7, ..., 31    first full: 3    global_every 4 (the 7B)
+    #   4 layers, full at 1 and 3           first full: 1    global_every 2
+    #   2 layers, full at 1 (the last)      the last only    global_every 4 (2 gives it too)
+    #   6 layers, full at 3 only            first full: 3    global_every 4, but layer 5 is not
+    #                                                        full: config_from_hf refuses it
+    # the first full layer, from 0 (len(kinds) where there is none, which the check refuses)
+    first = next((i for i, kind in enumerate(kinds) if kind == "full_attention"), len(kinds))
     return first + 1 if first < len(kinds) - 1 else max(4, len(kinds))
 
 
