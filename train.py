@@ -167,8 +167,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       if due(step, r.save_every) or step == args.stop_at: manager.save(step, state)  # (3)
     #       if step == args.stop_at: return 75  # (4) (or a Ctrl-C, a SIGTERM); rerun to resume
     #       if due(step, r.eval_every): evals(state["params"], step)  # (5)
-    # The loop below reads each step's metrics a step late, so that the devices never wait for
-    # the host (LateMetrics); and a step that saves reads its own metrics first.
+    # The loop below differs from it in three ways:
+    #   - it reads each step's metrics a step late, so the devices never wait for the host
+    #     (LateMetrics);
+    #   - a step that saves reads its own metrics first;
+    #   - a Ctrl-C or a SIGTERM reaches it through the metrics (late_metrics.signalled), and then
+    #     it saves and stops as at --stop-at (every process of a pod at the same step).
     late_metrics = LateMetrics(log)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):  # batch step - 1
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
