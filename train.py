@@ -559,7 +559,7 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 # cosine(T) is schedule's CosWithWarmup aimed at T steps, passed in because part 1 is that cosine.
 def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; the
-    # README's Training section tells the story). Part 1, up to step 596,047, is cosine(T1),
+    # README's "Stage 1's learning rate" tells the story). Part 1, up to step 596,047, is cosine(T1),
     # aimed at 5T tokens. Part 2 starts at step 596,048, where AI2 restarted. It is OLMo-core's
     # HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then the second
     # half of a cosine from P to F, which reaches F at T2:
@@ -712,7 +712,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #                        runs that step's evaluation where a stop or a kill left it out
 #   save_step            (each save) moments 1 to 3, for the loop; it calls save
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
-# kill or stop real runs at each moment (the README's "Checkpoints" bullet lists them).
+# kill or stop real runs at each moment (the README's "Checkpoints and exact resume" lists them).
 
 # a checkpoint's train_state item: every entry of the state but params (opt_state, step, history)
 train_state_of = lambda state: {k: v for k, v in state.items() if k != "params"}
