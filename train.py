@@ -560,9 +560,9 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; the
     # README's "Stage 1's learning rate" tells the story). Part 1, up to step 596,047, is
-    # cosine(T1), aimed at 5T tokens. Part 2 starts at step 596,048, where AI2 restarted. It is OLMo-core's
-    # HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then the second
-    # half of a cosine from P to F, which reaches F at T2:
+    # cosine(T1), aimed at 5T tokens. Part 2 starts at step 596,048, where AI2 restarted. It is
+    # OLMo-core's HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then
+    # the second half of a cosine from P to F, which reaches F at T2:
     #   ((F + P) / 2) k / W2 for k < W2,
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
     # For the 7b, T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046. The LR (P 3e-4, F 3e-5) is:
