@@ -424,8 +424,9 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "d_model": "fsdp", "heads": "tensor", "
 # what tiny's dump shows.)
 
 
-# Maps logical axis names (None means not split) to a PartitionSpec with one entry per
-# dimension. For example, ("batch", "seq") -> P(("data", "fsdp"), None).
+# Maps logical axis names to a PartitionSpec with one entry per dimension. None, or a name not in
+# AXIS_RULES such as "seq", is not split (.get gives None). ("batch", "seq") -> P(("data", "fsdp"),
+# None).
 logical_to_spec = lambda axes: P(*(AXIS_RULES.get(name) for name in axes))
 
 # [batch, seq] with rows over data parallelism
