@@ -24,8 +24,8 @@
 # text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). Its
 # command line is in prepare.py, as the core's three files are at their 1,000-line budget;
 # `tokenize` itself, which training needs, is here.
-# (`have` and `beside`, at the end, are for train.py: `have` asks whether a module beside the core
-# is here, and `beside` imports one where a flag needs it.)
+# (`have` and `beside`, at the end, import a module beside the core where a flag needs it. train.py
+# uses them, and so does data.py, which cannot import train.py: so they are here.)
 import bisect
 import collections
 import concurrent.futures
@@ -443,8 +443,9 @@ def stdlib_files():  # every .py file under the stdlib folder, outside site-pack
                   if not (skip & set(d.split(os.sep))) for f in files if f.endswith(".py"))
 
 
-# Is this module beside the core here? (It finds it without importing it.) train.py uses have
-# and beside for evaluation.py and prepare.py, which the core trains without.
+# Is this module beside the core here? (It finds it without importing it.) train.py and data.py
+# (corpus, and `python data.py tokenize` below) use have and beside for evaluation.py and
+# prepare.py, which the core trains without. They live here, as data.py cannot import train.py.
 have = lambda name: importlib.util.find_spec(name) is not None
 
 
