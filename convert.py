@@ -175,7 +175,8 @@ def global_every_from(kinds):  # config.json's layer kinds -> our global_every
     #   2 layers, full at 1 (the last)      the last only    global_every 4 (2 gives it too)
     #   6 layers, full at 3 only            first full: 3    global_every 4, but layer 5 is not
     #                                                        full: config_from_hf refuses it
-    # the first full layer, from 0 (len(kinds) where there is none, which the check refuses)
+    # the first full layer, from 0 (len(kinds) where there is none: the check then refuses any
+    # layers there are, as ours always make the last one full)
     first = next((i for i, kind in enumerate(kinds) if kind == "full_attention"), len(kinds))
     return first + 1 if first < len(kinds) - 1 else max(4, len(kinds))
 

@@ -24,8 +24,8 @@
 # text into token files (--heldout 0.05 holds 5% of the documents out; the default is 0). Its
 # command line is in prepare.py, as the core's three files are at their 1,000-line budget;
 # `tokenize` itself, which training needs, is here.
-# (`have` and `beside`, at the end, import a module beside the core where a flag needs it. train.py
-# uses them, and so does data.py, which cannot import train.py: so they are here.)
+# (`have`, at the end, finds a module beside the core, and `beside` imports it where a flag needs
+# it. train.py uses them, and so does data.py; train.py imports data.py, so they are here.)
 import bisect
 import collections
 import concurrent.futures
@@ -445,7 +445,8 @@ def stdlib_files():  # every .py file under the stdlib folder, outside site-pack
 
 # Is this module beside the core here? (It finds it without importing it.) train.py and data.py
 # (corpus, and `python data.py tokenize` below) use have and beside for evaluation.py and
-# prepare.py, which the core trains without. They live here, as data.py cannot import train.py.
+# prepare.py, which the core trains without. They live here because train.py imports data.py
+# (importing train.py back would be circular, and would pull jax and Orbax into data.py).
 have = lambda name: importlib.util.find_spec(name) is not None
 
 
