@@ -175,9 +175,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #     it saves and stops as at --stop-at (every process of a pod at the same step). For
     #     example, a Ctrl-C just after step 150's flags were made, before step 151's: step 151's
     #     flags carry it, the loop reads them with step 151's metrics at step 152's (2), and
-    #     step 152 saves (3) and stops (4). (A Ctrl-C just after step 151's flags stops after
-    #     step 153. Had step 151 saved, its own read at (3) would have found it, and stopped
-    #     there.)
+    #     step 152 saves (3) and stops (4). (The stopping section follows it in more detail.)
     late_metrics = LateMetrics(log)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):  # batch step - 1
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
