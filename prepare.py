@@ -20,7 +20,7 @@ SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/d
 def main(argv=None):
     ap = argparse.ArgumentParser(description=data.__doc__)
     ap.add_argument("command", choices=["tokenize"])
-    ap.add_argument("inputs", nargs="+", help=".txt (one document), .jsonl, .jsonl.gz, .json.gz")
+    ap.add_argument("inputs", nargs="+", help=".txt; JSON lines: .jsonl(.gz), .json.gz")
     ap.add_argument("--out", required=True, help="folder: train.txt (and heldout.txt), the tokens")
     ap.add_argument("--heldout", type=float, default=0.0, help="fraction held out, by content")
     ap.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "bytes"])
