@@ -171,11 +171,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #   - it reads each step's metrics a step late, so the devices never wait for the host
     #     (LateMetrics);
     #   - a step that saves reads its own metrics first;
-    #   - a Ctrl-C or a SIGTERM reaches it through the metrics (late_metrics.signalled), and then
-    #     it saves and stops as at --stop-at (every process of a pod at the same step). For
-    #     example, a Ctrl-C just after step 150's flags were made, before step 151's: step 151's
-    #     flags carry it, the loop reads them with step 151's metrics at step 152's (2), and
-    #     step 152 saves (3) and stops (4). (The stopping section follows it in more detail.)
+    #   - a Ctrl-C or a SIGTERM reaches it through the metrics (late_metrics.signalled), a step
+    #     or two later, and then it saves and stops as at --stop-at (every process of a pod at
+    #     the same step; the stopping section follows one signal step by step).
     late_metrics = LateMetrics(log)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):  # batch step - 1
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
