@@ -175,7 +175,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #     or two later, and then it saves and stops as at --stop-at (every process of a pod at
     #     the same step; the stopping section follows one signal step by step).
     late_metrics = LateMetrics(log)
-    for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):  # batch step - 1
+    # batch is loader.batch(step - 1): steps count from 1, batches from 0
+    for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal
