@@ -209,8 +209,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     return jax.lax.scan(group, x, groups)[0]
 
 
-# window is None (full) or W (decoder makes window and cfg static); rope is rope_tables'
-# (cos_TE, sin_TE).
+# window is None for a full-attention layer, or W, the width of a sliding one. decoder passes it
+# and cfg as Python values, so they are static. rope is rope_tables' (cos_TE, sin_TE).
 def block(p, x_BTD, window, rope, cfg: Config, segments=None):
     B, T, _ = x_BTD.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -121,8 +121,8 @@ def main(argv=None):
 #                               flags_spec(mesh), in compile_step, describes that array
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   catch_up                    does nothing (what it does after a stop or a kill: the
-#                               checkpoints section)
+#   catch_up                    does nothing (after a stop or a kill, it mends metrics.jsonl
+#                               and evaluations: its comment)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
 #   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
@@ -142,9 +142,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     compiled = compile_step(cfg, r, mesh, target)
 
     # step_fn puts the batch on the devices (one host: jax.device_put), and adds the signal flags:
-    # all False until a Ctrl-C or a SIGTERM. train_step reduces them with jnp.any (on a pod, an
-    # all-reduce), so that every host learns of a signal in the same step's metrics, and all stop
-    # after the same step (second read: the comment above SIGNALS).
+    # all False until a Ctrl-C or a SIGTERM. Why a step input: a pod's hosts must all stop after
+    # the same step, and train_step's jnp.any (an all-reduce) puts the answer in the metrics
+    # that every host reads anyway, at no extra wait (the stopping section, second read).
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -181,8 +181,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            # this step's metrics too: its record must be in metrics.jsonl before its checkpoint
-            # is saved, so that no checkpointed step lacks a record (rule 1, checkpoints section)
+            # this step's metrics too: its record goes into metrics.jsonl before its checkpoint
+            # is saved. In the other order, a kill just after the commit would lose the record for
+            # good, since a rerun resumes past this step.
             late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None.
@@ -672,47 +673,35 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # On one host that nobody stops or kills, this section comes down to two calls:
 #   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# The rest makes them safe through a kill at any moment, and on a pod. It keeps three rules,
-# with two small files in the run directory, beside checkpoints/:
-#   1. Every checkpointed step has its record in metrics.jsonl: save_step rewrites metrics.jsonl
-#      just before each save. (In the other order, a kill between the checkpoint's commit and
-#      metrics.jsonl's write would leave checkpointed steps with no records, which no rerun
-#      would write.)
-#   2. No step has two records: every start cuts metrics.jsonl back to the step it starts from
-#      (catch_up), since the file may hold up to one save's steps past the newest checkpoint.
-#   3. A run directory that lost its checkpoints is not silently started over: save_step writes
-#      committed.txt, a checkpoint's step, once it knows of a committed checkpoint, and where the
-#      file exists, refuse_fresh_start refuses a fresh start. (To Orbax, a new run directory and
-#      one whose checkpoints were lost look the same: checkpoints/ holds no step.)
-#      Orbax commits a save in the background, so the run learns of a commit only when it waits
-#      for it, at the next save. With save_every 100, what each save writes first:
-#        save 100   no committed.txt (its wait finds nothing committed)
-#        save 200   committed.txt: 100
-#        save 300   committed.txt: 200
-#      So the file names the checkpoint before the newest (the last save is not waited for
-#      here), and a run that lost checkpoint 100 before save 200 starts over, losing at most 100
-#      steps: the one exception.
-# Orbax saves a step in the background under a temporary name, then commits it atomically: a
-# kill loses only the steps since the last commit. A save at step 200 (save_every 100) goes in
-# four moments; what is on disk after each, and what a rerun does after a kill there:
-#   moment                             on disk                   a rerun after a kill there
-#   1. wait for step 100's save        records 1-100, ckpt 100   resumes from step 100
-#   2. write metrics.jsonl, and        records 1-200, ckpt 100,  resumes from 100, and drops
-#      committed.txt: 100              committed.txt: 100        records 101-200 (catch_up)
-#   3. save step 200 (Orbax commits    records 1-200, ckpts 100  resumes from 200 once it is
-#      it in the background)           and 200, once committed   committed, else as after 2
-#   4. evaluate step 200               the same                  resumes from 200, and runs the
-#                                                                evaluation first (catch_up)
-# Who does what, in the order a run calls them:
-#   resume               (a resume) every process reads the same step; one that some cannot is
-#                        renamed. It reads through read_retrying, which tries a failed read
-#                        again, and restore, which refuses another model, data order or data
-#                        (compared_settings) and a layout this code does not make (read_item)
-#   refuse_fresh_start   (else, a fresh start) refuses to start over where committed.txt exists,
-#                        or a step was renamed unreadable
-#   catch_up             (every start) drops the records past the step the run starts from, and
-#                        runs that step's evaluation where a stop or a kill left it out
-#   save_step            (each save) moments 1 to 3, for the loop; it calls save
+# The rest makes them safe through a kill at any moment, and on a pod. Orbax saves a step in the
+# background under a temporary name, then commits it atomically, so a kill loses only the steps
+# since the last commit. Three rules, kept with two small files beside checkpoints/:
+#   1. Every checkpointed step has its record in metrics.jsonl: save_step writes the file just
+#      before each save. (Written after it, a kill between the commit and the write would lose
+#      the records for good: a rerun resumes past their steps.)
+#   2. No step has two records: the file may hold steps past the newest checkpoint, so catch_up
+#      cuts it back to the step each start resumes from.
+#   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
+#      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
+#      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
+# A save at step 200 (save_every 100), moment by moment: who does what, what is on disk after it,
+# and what a rerun does after a kill there.
+#   moment                              on disk after it          a rerun after a kill there
+#   1. save_step waits until step 100's records 1-100, ckpt 100   resumes from 100
+#      save is committed
+#   2. save_step writes metrics.jsonl   records 1-200, ckpt 100,  resumes from 100; catch_up
+#      and committed.txt: 100           committed.txt: 100        drops records 101-200
+#   3. save saves step 200; Orbax       ckpt 200 too, once        resumes from 200 once it is
+#      commits it in the background     committed                 committed, else as after 2
+#   4. train evaluates step 200         the same                  resumes from 200; catch_up
+#                                                                 runs the evaluation first
+# committed.txt lags one save: the run learns of a commit only when it waits for it, at the next
+# save. So save 100 writes none, and a run that lost checkpoint 100 before save 200 starts over,
+# losing at most save_every steps: rule 3's one exception.
+# On a pod, resume has every process read the same step; a step that some process cannot read
+# (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
+# restore refuses another model, data order or data (compared_settings), and read_item a layout
+# this code does not make.
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints and exact resume" lists them).
 
@@ -730,8 +719,8 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# The loop's save (part (3)): moments 1 to 3 of the four above. committed.txt is written after
-# the wait, so manager.latest_step() is the newest committed checkpoint (None before the first).
+# The loop's save, (3) in train: moments 1 to 3 of the table above. committed.txt is written
+# after the wait, so manager.latest_step() is the newest committed checkpoint (None before one).
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
     log.flush()  # writes metrics.jsonl and log.txt
@@ -746,11 +735,9 @@ def refuse_fresh_start(out):
     # directory holds, and what the run does:
     #   nothing, or metrics.jsonl alone           fresh start: nothing was committed (a kill
     #                                             may have cut the first save short)
-    #   committed.txt (save_step's, moment 2)     refuse: a run trained here, and its
+    #   committed.txt (save_step writes it)       refuse: a run trained here, and its
     #                                             checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
-    # (committed.txt appears at the second save, naming the first. A run that lost its first
-    # checkpoint before then starts fresh: it loses at most save_every steps.)
     unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
     if unreadable or (epath.Path(out) / "committed.txt").exists():
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "committed.txt"
@@ -761,9 +748,10 @@ def refuse_fresh_start(out):
 def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
     # train calls this once the run knows where it starts (done: 0, or the resumed step), and
     # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
-    # kill at moments 2 and 4 of the four above leaves: it drops the records past step done, and
-    # runs step done's evaluation if one is due and metrics.jsonl lacks it. (A stop, too, skips
-    # the evaluation of its step, if one falls on it.) On a fresh start, it drops every record.
+    # kill leaves after save_step's write (moment 2 in the checkpoints table) or during an
+    # evaluation (moment 4): it drops the records past step done, and runs step done's evaluation
+    # if one is due and metrics.jsonl lacks it. (A stop, too, skips the evaluation of its step, if
+    # one falls on it.) On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
