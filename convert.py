@@ -38,6 +38,7 @@ def hf_view(params, kind, layer, cfg):  # our array for `kind` (and layer) as HF
     # nn.Embedding is [V, D], as ours is.
     array = params[kind] if layer is None else params["blocks"][kind][layer]  # None: not a block's
     hf = array if array.ndim == 1 or kind == "embed" else array.T
+    # both are [V, D] here (lm_head's .T above); the padding rows past vocab_size are not HF's
     return hf[:cfg.vocab_size] if kind in ("embed", "lm_head") else hf
 
 

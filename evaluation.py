@@ -93,7 +93,7 @@ def score(params, cfg, mesh, rows, vocab, step_rows, width):
     # of their count.
     # whole: every device holds all of the array (an empty PartitionSpec cuts no dimension). On
     # a pod, a host can read only what its own devices hold, so the sums are put whole before
-    # np.asarray reads them.
+    # np.asarray reads them. (On one host, the loop is np.asarray(logprobs(params, x, y, ...)).)
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     out = []

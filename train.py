@@ -112,24 +112,9 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# train, and what it calls, use names that later parts explain. On one host that nobody stops
-# or kills, take each as this (in the order train's text names them):
-#   Log                         log(text) prints a line; log(text, **record) also keeps the
-#                               record for metrics.jsonl; log.flush() writes both files
-#   olmo3.device_batch(b, mesh) jax.device_put(b)
-#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM);
-#                               flags_spec(mesh), in compile_step, describes that array
-#   olmo3.local_rows            every row of the batch (a pod's process holds only some)
-#   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   catch_up                    does nothing (after a stop or a kill, it mends metrics.jsonl
-#                               and evaluations: its comment)
-#   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
-#   late_metrics.signalled      False
-#   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
-#                               committed.txt), then manager.save(step, state)
-#   stop_reason                 "--stop-at" at that step, else None
-# The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
-# saved_settings) are plain save and load.
+# train calls a few names for checkpoints, stopping and a pod, which the second read explains.
+# Its comments say what each does on one host that nobody stops or kills: most do nothing there.
+# The checkpoint functions (checkpoints, save, restore, ...) are plain save and load.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out (the run
     # directory) and args.data (parse_args, at the end)
@@ -179,14 +164,18 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
         late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
-        # (3) saves when due, at --stop-at, or once the metrics read carry a signal
+        # (3) saves when due, at --stop-at, or once the metrics read carry a signal (on one host
+        # that nobody stops, late_metrics.signalled stays False)
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             # this step's metrics too: its record goes into metrics.jsonl before its checkpoint
             # is saved. In the other order, a kill just after the commit would lose the record for
             # good, since a rerun resumes past this step.
             late_metrics.read_pending()
+            # waits for the last save, writes metrics.jsonl and log.txt (and committed.txt), then
+            # manager.save(step, state)
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None.
+        # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None
+        # (on one host that nobody stops, "--stop-at" at that step, else None).
         # It comes after (3), whose read_pending may have just read a signal in this step's metrics.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
@@ -684,6 +673,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
 #      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
 #      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
+#      It lags one save: Orbax commits in the background, so the run learns of a commit only
+#      when it waits for it, at the next save (in the table below, save 200 writes 100).
 # A save at step 200 (save_every 100), moment by moment: who does what, what is on disk after it,
 # and what a rerun does after a kill there.
 #   moment                              on disk after it          a rerun after a kill there
@@ -695,8 +686,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      commits it in the background     committed                 committed, else as after 2
 #   4. train evaluates step 200         the same                  resumes from 200; catch_up
 #                                                                 runs the evaluation first
-# committed.txt lags one save: the run learns of a commit only when it waits for it, at the next
-# save. So save 100 writes none, and a run that lost checkpoint 100 before save 200 starts over,
+# Save 100 writes no committed.txt, so a run that lost checkpoint 100 before save 200 starts over,
 # losing at most save_every steps: rule 3's one exception.
 # On a pod, resume has every process read the same step; a step that some process cannot read
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
