@@ -141,9 +141,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # (Second read: on a run that nobody stopped or killed, it does nothing.) After a stop or a
-    # kill, it drops metrics.jsonl's records past step done, and runs step done's evaluation if
-    # the stop skipped it or the kill cut it short.
+    # Does nothing on a fresh run. After a stop or a kill, it drops metrics.jsonl's records past
+    # step done, and runs step done's evaluation if it was skipped or cut short (second read).
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -692,6 +691,7 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
 # restore refuses another model, data order or data (compared_settings), and read_item a layout
 # this code does not make.
+# The functions come in that order: the plain save and load first, then what makes them safe.
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints and exact resume" lists them).
 
@@ -707,47 +707,6 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     options = ocp.CheckpointManagerOptions(max_to_keep=r.keep_checkpoints, keep_period=r.keep_every,
                                            create=not read_only, read_only=read_only)
     return ocp.CheckpointManager(path, options=options)
-
-
-# The loop's save, (3) in train: moments 1 to 3 of the table above. committed.txt is written
-# after the wait, so manager.latest_step() is the newest committed checkpoint (None before one).
-def save_step(manager, log, step, state, cfg, r, data_fingerprint):
-    manager.wait_until_finished()  # the previous save (Orbax saves in the background)
-    log.flush()  # writes metrics.jsonl and log.txt
-    # committed.txt, once a checkpoint is committed (only process 0 writes the run's files)
-    if manager.latest_step() is not None and jax.process_index() == 0:
-        (manager.directory.parent / "committed.txt").write_text(f"{manager.latest_step()}\n")
-    save(manager, step, state, cfg, r, data_fingerprint)
-
-
-def refuse_fresh_start(out):
-    # starting_state calls this when the run directory has no checkpoint to resume. What the
-    # directory holds, and what the run does:
-    #   nothing, or metrics.jsonl alone           fresh start: nothing was committed (a kill
-    #                                             may have cut the first save short)
-    #   committed.txt (save_step writes it)       refuse: a run trained here, and its
-    #                                             checkpoints are gone
-    #   a step renamed *.unreadable               refuse: resume could read none of them
-    unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
-    if unreadable or (epath.Path(out) / "committed.txt").exists():
-        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "committed.txt"
-        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
-                         "restore its checkpoints, or use a new --out")
-
-
-def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
-    # train calls this once the run knows where it starts (done: 0, or the resumed step), and
-    # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
-    # kill leaves after save_step's write (moment 2 in the checkpoints table) or during an
-    # evaluation (moment 4): it drops the records past step done, and runs step done's evaluation
-    # if one is due and metrics.jsonl lacks it. (A stop, too, skips the evaluation of its step, if
-    # one falls on it.) On a fresh start, it drops every record.
-    records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
-    log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
-    # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
-    evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
-    if evals and done and eval_due and not evaluated:
-        evals(params, done)
 
 
 # save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
@@ -767,47 +726,6 @@ def save(manager, step, state, cfg, r=None, data_fingerprint=None):
 def run_settings(cfg, r=None, data_fingerprint=None):
     return {"model": dataclasses.asdict(cfg), "data": data_fingerprint,
             "recipe": dataclasses.asdict(r) if r is not None else {}}
-
-
-def resume(cfg, r, manager, target, data_fingerprint, log):
-    # Reads the newest checkpoint that every process can read. Each process reads it itself,
-    # with retries, then an all-gather of the outcomes decides for all of them (Orbax's own
-    # restore would hang at a barrier if one process failed). A step that some process cannot
-    # read is renamed <step>.<time>.unreadable, and the step before it is tried.
-    for step in sorted(manager.all_steps(), reverse=True):
-        step_dir = manager.directory / str(step)
-        log(f"restoring step {step} of {manager.directory}")
-        state = read_retrying(restore, step_dir, target, cfg, resuming=True, r=r,
-                              data_fingerprint=data_fingerprint)
-        read = multihost_utils.process_allgather(np.int32(state is not None))
-        if read.all():
-            return state, f"resumed from step {step}"
-        failed = np.flatnonzero(read == 0).tolist()
-        if jax.process_index() == 0:  # a new name each time: the step saved again may fail again
-            step_dir.rename(manager.directory / f"{step}.{time.time_ns()}.unreadable")
-        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.*.unreadable")
-        multihost_utils.sync_global_devices("unreadable checkpoint renamed")
-        manager.reload()
-    # (A cause on this side, such as expired credentials, fails every step: rename the steps back
-    # by hand once it is fixed.)
-    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); fix "
-                     "the cause and rename the .unreadable steps back, or use a new --out")
-
-
-def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, ...), or None
-    for attempt in range(tries):
-        try:
-            return read(step_dir, *args, **kwargs)
-        # a failing device, not the files (it is an Exception too, so it is let through first)
-        except jax.errors.JaxRuntimeError:
-            raise
-        # Orbax and tensorstore raise many kinds of errors. restore's one-line mismatch error is
-        # a SystemExit, which is not an Exception, so it passes through and is never retried.
-        except Exception as e:
-            why = type(e).__name__ + ": " + str(e).split("\n")[0][:200]  # the message may be empty
-            print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
-            time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
-    # every try failed, so it returns None
 
 
 # What must match the checkpoint: the model's settings, always; the data order (r's DATA_ORDER
@@ -871,6 +789,91 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
         if step is not None:
             return epath.Path(directory) / str(step)
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
+
+
+# The plain save and load are above; below is what makes them safe: the loop's save, a start's
+# checks (refuse_fresh_start, catch_up), and a resume that every process of a pod agrees on.
+
+# The loop's save, (3) in train: moments 1 to 3 of the section's table. committed.txt is written
+# after the wait, so manager.latest_step() is the newest committed checkpoint (None before one).
+def save_step(manager, log, step, state, cfg, r, data_fingerprint):
+    manager.wait_until_finished()  # the previous save (Orbax saves in the background)
+    log.flush()  # writes metrics.jsonl and log.txt
+    # committed.txt, once a checkpoint is committed (only process 0 writes the run's files)
+    if manager.latest_step() is not None and jax.process_index() == 0:
+        (manager.directory.parent / "committed.txt").write_text(f"{manager.latest_step()}\n")
+    save(manager, step, state, cfg, r, data_fingerprint)
+
+
+def refuse_fresh_start(out):
+    # starting_state calls this when the run directory has no checkpoint to resume. What the
+    # directory holds, and what the run does:
+    #   nothing, or metrics.jsonl alone           fresh start: nothing was committed (a kill
+    #                                             may have cut the first save short)
+    #   committed.txt (save_step writes it)       refuse: a run trained here, and its
+    #                                             checkpoints are gone
+    #   a step renamed *.unreadable               refuse: resume could read none of them
+    unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
+    if unreadable or (epath.Path(out) / "committed.txt").exists():
+        found = f"checkpoints {', '.join(unreadable)}" if unreadable else "committed.txt"
+        raise SystemExit(f"error: {out} holds a run ({found}) but no checkpoint to resume; "
+                         "restore its checkpoints, or use a new --out")
+
+
+def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
+    # train calls this once the run knows where it starts (done: 0, or the resumed step), and
+    # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
+    # kill leaves after save_step's write (moment 2 in the section's table) or during an
+    # evaluation (moment 4): it drops the records past step done, and runs step done's evaluation
+    # if one is due and metrics.jsonl lacks it. (A stop, too, skips the evaluation of its step, if
+    # one falls on it.) On a fresh start, it drops every record.
+    records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
+    log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
+    # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
+    evaluated = any(k.startswith("eval/") for rec in records if rec["step"] == done for k in rec)
+    if evals and done and eval_due and not evaluated:
+        evals(params, done)
+
+
+def resume(cfg, r, manager, target, data_fingerprint, log):
+    # Reads the newest checkpoint that every process can read. Each process reads it itself,
+    # with retries, then an all-gather of the outcomes decides for all of them (Orbax's own
+    # restore would hang at a barrier if one process failed). A step that some process cannot
+    # read is renamed <step>.<time>.unreadable, and the step before it is tried.
+    for step in sorted(manager.all_steps(), reverse=True):
+        step_dir = manager.directory / str(step)
+        log(f"restoring step {step} of {manager.directory}")
+        state = read_retrying(restore, step_dir, target, cfg, resuming=True, r=r,
+                              data_fingerprint=data_fingerprint)
+        read = multihost_utils.process_allgather(np.int32(state is not None))
+        if read.all():
+            return state, f"resumed from step {step}"
+        failed = np.flatnonzero(read == 0).tolist()
+        if jax.process_index() == 0:  # a new name each time: the step saved again may fail again
+            step_dir.rename(manager.directory / f"{step}.{time.time_ns()}.unreadable")
+        log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.*.unreadable")
+        multihost_utils.sync_global_devices("unreadable checkpoint renamed")
+        manager.reload()
+    # (A cause on this side, such as expired credentials, fails every step: rename the steps back
+    # by hand once it is fixed.)
+    raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); fix "
+                     "the cause and rename the .unreadable steps back, or use a new --out")
+
+
+def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, ...), or None
+    for attempt in range(tries):
+        try:
+            return read(step_dir, *args, **kwargs)
+        # a failing device, not the files (it is an Exception too, so it is let through first)
+        except jax.errors.JaxRuntimeError:
+            raise
+        # Orbax and tensorstore raise many kinds of errors. restore's one-line mismatch error is
+        # a SystemExit, which is not an Exception, so it passes through and is never retried.
+        except Exception as e:
+            why = type(e).__name__ + ": " + str(e).split("\n")[0][:200]  # the message may be empty
+            print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
+            time.sleep(2 ** attempt if attempt + 1 < tries else 0)  # 1, 2, 4 s; none after the last
+    # every try failed, so it returns None
 
 
 # ----------------------------------------------------------------------------- stopping
