@@ -113,8 +113,9 @@ def main(argv=None):
 
 
 # train calls a few names for checkpoints, stopping and a pod, which the second read explains.
-# Its comments say what each does on one host that nobody stops or kills: most do nothing there.
-# The checkpoint functions (checkpoints, save, restore, ...) are plain save and load.
+# Its comments, and the README's stop 5, say what each does on one host that nobody stops or
+# kills: most do nothing there. The checkpoint functions (save, restore, ...) are plain save and
+# load.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out (the run
     # directory) and args.data (parse_args, at the end)
@@ -141,8 +142,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # Does nothing on a fresh run. After a stop or a kill, it drops metrics.jsonl's records past
-    # step done, and runs step done's evaluation if it was skipped or cut short (second read).
+    # On a run that nobody stopped or killed, it does nothing. After a stop or a kill, it drops
+    # metrics.jsonl's records past step done (on a fresh start, any that a run killed before its
+    # first commit left), and runs step done's evaluation if it was skipped or cut short.
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -162,7 +164,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # batch is loader.batch(step - 1): steps count from 1, batches from 0
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        late_metrics.add(step, metrics)  # (2) reads and logs step - 1's metrics, keeps this one's
+        # (2) reads and logs step - 1's metrics, and keeps this one's (10 updates skipped in a row
+        # end the run here, with an error)
+        late_metrics.add(step, metrics)
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal (on one host
         # that nobody stops, late_metrics.signalled stays False)
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
