@@ -112,10 +112,25 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# train calls a few names for checkpoints, stopping and a pod, which the second read explains.
-# Its comments, and the README's stop 5, say what each does on one host that nobody stops or
-# kills: most do nothing there. The checkpoint functions (save, restore, ...) are plain save and
-# load.
+# train, and what it calls, use names that later parts explain. On one host that nobody stops
+# or kills, take each as this (in the order train's text names them):
+#   Log                         log(text) prints a line; log(text, **record) also keeps the
+#                               record for metrics.jsonl; log.flush() writes both files
+#   olmo3.device_batch(b, mesh) jax.device_put(b, olmo3.batch_sharding(mesh)): rows cut over devices
+#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM);
+#                               flags_spec(mesh), in compile_step, describes that array
+#   olmo3.local_rows            every row of the batch (a pod's process holds only some)
+#   check_processes_agree       checks nothing
+#   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
+#   catch_up                    does nothing (after a run that ended early, it mends
+#                               metrics.jsonl and evaluations: its comment)
+#   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
+#   late_metrics.signalled      False
+#   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
+#                               committed.txt), then manager.save(step, state)
+#   stop_reason                 "--stop-at" at that step, else None
+# The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
+# saved_settings) are plain save and load.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out (the run
     # directory) and args.data (parse_args, at the end)
@@ -127,7 +142,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # step that does not fit in their memory, fails here, before any data is read
     compiled = compile_step(cfg, r, mesh, target)
 
-    # step_fn puts the batch on the devices (one host: jax.device_put), and adds the signal flags:
+    # step_fn puts the batch's rows on the devices (device_batch), and adds the signal flags:
     # all False until a Ctrl-C or a SIGTERM. Why a step input: a pod's hosts must all stop after
     # the same step, and train_step's jnp.any (an all-reduce) puts the answer in the metrics
     # that every host reads anyway, at no extra wait (the stopping section, second read).
@@ -142,9 +157,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # On a run that nobody stopped or killed, it does nothing. After a stop or a kill, it drops
-    # metrics.jsonl's records past step done (on a fresh start, any that a run killed before its
-    # first commit left), and runs step done's evaluation if it was skipped or cut short.
+    # On a run's first start, it does nothing. After a run that ended early (a stop, a kill or an
+    # error), it drops metrics.jsonl's records past step done (on a fresh start, any that such a
+    # run left before its first commit), and runs step done's evaluation if metrics.jsonl lacks it.
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -164,15 +179,15 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # batch is loader.batch(step - 1): steps count from 1, batches from 0
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        # (2) reads and logs step - 1's metrics, and keeps this one's (10 updates skipped in a row
-        # end the run here, with an error)
+        # (2) reads and logs step - 1's metrics (unless (3) read them already), and keeps this
+        # one's. A read that finds 10 updates skipped in a row ends the run, with an error.
         late_metrics.add(step, metrics)
         # (3) saves when due, at --stop-at, or once the metrics read carry a signal (on one host
         # that nobody stops, late_metrics.signalled stays False)
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            # this step's metrics too: its record goes into metrics.jsonl before its checkpoint
-            # is saved. In the other order, a kill just after the commit would lose the record for
-            # good, since a rerun resumes past this step.
+            # this step's metrics too: its record, if it has one, goes into metrics.jsonl before
+            # its checkpoint is saved. In the other order, a kill just after the commit would lose
+            # the record for good, since a rerun resumes past this step.
             late_metrics.read_pending()
             # waits for the last save, writes metrics.jsonl and log.txt (and committed.txt), then
             # manager.save(step, state)
@@ -668,8 +683,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # The rest makes them safe through a kill at any moment, and on a pod. Orbax saves a step in the
 # background under a temporary name, then commits it atomically, so a kill loses only the steps
 # since the last commit. Three rules, kept with two small files beside checkpoints/:
-#   1. Every checkpointed step has its record in metrics.jsonl: save_step writes the file just
-#      before each save. (Written after it, a kill between the commit and the write would lose
+#   1. metrics.jsonl holds every record up to each checkpointed step: save_step writes the file
+#      just before each save. (Written after it, a kill between the commit and the write would lose
 #      the records for good: a rerun resumes past their steps.)
 #   2. No step has two records: the file may hold steps past the newest checkpoint, so catch_up
 #      cuts it back to the step each start resumes from.
@@ -681,21 +696,25 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # A save at step 200 (save_every 100), moment by moment: who does what, what is on disk after it,
 # and what a rerun does after a kill there.
 #   moment                              on disk after it          a rerun after a kill there
-#   1. save_step waits until step 100's records 1-100, ckpt 100   resumes from 100
-#      save is committed
+#   1. save_step waits until step 100's records 1-100, ckpt 100   resumes from 100 (catch_up
+#      save is committed                                          runs its evaluation first)
 #   2. save_step writes metrics.jsonl   records 1-200, ckpt 100,  resumes from 100; catch_up
 #      and committed.txt: 100           committed.txt: 100        drops records 101-200
 #   3. save saves step 200; Orbax       ckpt 200 too, once        resumes from 200 once it is
-#      commits it in the background     committed                 committed, else as after 2
+#      commits it in the background     committed                 committed (catch_up runs its
+#                                                                 evaluation first), else as after 2
 #   4. train evaluates step 200         the same                  resumes from 200; catch_up
 #                                                                 runs the evaluation first
+# (Rows 1 and 3: an evaluation's record reaches metrics.jsonl only at the next save's write, so
+# the rerun runs the evaluation of the step it resumes from again, where one falls on it.)
 # Save 100 writes no committed.txt, so a run that lost checkpoint 100 before save 200 starts over,
 # losing at most save_every steps: rule 3's one exception.
 # On a pod, resume has every process read the same step; a step that some process cannot read
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
 # restore refuses another model, data order or data (compared_settings), and read_item a layout
 # this code does not make.
-# The functions come in that order: the plain save and load first, then what makes them safe.
+# The functions below come in this order: the plain save and load first, then what makes them
+# safe.
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
 # kill or stop real runs at each moment (the README's "Checkpoints and exact resume" lists them).
 
@@ -827,10 +846,10 @@ def refuse_fresh_start(out):
 def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
     # train calls this once the run knows where it starts (done: 0, or the resumed step), and
     # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
-    # kill leaves after save_step's write (moment 2 in the section's table) or during an
-    # evaluation (moment 4): it drops the records past step done, and runs step done's evaluation
-    # if one is due and metrics.jsonl lacks it. (A stop, too, skips the evaluation of its step, if
-    # one falls on it.) On a fresh start, it drops every record.
+    # run that ended early (a stop, a kill or an error) left: it drops the records past step done,
+    # and runs step done's evaluation if one is due and metrics.jsonl lacks it. It lacks it where a
+    # stop skipped it, or where the run ended before the next save wrote its record (the section's
+    # table). On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
