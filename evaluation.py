@@ -174,12 +174,13 @@ def main(cfg, r, args):
             new = generate(params, cfg, prompt, args.max_new_tokens, args.temperature)
             print(args.generate + tokenizer.decode(np.asarray(new[0])))
             return 0
+        # makes --out before the evaluation: a file there is a one-line error now, not after it
+        train.check_run_directory(args.out)
         results = evaluator(cfg, r, mesh, args.eval_data, args)(params)
     for name, metrics in results.items():
         print(f"{name:40s} " + "  ".join(f"{m} {round(v, 4)}" for m, v in metrics.items()))
     if jax.process_index() == 0:
         out = epath.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(results, indent=1, default=float))
         print(f"wrote {out / 'eval.json'}")
     return 0

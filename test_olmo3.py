@@ -2530,6 +2530,11 @@ def test_a_trained_model_answers_a_synthetic_task_and_eval_only_writes_eval_json
     written = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert written[task] == {"acc_raw": 1.0, "docs": 5}
     assert written["set1"]["CE loss"] < 1.0 and written["set1"]["PPL"] < 3
+    # --out naming a file is a one-line error before the evaluation, which then never runs
+    (tmp_path / "afile").write_text("")
+    only_tasks = ["--preset", "tiny", "--eval-only", "--init-from", str(out), "--eval-tasks", task]
+    with pytest.raises(SystemExit, match=r"^error: --out .*afile is a file; give a directory"):
+        train.main([*only_tasks, "--out", str(tmp_path / "afile")])
 
 
 def test_a_byte_task_keeps_the_continuations_olmo_eval_keeps(tmp_path):
