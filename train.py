@@ -692,21 +692,22 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
 #      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
 #      It lags one save: Orbax commits in the background, so the run learns of a commit only
-#      when it waits for it, at the next save (in the table below, save 200 writes 100).
-# A save at step 200 (save_every 100), moment by moment: who does what, what is on disk after it,
-# and what a rerun does after a kill there.
-#   moment                              on disk after it          a rerun after a kill there
-#   1. save_step waits until step 100's records 1-100, ckpt 100   resumes from 100 (catch_up
-#      save is committed                                          runs its evaluation first)
-#   2. save_step writes metrics.jsonl   records 1-200, ckpt 100,  resumes from 100; catch_up
-#      and committed.txt: 100           committed.txt: 100        drops records 101-200
-#   3. save saves step 200; Orbax       ckpt 200 too, once        resumes from 200 once it is
-#      commits it in the background     committed                 committed (catch_up runs its
-#                                                                 evaluation first), else as after 2
-#   4. train evaluates step 200         the same                  resumes from 200; catch_up
-#                                                                 runs the evaluation first
-# (Rows 1 and 3: an evaluation's record reaches metrics.jsonl only at the next save's write, so
-# the rerun runs the evaluation of the step it resumes from again, where one falls on it.)
+#      when it waits for it, at the next save (in the moments below, save 200 writes 100).
+# A save at step 200 (save_every 100), moment by moment. After a kill at each moment, what is on
+# disk, and what a rerun does:
+#   1. save_step waits until step 100's save is committed.
+#      On disk: records 1-100 and checkpoint 100. A rerun resumes from 100.
+#   2. save_step writes metrics.jsonl, and committed.txt: 100.
+#      On disk: records 1-200, checkpoint 100, committed.txt. A rerun resumes from 100, and
+#      catch_up drops records 101-200.
+#   3. save saves step 200, and Orbax commits it in the background.
+#      On disk: checkpoint 200 too, once committed. A rerun resumes from 200 once it is
+#      committed, else as after 2.
+#   4. train evaluates step 200.
+#      On disk: the same. A rerun resumes from 200.
+# An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
+# a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
+# where one falls on it.
 # Save 100 writes no committed.txt, so a run that lost checkpoint 100 before save 200 starts over,
 # losing at most save_every steps: rule 3's one exception.
 # On a pod, resume has every process read the same step; a step that some process cannot read
@@ -817,7 +818,7 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # The plain save and load are above; below is what makes them safe: the loop's save, a start's
 # checks (refuse_fresh_start, catch_up), and a resume that every process of a pod agrees on.
 
-# The loop's save, (3) in train: moments 1 to 3 of the section's table. committed.txt is written
+# The loop's save, (3) in train: moments 1 to 3 of the section's list. committed.txt is written
 # after the wait, so manager.latest_step() is the newest committed checkpoint (None before one).
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):
     manager.wait_until_finished()  # the previous save (Orbax saves in the background)
@@ -849,7 +850,7 @@ def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluatio
     # run that ended early (a stop, a kill or an error) left: it drops the records past step done,
     # and runs step done's evaluation if one is due and metrics.jsonl lacks it. It lacks it where a
     # stop skipped it, or where the run ended before the next save wrote its record (the section's
-    # table). On a fresh start, it drops every record.
+    # moments). On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
