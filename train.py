@@ -832,8 +832,8 @@ def save_step(manager, log, step, state, cfg, r, data_fingerprint):
 def refuse_fresh_start(out):
     # starting_state calls this when the run directory has no checkpoint to resume. What the
     # directory holds, and what the run does:
-    #   nothing, or metrics.jsonl alone           fresh start: nothing was committed (a kill
-    #                                             may have cut the first save short)
+    #   nothing, or metrics.jsonl alone           fresh start: nothing was committed (a kill or
+    #                                             an error ended the run before its first commit)
     #   committed.txt (save_step writes it)       refuse: a run trained here, and its
     #                                             checkpoints are gone
     #   a step renamed *.unreadable               refuse: resume could read none of them
