@@ -112,40 +112,34 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# train, and what it calls, use names that later parts explain. On one host that nobody stops
-# or kills, take each as this (in the order train's text names them):
+# train, and what it calls, use names that the second read explains. On one host that nobody
+# stops or kills, take each as this (in the order train names them):
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) jax.device_put(b, olmo3.batch_sharding(mesh)): rows cut over devices
-#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM);
-#                               flags_spec(mesh), in compile_step, describes that array
+#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   check_processes_agree       checks nothing
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   catch_up                    does nothing (after a run that ended early, it mends
-#                               metrics.jsonl and evaluations: its comment)
+#   catch_up                    does nothing on a run's first start
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
-#   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
-#                               committed.txt), then manager.save(step, state)
+#   save_step                   reads this step's metrics, waits for the last save, writes
+#                               metrics.jsonl and log.txt, then manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
 # The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
 # saved_settings) are plain save and load.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
-    # args holds the flags that are not Config or Recipe fields, such as args.out (the run
-    # directory) and args.data (parse_args, at the end)
+    # args holds the flags that are not Config or Recipe fields, such as args.out, args.data
     log = Log(cfg, r, args.out, mesh)  # log(text) prints; log(text, **record) keeps a record too
     # target: the state's arrays described (shape, dtype, sharding), with nothing allocated
     target = abstract_state(cfg, r, mesh)
     log(f"{olmo3.param_count(cfg):,} parameters | {log.kind} {dict(mesh.shape)} | compiling")
-    # nanoGPT's torch.compile, ahead of time: a batch that does not split over the devices, or a
-    # step that does not fit in their memory, fails here, before any data is read
+    # nanoGPT's torch.compile, ahead of time: a step that does not fit fails here, before any data
     compiled = compile_step(cfg, r, mesh, target)
 
-    # step_fn puts the batch's rows on the devices (device_batch), and adds the signal flags:
-    # all False until a Ctrl-C or a SIGTERM. Why a step input: a pod's hosts must all stop after
-    # the same step, and train_step's jnp.any (an all-reduce) puts the answer in the metrics
-    # that every host reads anyway, at no extra wait (the stopping section, second read).
+    # step_fn puts the batch's rows on the devices, and adds the signal flags (all False until a
+    # Ctrl-C or a SIGTERM; the stopping section says why they are an input of the step)
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -157,9 +151,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # On a run's first start, it does nothing. After a run that ended early (a stop, a kill or an
-    # error), it drops metrics.jsonl's records past step done (on a fresh start, any that such a
-    # run left before its first commit), and runs step done's evaluation if metrics.jsonl lacks it.
+    # after a run that ended early: drops records past step done, reruns a missed evaluation
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -168,41 +160,24 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       if due(step, r.save_every) or step == args.stop_at: manager.save(step, state)  # (3)
     #       if step == args.stop_at: return 75  # (4) (or a Ctrl-C, a SIGTERM); rerun to resume
     #       if due(step, r.eval_every): evals(state["params"], step)  # (5)
-    # The loop below differs from it in three ways:
-    #   - it reads each step's metrics a step late, so the devices never wait for the host
-    #     (LateMetrics);
-    #   - a step that saves reads its own metrics first;
-    #   - a Ctrl-C or a SIGTERM reaches it through the metrics (late_metrics.signalled), a step
-    #     or two later, and then it saves and stops as at --stop-at (every process of a pod at
-    #     the same step; the stopping section follows one signal step by step).
+    # The loop below reads each step's metrics a step late, so the devices never wait for the
+    # host (LateMetrics), and it learns of a Ctrl-C or a SIGTERM from those metrics.
     late_metrics = LateMetrics(log)
-    # batch is loader.batch(step - 1): steps count from 1, batches from 0
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        # (2) reads and logs step - 1's metrics (unless (3) read them already), and keeps this
-        # one's. A read that finds 10 updates skipped in a row ends the run, with an error.
+        # (2) reads and logs the step before (a 10th skipped update in a row ends the run), and
+        # keeps this step's metrics
         late_metrics.add(step, metrics)
-        # (3) saves when due, at --stop-at, or once the metrics read carry a signal (on one host
-        # that nobody stops, late_metrics.signalled stays False)
+        # (3) also saves once the metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            # this step's metrics too: its record, if it has one, goes into metrics.jsonl before
-            # its checkpoint is saved. In the other order, a kill just after the commit would lose
-            # the record for good, since a rerun resumes past this step.
-            late_metrics.read_pending()
-            # waits for the last save, writes metrics.jsonl and log.txt (and committed.txt), then
-            # manager.save(step, state)
-            save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) why the run stops after this step: --stop-at, a signal read in the metrics, or None
-        # (on one host that nobody stops, "--stop-at" at that step, else None).
-        # It comes after (3), whose read_pending may have just read a signal in this step's metrics.
-        stop = stop_reason(step, args.stop_at, late_metrics.signalled)
+            save_step(manager, late_metrics, step, state, cfg, r, loader.fingerprint)
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (4) why, or None
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
-        # (5) after the save, which commits in the background meanwhile: a SIGTERM during a long
-        # evaluation finds this step saved
+        # (5) while the save commits in the background (a SIGTERM now finds this step saved)
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
     # (the last step always saves, so no metrics are left unread)
@@ -220,7 +195,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
-    # logs.) A step that saves reads its own metrics at once too (read_pending, in the loop), so
+    # logs.) A step that saves reads its own metrics at once too (save_step calls read_pending), so
     # that the metrics.jsonl written with its checkpoint holds every step up to it.
     # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
     # with an error (it saves nothing: the newest checkpoint holds good weights).
@@ -692,24 +667,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
 #      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
 #      It lags one save: Orbax commits in the background, so the run learns of a commit only
-#      when it waits for it, at the next save (in the moments below, save 200 writes 100).
-# A save at step 200 (save_every 100), moment by moment. After a kill at each moment, what is on
-# disk, and what a rerun does:
-#   1. save_step waits until step 100's save is committed.
-#      On disk: records 1-100 and checkpoint 100. A rerun resumes from 100.
-#   2. save_step writes metrics.jsonl, and committed.txt: 100.
-#      On disk: records 1-200, checkpoint 100, committed.txt. A rerun resumes from 100, and
-#      catch_up drops records 101-200.
-#   3. save saves step 200, and Orbax commits it in the background.
-#      On disk: checkpoint 200 too, once committed. A rerun resumes from 200 once it is
-#      committed, else as after 2.
-#   4. train evaluates step 200.
-#      On disk: the same. A rerun resumes from 200.
-# An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
-# a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
-# where one falls on it.
-# Save 100 writes no committed.txt, so a run that lost checkpoint 100 before save 200 starts over,
-# losing at most save_every steps: rule 3's one exception.
+#      when it waits for it, at the next save (save_step's moments: save 200 writes 100).
+# The first save writes no committed.txt, so a run that lost its first checkpoint before its
+# second save starts over, losing at most save_every steps: rule 3's one exception.
 # On a pod, resume has every process read the same step; a step that some process cannot read
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
 # restore refuses another model, data order or data (compared_settings), and read_item a layout
@@ -818,15 +778,32 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # The plain save and load are above; below is what makes them safe: the loop's save, a start's
 # checks (refuse_fresh_start, catch_up), and a resume that every process of a pod agrees on.
 
-# The loop's save, (3) in train: moments 1 to 3 of the section's list. committed.txt is written
-# after the wait, so manager.latest_step() is the newest committed checkpoint (None before one).
-def save_step(manager, log, step, state, cfg, r, data_fingerprint):
-    manager.wait_until_finished()  # the previous save (Orbax saves in the background)
-    log.flush()  # writes metrics.jsonl and log.txt
-    # committed.txt, once a checkpoint is committed (only process 0 writes the run's files)
+# The loop's save, (3) in train. A save at step 200 (save_every 100), moment by moment, and after
+# a kill at each moment, what is on disk and what a rerun does:
+#   1. save_step waits until step 100's save is committed.
+#      On disk: records 1-100 and checkpoint 100. A rerun resumes from 100.
+#   2. save_step writes metrics.jsonl, and committed.txt: 100.
+#      On disk: records 1-200, checkpoint 100, committed.txt. A rerun resumes from 100, and
+#      catch_up drops records 101-200.
+#   3. save saves step 200, and Orbax commits it in the background.
+#      On disk: checkpoint 200 too, once committed. A rerun resumes from 200 once it is
+#      committed, else as after 2.
+#   4. train evaluates step 200.
+#      On disk: the same. A rerun resumes from 200.
+# An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
+# a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
+# where one falls on it.
+def save_step(manager, late_metrics, step, state, cfg, r, data_fingerprint):
+    # This step's metrics first, so that metrics.jsonl holds its record (rule 1). They may carry
+    # a signal: the loop then stops after this save.
+    late_metrics.read_pending()
+    manager.wait_until_finished()  # moment 1: the previous save (Orbax saves in the background)
+    late_metrics.log.flush()  # moment 2: writes metrics.jsonl and log.txt
+    # committed.txt, once a checkpoint is committed (only process 0 writes the run's files). After
+    # the wait, manager.latest_step() is the newest committed checkpoint (None before the first).
     if manager.latest_step() is not None and jax.process_index() == 0:
         (manager.directory.parent / "committed.txt").write_text(f"{manager.latest_step()}\n")
-    save(manager, step, state, cfg, r, data_fingerprint)
+    save(manager, step, state, cfg, r, data_fingerprint)  # moment 3
 
 
 def refuse_fresh_start(out):
@@ -849,7 +826,7 @@ def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluatio
     # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
     # run that ended early (a stop, a kill or an error) left: it drops the records past step done,
     # and runs step done's evaluation if one is due and metrics.jsonl lacks it. It lacks it where a
-    # stop skipped it, or where the run ended before the next save wrote its record (the section's
+    # stop skipped it, or where the run ended before the next save wrote its record (save_step's
     # moments). On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
