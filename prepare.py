@@ -93,8 +93,8 @@ def dry_run(cfg, r, args):
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     print(f"dry run: {mesh.size} x {mesh.devices.flat[0].device_kind} {dict(mesh.shape)} | "
           f"compiled in {time.time() - t:.0f}s | {olmo3.param_count(cfg):,} parameters | batch "
-          f"{r.global_batch} x {r.seq_len} in {r.global_batch // micro} micro-batches of "
-          f"{micro // (mesh.shape['data'] * mesh.shape['fsdp'])} per device | remat {cfg.remat}")
+          f"{r.global_batch} x {r.seq_len} in micro-batches of {micro} "
+          f"({micro // (mesh.shape['data'] * mesh.shape['fsdp'])} per device) | remat {cfg.remat}")
     for path, x in jax.tree_util.tree_leaves_with_path(target["params"]):  # one line per weight
         print(f"{jax.tree_util.keystr(path):22} {str(x.shape):22} one device holds "
               f"{str(x.sharding.shard_shape(x.shape)):22} {x.sharding.spec}")

@@ -2179,7 +2179,7 @@ def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
     assert memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4 + 1
     out = capsys.readouterr().out
     assert "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1}" in out
-    assert "batch 8 x 32 in 2 micro-batches of 1 per device" in out
+    assert "batch 8 x 32 in micro-batches of 4 (1 per device)" in out
     assert "['blocks']['q']" in out and "(2, 64, 64)" in out and "(2, 16, 64)" in out
     gib = memory.argument_size_in_bytes / 2**30
     assert f"arguments {gib:.2f} GiB" in out
