@@ -117,7 +117,8 @@ def main(argv=None):
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) jax.device_put(b, olmo3.batch_sharding(mesh)): rows cut over devices
-#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
+#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM);
+#                               flags_spec(mesh), in compile_step, describes that array
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   check_processes_agree       checks nothing
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
@@ -138,8 +139,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # nanoGPT's torch.compile, ahead of time: a step that does not fit fails here, before any data
     compiled = compile_step(cfg, r, mesh, target)
 
-    # step_fn puts the batch's rows on the devices, and adds the signal flags (all False until a
-    # Ctrl-C or a SIGTERM; the stopping section says why they are an input of the step)
+    # step_fn puts the batch's rows on the devices, and adds the signal flags: all False until a
+    # Ctrl-C or a SIGTERM. Why a step input: a pod's hosts must all stop after the same step, and
+    # train_step's jnp.any (an all-reduce) puts the answer in the metrics that every host reads
+    # anyway, at no extra wait.
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -170,8 +173,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)
         # (3) also saves once the metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            save_step(manager, late_metrics, step, state, cfg, r, loader.fingerprint)
-        stop = stop_reason(step, args.stop_at, late_metrics.signalled)  # (4) why, or None
+            save_step(manager, log, late_metrics, step, state, cfg, r, loader.fingerprint)
+        # (4) why the run stops after this step, or None. save_step read this step's metrics
+        # first, so a signal they carry stops the run here.
+        stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
@@ -667,9 +672,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 #      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
 #      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
 #      It lags one save: Orbax commits in the background, so the run learns of a commit only
-#      when it waits for it, at the next save (save_step's moments: save 200 writes 100).
-# The first save writes no committed.txt, so a run that lost its first checkpoint before its
-# second save starts over, losing at most save_every steps: rule 3's one exception.
+#      when it waits for it, at the next save: with save_every 100, save 100 writes none, save
+#      200 writes 100, save 300 writes 200. So a run that lost checkpoint 100 before save 200
+#      starts over, losing at most save_every steps: rule 3's one exception.
 # On a pod, resume has every process read the same step; a step that some process cannot read
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
 # restore refuses another model, data order or data (compared_settings), and read_item a layout
@@ -677,7 +682,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # The functions below come in this order: the plain save and load first, then what makes them
 # safe.
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
-# kill or stop real runs at each moment (the README's "Checkpoints and exact resume" lists them).
+# kill or stop real runs at each moment of a save, as save_step's comment numbers them (the
+# README's "Checkpoints and exact resume" lists them).
 
 # a checkpoint's train_state item: every entry of the state but params (opt_state, step, history)
 train_state_of = lambda state: {k: v for k, v in state.items() if k != "params"}
@@ -793,12 +799,12 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
 # a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
 # where one falls on it.
-def save_step(manager, late_metrics, step, state, cfg, r, data_fingerprint):
+def save_step(manager, log, late_metrics, step, state, cfg, r, data_fingerprint):
     # This step's metrics first, so that metrics.jsonl holds its record (rule 1). They may carry
     # a signal: the loop then stops after this save.
     late_metrics.read_pending()
     manager.wait_until_finished()  # moment 1: the previous save (Orbax saves in the background)
-    late_metrics.log.flush()  # moment 2: writes metrics.jsonl and log.txt
+    log.flush()  # moment 2: writes metrics.jsonl and log.txt
     # committed.txt, once a checkpoint is committed (only process 0 writes the run's files). After
     # the wait, manager.latest_step() is the newest committed checkpoint (None before the first).
     if manager.latest_step() is not None and jax.process_index() == 0:
