@@ -74,7 +74,8 @@ class Loader:
         # 2 processes of 2 devices each, with fsdp=4, process 1 reads rows 8-15 of 16).
         self.rows = np.arange(global_batch) if rows is None else np.asarray(rows)
         # (second read) The data's fingerprint is the files' names and sizes, hashed to 60 bits
-        # (15 hex digits): an int64 that the hosts compare and a checkpoint keeps.
+        # (15 hex digits), so that it fits a signed int64, which the hosts compare
+        # (process_allgather) and a checkpoint keeps.
         named = repr([(os.path.basename(f), n) for f, n in zip(self.files, self.sizes)])
         self.fingerprint = int(hashlib.sha256(named.encode()).hexdigest()[:15], 16)
 

@@ -180,7 +180,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
     #           x = block(weights of layer 4 g + j, x, windows[j], ropes[windows[j]], cfg, segments)
     # The code calls block through jax.checkpoint, which only decides what the backward pass
-    # keeps. (When global_every does not divide n_layers, all the layers are one group.)
+    # keeps. When global_every does not divide n_layers, the window pattern does not repeat from
+    # group to group, so all the layers are one group.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
     # each weight [32, ...] -> [8 groups (scanned), 4 layers (group's Python loop), ...]; in
     # tiny, q [4, 256, 256] -> [1, 4, 256, 256], so group gets p_group["q"] [4, 256, 256] and
