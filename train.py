@@ -660,30 +660,13 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # On one host that nobody stops or kills, this section comes down to two calls:
 #   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
 #   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# The rest makes them safe through a kill at any moment, and on a pod. Orbax saves a step in the
-# background under a temporary name, then commits it atomically, so a kill loses only the steps
-# since the last commit. Three rules, kept with two small files beside checkpoints/:
-#   1. metrics.jsonl holds every record up to each checkpointed step: save_step writes the file
-#      just before each save. (Written after it, a kill between the commit and the write would lose
-#      the records for good: a rerun resumes past their steps.)
-#   2. No step has two records: the file may hold steps past the newest checkpoint, so catch_up
-#      cuts it back to the step each start resumes from.
-#   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
-#      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
-#      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
-#      It lags one save: Orbax commits in the background, so the run learns of a commit only
-#      when it waits for it, at the next save: with save_every 100, save 100 writes none, save
-#      200 writes 100, save 300 writes 200. So a run that lost checkpoint 100 before save 200
-#      starts over, losing at most save_every steps: rule 3's one exception.
-# On a pod, resume has every process read the same step; a step that some process cannot read
-# (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
-# restore refuses another model, data order or data (compared_settings), and read_item a layout
-# this code does not make.
-# The functions below come in this order: the plain save and load first, then what makes them
-# safe.
+# They come first: the plain save and load. restore refuses another model, data order or data
+# (compared_settings), and read_item a layout this code does not make.
+# What makes them safe through a kill at any moment, and on a pod, comes after them, under its own
+# banner: three rules, and the moments of a save.
 # Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
-# kill or stop real runs at each moment of a save, as save_step's comment numbers them (the
-# README's "Checkpoints and exact resume" lists them).
+# kill or stop real runs at each moment of a save (the README's "Checkpoints and exact resume"
+# lists them).
 
 # a checkpoint's train_state item: every entry of the state but params (opt_state, step, history)
 train_state_of = lambda state: {k: v for k, v in state.items() if k != "params"}
@@ -781,11 +764,27 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
     raise SystemExit(f"error: no checkpoint in {path}; pass a run directory or a converted one")
 
 
-# The plain save and load are above; below is what makes them safe: the loop's save, a start's
-# checks (refuse_fresh_start, catch_up), and a resume that every process of a pod agrees on.
-
-# The loop's save, (3) in train. A save at step 200 (save_every 100), moment by moment, and after
-# a kill at each moment, what is on disk and what a rerun does:
+# ----------------------------------------------------------------------------- kill-safe
+# The plain save and load are above. Below is what makes them safe: the loop's save (save_step),
+# a start's checks (refuse_fresh_start, catch_up), and a resume that every process of a pod agrees
+# on (resume, read_retrying).
+# Orbax saves a step in the background under a temporary name, then commits it atomically, so a
+# kill loses only the steps since the last commit. Three rules, kept with two small files beside
+# checkpoints/:
+#   1. metrics.jsonl holds every record up to each checkpointed step: save_step writes the file
+#      just before each save. (Written after it, a kill between the commit and the write would lose
+#      the records for good: a rerun resumes past their steps.)
+#   2. No step has two records: the file may hold steps past the newest checkpoint, so catch_up
+#      cuts it back to the step each start resumes from.
+#   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
+#      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
+#      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
+#      It lags one save: Orbax commits in the background, so the run learns of a commit only
+#      when it waits for it, at the next save: with save_every 100, save 100 writes none, save
+#      200 writes 100, save 300 writes 200. So a run that lost checkpoint 100 before save 200
+#      starts over, losing at most save_every steps: rule 3's one exception.
+# A save at step 200 (save_every 100), moment by moment, and after a kill at each moment, what is
+# on disk and what a rerun does:
 #   1. save_step waits until step 100's save is committed.
 #      On disk: records 1-100 and checkpoint 100. A rerun resumes from 100.
 #   2. save_step writes metrics.jsonl, and committed.txt: 100.
@@ -799,7 +798,11 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
 # a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
 # where one falls on it.
-def save_step(manager, log, late_metrics, step, state, cfg, r, data_fingerprint):
+# On a pod, resume has every process read the same step; a step that some process cannot read
+# (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
+
+
+def save_step(manager, log, late_metrics, step, state, cfg, r, data_fingerprint):  # (3) in train
     # This step's metrics first, so that metrics.jsonl holds its record (rule 1). They may carry
     # a signal: the loop then stops after this save.
     late_metrics.read_pending()
