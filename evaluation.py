@@ -87,13 +87,15 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 # row's tokens (seq_len)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
+    # On one host, the loop below is np.asarray(logprobs(params, x, y, ...)) over padded batches;
+    # the shardings are for a pod.
     # The rows go through logprobs in padded batches [step_rows, width], always the same shape,
     # so logprobs compiles once for each vocab. The batch's rows are cut over the data-parallel
     # devices, as in training, and each must get as many: step_rows is rounded up to a multiple
     # of their count.
     # whole: every device holds all of the array (an empty PartitionSpec cuts no dimension). On
     # a pod, a host can read only what its own devices hold, so the sums are put whole before
-    # np.asarray reads them. (On one host, the loop is np.asarray(logprobs(params, x, y, ...)).)
+    # np.asarray reads them.
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step_rows += -step_rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     out = []
@@ -202,6 +204,7 @@ def generate(params, cfg, prompts, n_new, temperature=0.0, key=None):
 
     def next_token(tokens, i_key):
         i, key = i_key
+        # position T - 1 + i holds the last token so far, whose logits predict token T + i
         logits = olmo3.forward(params, tokens, cfg)[:, T - 1 + i, :cfg.vocab_size]
         if temperature == 0:
             return tokens.at[:, T + i].set(jnp.argmax(logits, -1)), None
@@ -215,7 +218,7 @@ def samples(params, cfg, r, loader, n, log, new=128):
     decode_text = data.get_tokenizer(cfg.tokenizer).decode
     # The first batch's first rows, read whole: loader.batch would give only this process's rows
     # (on a pod), and every process must prompt with the same text (any text will do). A packed
-    # loader reads packed rows.
+    # loader reads packed rows. A prompt is a row's first 32 tokens (seq_len / 4 if that is fewer).
     prompts = loader.read(loader.epoch_order(1)[0, :n])[:, :min(32, r.seq_len // 4)]
     for temperature in (0.0, 0.8):
         texts = np.asarray(generate(params, cfg, prompts, new, temperature))

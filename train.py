@@ -139,10 +139,10 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # nanoGPT's torch.compile, ahead of time: a step that does not fit fails here, before any data
     compiled = compile_step(cfg, r, mesh, target)
 
-    # step_fn puts the batch's rows on the devices, and adds the signal flags: all False until a
-    # Ctrl-C or a SIGTERM. Why a step input: a pod's hosts must all stop after the same step, and
-    # train_step's jnp.any (an all-reduce) puts the answer in the metrics that every host reads
-    # anyway, at no extra wait.
+    # step_fn puts the batch's rows on the devices, and adds the signal flags. On one host, they
+    # are all False until a Ctrl-C or a SIGTERM. Why a step input: a pod's hosts must all stop
+    # after the same step, and train_step's jnp.any (an all-reduce) puts the answer in the metrics
+    # that every host reads anyway, at no extra wait.
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -765,26 +765,14 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 
 
 # ----------------------------------------------------------------------------- kill-safe
-# The plain save and load are above. Below is what makes them safe: the loop's save (save_step),
-# a start's checks (refuse_fresh_start, catch_up), and a resume that every process of a pod agrees
-# on (resume, read_retrying).
+# The plain save and load are above. Below is what makes them safe through a kill at any moment:
+#   save_step               the loop's save: moments 1 to 3 below, and rules 1 and 3
+#   refuse_fresh_start      rule 3, at a start with no checkpoint to resume
+#   catch_up                rule 2, and an evaluation a kill or a stop left out, at every start
+#   resume, read_retrying   a resume that every process of a pod agrees on
 # Orbax saves a step in the background under a temporary name, then commits it atomically, so a
-# kill loses only the steps since the last commit. Three rules, kept with two small files beside
-# checkpoints/:
-#   1. metrics.jsonl holds every record up to each checkpointed step: save_step writes the file
-#      just before each save. (Written after it, a kill between the commit and the write would lose
-#      the records for good: a rerun resumes past their steps.)
-#   2. No step has two records: the file may hold steps past the newest checkpoint, so catch_up
-#      cuts it back to the step each start resumes from.
-#   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
-#      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
-#      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
-#      It lags one save: Orbax commits in the background, so the run learns of a commit only
-#      when it waits for it, at the next save: with save_every 100, save 100 writes none, save
-#      200 writes 100, save 300 writes 200. So a run that lost checkpoint 100 before save 200
-#      starts over, losing at most save_every steps: rule 3's one exception.
-# A save at step 200 (save_every 100), moment by moment, and after a kill at each moment, what is
-# on disk and what a rerun does:
+# kill loses only the steps since the last commit. A save at step 200 (save_every 100), moment by
+# moment, and after a kill at each moment, what is on disk and what a rerun does:
 #   1. save_step waits until step 100's save is committed.
 #      On disk: records 1-100 and checkpoint 100. A rerun resumes from 100.
 #   2. save_step writes metrics.jsonl, and committed.txt: 100.
@@ -795,6 +783,19 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 #      committed, else as after 2.
 #   4. train evaluates step 200.
 #      On disk: the same. A rerun resumes from 200.
+# The three rules that these moments keep, with two small files beside checkpoints/:
+#   1. metrics.jsonl holds every record up to each checkpointed step: save_step writes the file
+#      just before each save (moment 2). Written after it, a kill between the commit and the
+#      write would lose the records for good, since a rerun resumes past their steps.
+#   2. No step has two records: the file may hold steps past the newest checkpoint (after a kill
+#      at moment 2), so catch_up cuts it back to the step each start resumes from.
+#   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
+#      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
+#      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
+#      It lags one save: Orbax commits in the background, so the run learns of a commit only
+#      when it waits for it (moment 1). Save 100 writes none, save 200 writes 100, save 300
+#      writes 200. So a run that lost checkpoint 100 before save 200 starts over, losing at most
+#      save_every steps: rule 3's one exception.
 # An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
 # a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
 # where one falls on it.
