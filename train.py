@@ -436,6 +436,8 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     old = {"params": params, "opt_state": state["opt_state"]}  # before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), updated, old)
     # -- The metrics, which the loop reads a step late
+    # (To log another number, the update's norm say: add it here, and to the record that
+    # Log.metrics keeps, at its end.)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     # and "signalled", any process's flag (jnp.any: on a pod, an all-reduce over the hosts)
     return new | {"step": step, "history": history}, metrics | {"signalled": jnp.any(flags)}
@@ -664,9 +666,9 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 # (compared_settings), and read_item a layout this code does not make.
 # What makes them safe through a kill at any moment, and on a pod, comes after them, under its own
 # banner: three rules, and the moments of a save.
-# Before you change any of this, run `pytest -k "kill or resume or fresh or commit"`: those tests
-# kill or stop real runs at each moment of a save (the README's "Checkpoints and exact resume"
-# lists them).
+# The tests `pytest -k "kill or resume or fresh or commit"` kill or stop real runs at each moment
+# of a save, and check that the rerun matches an unbroken run: after a change here, they say
+# which moment broke (the README's "Checkpoints and exact resume" lists them).
 
 # a checkpoint's train_state item: every entry of the state but params (opt_state, step, history)
 train_state_of = lambda state: {k: v for k, v in state.items() if k != "params"}
@@ -801,6 +803,11 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # where one falls on it.
 # On a pod, resume has every process read the same step; a step that some process cannot read
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
+# To change this, keep the two orders that the rules rest on: a save writes its records before
+# its checkpoint (moment 2 before 3), and a start cuts the records back to the step it resumes
+# from (catch_up) before the loop adds any. A new file that must stay in step with the
+# checkpoints (a second metrics file, say) follows metrics.jsonl: Log keeps its lines, Log.flush
+# writes it, and catch_up cuts it back.
 
 
 def save_step(manager, log, late_metrics, step, state, cfg, r, data_fingerprint):  # (3) in train
@@ -909,6 +916,10 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
 # The tests that hold this (`pytest -k "signal or sigterm"`): one process's SIGTERM, a signal
 # read by a save, and a pod of two processes where only one is signalled, at several moments.
+# To add a way to stop (a time limit, say): where every process knows it without asking the
+# others, as with --stop-at, add it to stop_reason and to the loop's save condition. Where only
+# one process can know it (its own clock, a file on its disk), append to SIGNALS there, as
+# request_stop does, and it reaches every process through the step, as a signal does.
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
