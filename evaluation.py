@@ -87,8 +87,8 @@ def logprobs(params, inputs, labels, cfg, vocab):  # per row, over the labels th
 # row's tokens (seq_len)
 def score(params, cfg, mesh, rows, vocab, step_rows, width):
     """[(inputs, labels)] of at most `width` tokens -> their summed log-probabilities."""
-    # On one host, the loop below is np.asarray(logprobs(params, x, y, ...)) over padded batches;
-    # the shardings are for a pod.
+    # On one device, the loop below is np.asarray(logprobs(params, x, y, ...)) over padded
+    # batches; the shardings are for several devices, and `whole` for a pod.
     # The rows go through logprobs in padded batches [step_rows, width], always the same shape,
     # so logprobs compiles once for each vocab. The batch's rows are cut over the data-parallel
     # devices, as in training, and each must get as many: step_rows is rounded up to a multiple
@@ -218,7 +218,7 @@ def samples(params, cfg, r, loader, n, log, new=128):
     decode_text = data.get_tokenizer(cfg.tokenizer).decode
     # The first batch's first rows, read whole: loader.batch would give only this process's rows
     # (on a pod), and every process must prompt with the same text (any text will do). A packed
-    # loader reads packed rows. A prompt is a row's first 32 tokens (seq_len / 4 if that is fewer).
+    # loader reads packed rows. A prompt is a row's first 32 tokens (seq_len // 4 if that is fewer).
     prompts = loader.read(loader.epoch_order(1)[0, :n])[:, :min(32, r.seq_len // 4)]
     for temperature in (0.0, 0.8):
         texts = np.asarray(generate(params, cfg, prompts, new, temperature))

@@ -112,7 +112,7 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# train, and what it calls, use names that the second read explains. On one host that nobody
+# train, and what it calls, use names that later parts explain. On one host that nobody
 # stops or kills, take each as this (in the order train names them):
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
@@ -126,7 +126,8 @@ def main(argv=None):
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
 #   save_step                   reads this step's metrics, waits for the last save, writes
-#                               metrics.jsonl and log.txt, then manager.save(step, state)
+#                               metrics.jsonl and log.txt (and committed.txt), then
+#                               manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
 # The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
 # saved_settings) are plain save and load.
@@ -136,7 +137,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # target: the state's arrays described (shape, dtype, sharding), with nothing allocated
     target = abstract_state(cfg, r, mesh)
     log(f"{olmo3.param_count(cfg):,} parameters | {log.kind} {dict(mesh.shape)} | compiling")
-    # nanoGPT's torch.compile, ahead of time: a step that does not fit fails here, before any data
+    # nanoGPT's torch.compile, ahead of time: a batch that does not split over the devices, or a
+    # step that does not fit in their memory, fails here, before any data is read
     compiled = compile_step(cfg, r, mesh, target)
 
     # step_fn puts the batch's rows on the devices, and adds the signal flags. On one host, they
@@ -168,21 +170,22 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        # (2) reads and logs the step before (a 10th skipped update in a row ends the run), and
-        # keeps this step's metrics
+        # (2) reads and logs the step before, unless (3) read it already (a 10th skipped update
+        # in a row ends the run), and keeps this step's metrics
         late_metrics.add(step, metrics)
         # (3) also saves once the metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             save_step(manager, log, late_metrics, step, state, cfg, r, loader.fingerprint)
-        # (4) why the run stops after this step, or None. save_step read this step's metrics
-        # first, so a signal they carry stops the run here.
+        # (4) why the run stops after this step, or None. If (3) saved, save_step read this
+        # step's metrics first, so a signal they carry stops the run here.
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
-        # (5) while the save commits in the background (a SIGTERM now finds this step saved)
+        # (5) after (3): where this step saved, its save commits in the background meanwhile, and
+        # a SIGTERM during a long evaluation finds the step saved
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
     # (the last step always saves, so no metrics are left unread)
@@ -533,9 +536,9 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 
 # =============================================================================
 # The second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B
-# needs on a pod (checkpoints, stopping, several hosts), then the command line.
-# A pod run on 4 hosts, preempted and resumed from step 500, meets the pod sections like this:
-#   checkpoints   Every host reads checkpoint 500 onto its own devices (resume).
+# needs on a pod (checkpoints and their kill-safe part, stopping, several hosts), then the command
+# line. A pod run on 4 hosts, preempted and resumed from step 500, meets the pod sections so:
+#   kill-safe     Every host reads checkpoint 500 onto its own devices (resume).
 #   stopping      Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
 #                 with code 75 (signal_flags). The same command resumes the run.
 #   across hosts  All along: start_jax joined the hosts' processes at start-up, and each
@@ -790,7 +793,7 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 #      just before each save (moment 2). Written after it, a kill between the commit and the
 #      write would lose the records for good, since a rerun resumes past their steps.
 #   2. No step has two records: the file may hold steps past the newest checkpoint (after a kill
-#      at moment 2), so catch_up cuts it back to the step each start resumes from.
+#      at moment 2 or 3, or an error), so catch_up cuts it back to the step each start resumes from.
 #   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
 #      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
 #      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
