@@ -125,9 +125,8 @@ def main(argv=None):
 #   catch_up                    does nothing on a run's first start
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
-#   save_step                   reads this step's metrics, waits for the last save, writes
-#                               metrics.jsonl and log.txt (and committed.txt), then
-#                               manager.save(step, state)
+#   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
+#                               committed.txt), then manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
 # The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
 # saved_settings) are plain save and load.
@@ -156,7 +155,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # after a run that ended early: drops records past step done, reruns a missed evaluation
+    # after a run that ended early: drops records past step done, and reruns a missed evaluation
+    # (on a fresh start, done is 0: it only drops the records of a run cut short before a save)
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -175,9 +175,12 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)
         # (3) also saves once the metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            save_step(manager, log, late_metrics, step, state, cfg, r, loader.fingerprint)
-        # (4) why the run stops after this step, or None. If (3) saved, save_step read this
-        # step's metrics first, so a signal they carry stops the run here.
+            # this step's metrics first, so that the metrics.jsonl written with its checkpoint
+            # holds its record (written after, a kill just after the commit would lose it for
+            # good). They may carry a signal, which (4) then acts on.
+            late_metrics.read_pending()
+            save_step(manager, log, step, state, cfg, r, loader.fingerprint)
+        # (4) why the run stops after this step (--stop-at, or a signal read in (2) or (3)), or None
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
@@ -188,7 +191,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # a SIGTERM during a long evaluation finds the step saved
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
-    # (the last step always saves, so no metrics are left unread)
+    # (the last step is always due, so (3) read its metrics: none are left unread)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
@@ -203,7 +206,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
-    # logs.) A step that saves reads its own metrics at once too (save_step calls read_pending), so
+    # logs.) A step that saves reads its own metrics at once too (read_pending, in the loop), so
     # that the metrics.jsonl written with its checkpoint holds every step up to it.
     # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
     # with an error (it saves nothing: the newest checkpoint holds good weights).
@@ -813,10 +816,8 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # writes it, and catch_up cuts it back.
 
 
-def save_step(manager, log, late_metrics, step, state, cfg, r, data_fingerprint):  # (3) in train
-    # This step's metrics first, so that metrics.jsonl holds its record (rule 1). They may carry
-    # a signal: the loop then stops after this save.
-    late_metrics.read_pending()
+def save_step(manager, log, step, state, cfg, r, data_fingerprint):  # the loop's save
+    # (The loop has read this step's metrics, so metrics.jsonl will hold its record: rule 1.)
     manager.wait_until_finished()  # moment 1: the previous save (Orbax saves in the background)
     log.flush()  # moment 2: writes metrics.jsonl and log.txt
     # committed.txt, once a checkpoint is committed (only process 0 writes the run's files). After
