@@ -156,7 +156,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
     # after a run that ended early: drops records past step done, and reruns a missed evaluation
-    # (on a fresh start, done is 0: it only drops the records of a run cut short before a save)
+    # (a fresh start after a run cut short before its first save: done is 0, and it drops that
+    # run's records)
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -170,8 +171,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        # (2) reads and logs the step before, unless (3) read it already (a 10th skipped update
-        # in a row ends the run), and keeps this step's metrics
+        # (2) reads and logs the step before (unless that step saved: its (3) read them), and
+        # keeps this step's metrics. A 10th skipped update in a row, read here, ends the run.
         late_metrics.add(step, metrics)
         # (3) also saves once the metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
@@ -207,7 +208,9 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
     # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
     # logs.) A step that saves reads its own metrics at once too (read_pending, in the loop), so
-    # that the metrics.jsonl written with its checkpoint holds every step up to it.
+    # that the metrics.jsonl written with its checkpoint holds every step up to it. With
+    # save_every 100: at step 100, add reads 99's metrics and keeps 100's, and the save reads
+    # 100's; at step 101, add finds nothing to read, and keeps 101's.
     # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
     # with an error (it saves nothing: the newest checkpoint holds good weights).
 
@@ -472,7 +475,9 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     # slot (k - 1) % 128. At step 4, slots 0-2 hold the values of steps 1-3, and this step's go
     # to slot 3. At step 200, all 128 slots are full, and this step's values overwrite slot 71,
     # which held step 72's, the oldest.
-    filled = jnp.arange(HISTORY) < step - 1  # [128]: which slots hold a value (from step 129, all)
+    # [128]: which slots hold a value. At step s, slots 0 to s - 2 hold steps 1 to s - 1 (from
+    # step 129, all of them).
+    filled = jnp.arange(HISTORY) < step - 1
     n_filled = jnp.sum(filled)  # how many values the history holds
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
@@ -504,7 +509,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # (T, the warmup included), and the floor
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # optax's decay_steps includes the warmup, as OLMo-core's T does. The max() keeps a run no
-    # longer than its warmup valid, since optax needs decay_steps > warmup.
+    # longer than its warmup valid, since optax needs decay_steps > warmup. Such a run ends inside
+    # its warmup, below the peak LR (tiny's --steps 30 ends at 1.8e-3), as it would in OLMo-core.
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
     # "linear" is LinearWithWarmup above: join_schedules runs the first part up to W, then hands
@@ -802,8 +808,8 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 #      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
 #      It lags one save: Orbax commits in the background, so the run learns of a commit only
 #      when it waits for it (moment 1). Save 100 writes none, save 200 writes 100, save 300
-#      writes 200. So a run that lost checkpoint 100 before save 200 starts over, losing at most
-#      save_every steps: rule 3's one exception.
+#      writes 200. So a run that lost checkpoint 100 (deleted, or another disk mounted) before
+#      save 200 starts over, losing at most save_every steps: rule 3's one exception.
 # An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
 # a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
 # where one falls on it.
