@@ -156,8 +156,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
     # after a run that ended early: drops records past step done, and reruns a missed evaluation
-    # (a fresh start after a run cut short before its first save: done is 0, and it drops that
-    # run's records)
+    # (a fresh start after a run cut short before its first save committed: done is 0, and it
+    # drops that run's records)
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -172,7 +172,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
         # (2) reads and logs the step before (unless that step saved: its (3) read them), and
-        # keeps this step's metrics. A 10th skipped update in a row, read here, ends the run.
+        # keeps this step's metrics. The run ends where a read, here or in (3), finds the 10th
+        # skipped update in a row.
         late_metrics.add(step, metrics)
         # (3) also saves once the metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
@@ -475,8 +476,8 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     # slot (k - 1) % 128. At step 4, slots 0-2 hold the values of steps 1-3, and this step's go
     # to slot 3. At step 200, all 128 slots are full, and this step's values overwrite slot 71,
     # which held step 72's, the oldest.
-    # [128]: which slots hold a value. At step s, slots 0 to s - 2 hold steps 1 to s - 1 (from
-    # step 129, all of them).
+    # [128]: which slots hold a value. Up to step 129, slots 0 to s - 2 hold steps 1 to s - 1;
+    # from step 129 on, all 128 are filled (the last 128 steps).
     filled = jnp.arange(HISTORY) < step - 1
     n_filled = jnp.sum(filled)  # how many values the history holds
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
@@ -509,8 +510,11 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # (T, the warmup included), and the floor
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # optax's decay_steps includes the warmup, as OLMo-core's T does. The max() keeps a run no
-    # longer than its warmup valid, since optax needs decay_steps > warmup. Such a run ends inside
-    # its warmup, below the peak LR (tiny's --steps 30 ends at 1.8e-3), as it would in OLMo-core.
+    # longer than its warmup valid, since optax needs decay_steps > warmup. A run shorter than its
+    # warmup ends inside it, below the peak LR (tiny's --steps 30 ends at 1.8e-3), as in
+    # OLMo-core. (One exactly as long as its warmup ends at the peak here, at the floor in
+    # OLMo-core, whose last step is always the floor: only that one step differs, in both
+    # schedules.)
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
     # "linear" is LinearWithWarmup above: join_schedules runs the first part up to W, then hands
@@ -815,11 +819,13 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # where one falls on it.
 # On a pod, resume has every process read the same step; a step that some process cannot read
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
-# To change this, keep the two orders that the rules rest on: a save writes its records before
-# its checkpoint (moment 2 before 3), and a start cuts the records back to the step it resumes
-# from (catch_up) before the loop adds any. A new file that must stay in step with the
-# checkpoints (a second metrics file, say) follows metrics.jsonl: Log keeps its lines, Log.flush
-# writes it, and catch_up cuts it back.
+# To change this, keep the two orders that the rules rest on. A save's records go to disk before
+# its checkpoint: the loop reads the step's metrics (read_pending) before save_step, which writes
+# them (moment 2) before it saves (moment 3). And a start cuts the records back to the step it
+# resumes from (catch_up) before the loop adds any. A new file that must stay in step with the
+# checkpoints (a second metrics file, say) needs what metrics.jsonl has: a name in Log.files
+# (Log.flush then writes it), lines that Log appends with their step, as it does for
+# metrics.jsonl, and a cut in catch_up beside metrics.jsonl's.
 
 
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):  # the loop's save
@@ -928,8 +934,10 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 # read by a save, and a pod of two processes where only one is signalled, at several moments.
 # To add a way to stop (a time limit, say): where every process knows it without asking the
 # others, as with --stop-at, add it to stop_reason and to the loop's save condition. Where only
-# one process can know it (its own clock, a file on its disk), append to SIGNALS there, as
-# request_stop does, and it reaches every process through the step, as a signal does.
+# one process can know it (its own clock, a file on its disk), make that process's signal_flags
+# True too, and it reaches every process through the step, as a signal does. Keep its reason in
+# a list of its own, beside SIGNALS, and name it in stop_reason: an entry in SIGNALS would make
+# the next Ctrl-C exit at once (request_stop's second-Ctrl-C rule).
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
