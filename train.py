@@ -512,9 +512,9 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # optax's decay_steps includes the warmup, as OLMo-core's T does. The max() keeps a run no
     # longer than its warmup valid, since optax needs decay_steps > warmup. A run shorter than its
     # warmup ends inside it, below the peak LR (tiny's --steps 30 ends at 1.8e-3), as in
-    # OLMo-core. (One exactly as long as its warmup ends at the peak here, at the floor in
-    # OLMo-core, whose last step is always the floor: only that one step differs, in both
-    # schedules.)
+    # OLMo-core. (One exactly as long as its warmup ends at the peak here, but at the floor in
+    # OLMo-core, which gives the floor from step T on once the warmup is over: only that one step
+    # differs, in both schedules.)
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
     # "linear" is LinearWithWarmup above: join_schedules runs the first part up to W, then hands
