@@ -511,10 +511,8 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
     # optax's decay_steps includes the warmup, as OLMo-core's T does. The max() keeps a run no
     # longer than its warmup valid, since optax needs decay_steps > warmup. A run shorter than its
-    # warmup ends inside it, below the peak LR (tiny's --steps 30 ends at 1.8e-3), as in
-    # OLMo-core. (One exactly as long as its warmup ends at the peak here, but at the floor in
-    # OLMo-core, which gives the floor from step T on once the warmup is over: only that one step
-    # differs, in both schedules.)
+    # warmup ends inside it (tiny's --steps 30: 1.8e-3), as in OLMo-core; one exactly as long ends
+    # at the peak here, at the floor there (that last step alone differs).
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
     # "linear" is LinearWithWarmup above: join_schedules runs the first part up to W, then hands
@@ -819,7 +817,7 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 # where one falls on it.
 # On a pod, resume has every process read the same step; a step that some process cannot read
 # (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
-# To change this, keep the two orders that the rules rest on. A save's records go to disk before
+# Changing it: keep the two orders that the rules rest on. A save's records go to disk before
 # its checkpoint: the loop reads the step's metrics (read_pending) before save_step, which writes
 # them (moment 2) before it saves (moment 3). And a start cuts the records back to the step it
 # resumes from (catch_up) before the loop adds any. A new file that must stay in step with the
@@ -932,12 +930,12 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
 # The tests that hold this (`pytest -k "signal or sigterm"`): one process's SIGTERM, a signal
 # read by a save, and a pod of two processes where only one is signalled, at several moments.
-# To add a way to stop (a time limit, say): where every process knows it without asking the
-# others, as with --stop-at, add it to stop_reason and to the loop's save condition. Where only
-# one process can know it (its own clock, a file on its disk), make that process's signal_flags
-# True too, and it reaches every process through the step, as a signal does. Keep its reason in
-# a list of its own, beside SIGNALS, and name it in stop_reason: an entry in SIGNALS would make
-# the next Ctrl-C exit at once (request_stop's second-Ctrl-C rule).
+# Changing it: to add a way to stop (a time limit, say), where every process knows it without
+# asking the others, as with --stop-at, add it to stop_reason and to the loop's save condition.
+# Where only one process can know it (its own clock, a file on its disk), make that process's
+# signal_flags True too, and it reaches every process through the step, as a signal does. Keep
+# its reason in a list of its own, beside SIGNALS, and name it in stop_reason: an entry in
+# SIGNALS would make the next Ctrl-C exit at once (request_stop's second-Ctrl-C rule).
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
