@@ -169,6 +169,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # The loop below reads each step's metrics a step late, so the devices never wait for the
     # host (LateMetrics), and it learns of a Ctrl-C or a SIGTERM from those metrics.
     late_metrics = LateMetrics(log)
+    # batch is loader.batch(step - 1): steps count from 1, batches from 0
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
         # (2) reads and logs the step before (unless that step saved: its (3) read them), and
@@ -857,8 +858,8 @@ def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluatio
     # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
     # run that ended early (a stop, a kill or an error) left: it drops the records past step done,
     # and runs step done's evaluation if one is due and metrics.jsonl lacks it. It lacks it where a
-    # stop skipped it, or where the run ended before the next save wrote its record (save_step's
-    # moments). On a fresh start, it drops every record.
+    # stop skipped it, or where the run ended before the next save wrote its record (the
+    # kill-safe moments). On a fresh start, it drops every record.
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
