@@ -1,14 +1,9 @@
 """Train OLMo 3: python train.py --preset tiny (CPU, minutes) or --preset 7b --data MIX (a pod).
 Rerunning a command resumes its run; one stopped early (a signal, --stop-at) saves, exits 75."""
-# Steps count from 1, as in OLMo-core: step s trains on batch s - 1 (train_step lists every
-# counter). Every log_every steps, the run prints a progress line like this one (tiny, on a
-# 2-core CPU; tok/s and ETA vary with the machine; one line, wrapped here):
-# step     50/500 | loss 2.4403 | lr 3.00e-03 | grad norm 0.706 | 4,001 tok/s | MFU n/a
-#   | ETA 0:07:41
 # Read it from the top down: the recipe, `main`, `train` (setup, then the loop), then the helpers
-# down to the optimizer. That is the first read. Below it, a banner starts the "second read": the
-# 7B's schedule, the progress line, and what a pod needs. On a first read, trust those helpers
-# to do what their names say. In every function, `r` is the Recipe and `cfg` is the olmo3.Config.
+# down to the optimizer. That is the first read. A banner below it starts the "second read": the
+# 7B's schedule, the progress line, and what a pod needs. In every function, `r` is the Recipe
+# and `cfg` is the olmo3.Config. Steps count from 1, as in OLMo-core: step s trains on batch s - 1.
 import argparse
 import contextlib
 import dataclasses
@@ -34,10 +29,8 @@ import olmo3
 logging.getLogger("absl").setLevel(logging.ERROR)  # silences Orbax's notes on each save and restore
 
 
-# The training settings. The defaults are AI2's stage 1: batch, length, AdamW, clipping, z-loss,
-# spike guard, and its two-part schedule "olmo3", aimed at the 7B's 1.4M steps. RECIPES changes a
-# few fields for each preset. The tiny one takes a plain cosine, which fits a run of any length
-# (MaxText's reproduction used a cosine too).
+# The training settings. The defaults are AI2's stage 1; RECIPES changes a few fields per preset.
+# The tiny one takes a plain cosine, which fits a run of any length.
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     seq_len: int = 8192
@@ -72,20 +65,18 @@ class Recipe:
 RECIPES = {
     "tiny": Recipe(seq_len=256, global_batch=16, steps=500, lr=3e-3, warmup_steps=50,
                    schedule="cosine", log_every=25, eval_every=100, save_every=100),
-    # A micro-batch of 64 fits v5p-128 (39 GiB per device). Saving every 250 steps saves about
-    # every 70 minutes on v5p-128 (Cloud TPU advises about an hour).
+    # A micro-batch of 64 fits v5p-128 (39 GiB per device); 250 steps take about 70 minutes there
     "7b": Recipe(micro_batch=64, save_every=250),
     "7b-wide": Recipe(micro_batch=64, save_every=250),
-    # Stage 3, long context, as AI2 ran it (OLMo-core's OLMo3-7B-long-context.py): 50B tokens,
-    # packed, from stage 2's weights and Adam state (--init-from). The README says why 4123, 0.033.
+    # Stage 3, long context (OLMo-core's OLMo3-7B-long-context.py): 50B tokens, packed, from
+    # stage 2's weights and Adam state (--init-from). The README says why 4123 and 0.033.
     "7b-long": Recipe(seq_len=65536, global_batch=64, steps=11_921, lr=2.0712352850360292e-4,
                       warmup_steps=200, schedule="linear", min_lr_ratio=0.0, weight_decay=0.033,
                       data_seed=4123, packing=True, source_group_size=8,
                       source_permutation_seed=123, save_every=250),
 }
-# Stage 2 (OLMo-3-1025-7B-midtrain.py) starts from stage 1's weights *and* Adam state ("warm
-# Adam", --init-from) with a fresh schedule that decays linearly to 0, and another data seed.
-# It is a set of changes (--stage2), not a preset: it applies to 7b and 7b-wide alike.
+# Stage 2 (OLMo-3-1025-7B-midtrain.py) starts from stage 1's weights and Adam state (--init-from)
+# with a fresh linear schedule to 0. It is a set of changes (--stage2) for 7b and 7b-wide alike.
 STAGE2 = dict(global_batch=256, lr=2.0712352850360292e-4, warmup_steps=0, schedule="linear",
               min_lr_ratio=0.0, steps=47_684, data_seed=1337)
 
@@ -112,38 +103,29 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# train, and what it calls, use names that later parts explain. On one host that nobody
-# stops or kills, take each as this (in the order train names them):
+# On one host that nobody stops or kills, take the names train calls as this:
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
-#   olmo3.device_batch(b, mesh) jax.device_put(b, olmo3.batch_sharding(mesh)): rows cut over devices
-#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM);
-#                               flags_spec(mesh), in compile_step, describes that array
+#   olmo3.device_batch(b, mesh) puts the batch's rows on the devices
+#   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
 #   olmo3.local_rows            every row of the batch (a pod's process holds only some)
 #   check_processes_agree       checks nothing
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
 #   catch_up                    does nothing on a run's first start
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
-#   save_step                   waits for the last save, writes metrics.jsonl and log.txt (and
-#                               committed.txt), then manager.save(step, state)
+#   save_step                   writes metrics.jsonl and log.txt, then manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
-# The checkpoint functions (checkpoints, save, restore, read_item, latest_checkpoint,
-# saved_settings) are plain save and load.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out, args.data
-    log = Log(cfg, r, args.out, mesh)  # log(text) prints; log(text, **record) keeps a record too
+    log = Log(cfg, r, args.out, mesh)
     # target: the state's arrays described (shape, dtype, sharding), with nothing allocated
     target = abstract_state(cfg, r, mesh)
     log(f"{olmo3.param_count(cfg):,} parameters | {log.kind} {dict(mesh.shape)} | compiling")
-    # nanoGPT's torch.compile, ahead of time: a batch that does not split over the devices, or a
-    # step that does not fit in their memory, fails here, before any data is read
+    # nanoGPT's torch.compile, ahead of time: a step that does not fit fails here, before any data
     compiled = compile_step(cfg, r, mesh, target)
 
-    # step_fn puts the batch's rows on the devices, and adds the signal flags. On one host, they
-    # are all False until a Ctrl-C or a SIGTERM. Why a step input: a pod's hosts must all stop
-    # after the same step, and train_step's jnp.any (an all-reduce) puts the answer in the metrics
-    # that every host reads anyway, at no extra wait.
+    # the signal flags ride along with the batch so that a pod's hosts stop together (stopping)
     def step_fn(state, batch):
         return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
 
@@ -155,10 +137,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # after a run that ended early: drops records past step done, and reruns a missed evaluation
-    # (a fresh start after a run cut short before its first save committed: done is 0, and it
-    # drops that run's records)
-    catch_up(log, evals, state["params"], done, due(done, r.eval_every))
+    catch_up(log, evals, state["params"], done, due(done, r.eval_every))  # after an early end
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, loader.batch(step - 1))  # (1)
@@ -166,35 +145,26 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     #       if due(step, r.save_every) or step == args.stop_at: manager.save(step, state)  # (3)
     #       if step == args.stop_at: return 75  # (4) (or a Ctrl-C, a SIGTERM); rerun to resume
     #       if due(step, r.eval_every): evals(state["params"], step)  # (5)
-    # The loop below reads each step's metrics a step late, so the devices never wait for the
-    # host (LateMetrics), and it learns of a Ctrl-C or a SIGTERM from those metrics.
+    # The loop below reads each step's metrics a step later, so that the devices never wait for
+    # the host (LateMetrics), and it learns of a Ctrl-C or a SIGTERM from those metrics.
     late_metrics = LateMetrics(log)
-    # batch is loader.batch(step - 1): steps count from 1, batches from 0
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        # (2) reads and logs the step before (unless that step saved: its (3) read them), and
-        # keeps this step's metrics. The run ends where a read, here or in (3), finds the 10th
-        # skipped update in a row.
-        late_metrics.add(step, metrics)
-        # (3) also saves once the metrics carry a signal
+        late_metrics.add(step, metrics)  # (2) logs the step before, keeps this one's
+        # (3) save, also once a step's metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            # this step's metrics first, so that the metrics.jsonl written with its checkpoint
-            # holds its record (written after, a kill just after the commit would lose it for
-            # good). They may carry a signal, which (4) then acts on.
-            late_metrics.read_pending()
+            late_metrics.read_pending()  # this step's record goes to disk with its checkpoint
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) why the run stops after this step (--stop-at, or a signal read in (2) or (3)), or None
+        # (4) stop: after this step's read, which may have found a signal
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
             return 75  # EX_TEMPFAIL: the run stopped before its last step, so rerun to resume
-        # (5) after (3): where this step saved, its save commits in the background meanwhile, and
-        # a SIGTERM during a long evaluation finds the step saved
+        # (5) after the save, which commits in the background meanwhile
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
-    # (the last step is always due, so (3) read its metrics: none are left unread)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
@@ -208,18 +178,12 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step
     # step 150 keeps the devices busy:
     #   host:     dispatch 150 | read 149's metrics | dispatch 151 | read 150's metrics ...
     #   devices:  ... 149 ...  | 150 ............................ | 151 ..................
-    # (nanoGPT's loss.item() after each step would leave the devices idle while the host reads and
-    # logs.) A step that saves reads its own metrics at once too (read_pending, in the loop), so
-    # that the metrics.jsonl written with its checkpoint holds every step up to it. With
-    # save_every 100: at step 100, add reads 99's metrics and keeps 100's, and the save reads
-    # 100's; at step 101, add finds nothing to read, and keeps 101's.
-    # Reading also counts the updates skipped in a row: at 10, the run is stuck, and ends here,
-    # with an error (it saves nothing: the newest checkpoint holds good weights).
+    # (nanoGPT's loss.item() after each step would leave the devices idle.) A step that saves
+    # reads its own metrics at once (read_pending), so that its checkpoint's metrics.jsonl holds
+    # its record. Ten skipped updates in a row end the run with an error.
 
     def __init__(self, log):
-        # pending is the last step's (step, metrics), still on the devices, or None. skipped
-        # counts the updates skipped in a row (by the spike guard, or as not finite). signalled
-        # becomes True once a step's metrics say some process received a signal.
+        # pending: the last step's (step, metrics), still on the devices, or None
         self.log, self.pending, self.skipped, self.signalled = log, None, 0, False
 
     def add(self, step, metrics):  # reads the last step's metrics, and keeps this step's
@@ -233,7 +197,7 @@ class LateMetrics:  # late_metrics.add(step, metrics) after each step
             self.skipped = self.skipped + 1 if m["skipped"] else 0
             self.signalled = self.signalled | bool(m["signalled"])
             self.log.metrics(step, m)  # a line every log_every steps, and one for each skip
-            if self.skipped == 10:  # stuck
+            if self.skipped == 10:  # stuck (the newest checkpoint holds good weights)
                 self.log.flush()
                 raise SystemExit("error: 10 updates in a row skipped; lower --lr or check the data")
 
@@ -267,9 +231,8 @@ def load_data(cfg, r, args, mesh):  # -> (this process's train loader, its held-
 
 
 def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or None
-    # evaluation.py measures perplexity on --eval-data's sets, or else on the corpus's held-out
-    # set if there is one, and scores --eval-tasks' tasks. Without evaluation.py, the held-out
-    # set is skipped, and the two flags are an error (data.beside says which file is missing).
+    # evaluation.py measures perplexity on --eval-data's sets (else the corpus's held-out set)
+    # and scores --eval-tasks. Without evaluation.py, the held-out set is skipped.
     if args.eval_data or args.eval_tasks or (heldout and data.have("evaluation")):
         sets = args.eval_data if args.eval_data else heldout
         return data.beside("evaluation").evaluator(cfg, r, mesh, sets, args, log)
@@ -285,23 +248,16 @@ def make_evals(cfg, r, args, mesh, heldout, log):  # -> evals(params, step), or 
 #   history     [2, 128], the spike guard's last 128 losses and grad norms
 # One description of it, target, drives the rest. abstract_state makes it: every array's shape,
 # dtype and sharding, with nothing allocated. init_state creates a fresh state that matches it,
-# restore reads a checkpoint onto it, and compile_step compiles the step for it. starting_state
-# picks between a resume, a fresh start, and --init-from.
-# To add an entry (an average of the weights, say): make it in fresh_state, describe it in
-# abstract_state, and update and return it in train_step (which returns the new state entry by
-# entry). A save keeps it with the rest (train_state_of). A test checks that the first two agree.
+# restore reads a checkpoint onto it, and compile_step compiles the step for it.
 
 shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
 
-# optax's Adam, whose state is opt_state (train_step clips before it, adamw decays after it; adamw
-# says why this is not optax.adamw)
+# optax's Adam, whose state is opt_state (adamw adds the weight decay, and says why)
 adam = lambda r: optax.scale_by_adam(r.beta1, r.beta2, r.adam_eps)
 HISTORY = 128  # the spike guard's window (OLMo-core's rolling_interval_length)
 
 
 def fresh_state(r, params):  # the training state before step 1
-    # opt_state is Adam's (count, mu, nu). history [2, HISTORY] holds the spike guard's last 128
-    # losses and grad norms.
     return {"params": params, "opt_state": adam(r).init(params), "step": jnp.int32(0),
             "history": jnp.zeros((2, HISTORY))}
 
@@ -309,21 +265,18 @@ def fresh_state(r, params):  # the training state before step 1
 def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing allocated
     # Each leaf is a jax.ShapeDtypeStruct: a shape, a dtype and a sharding. Because the
     # shardings are known before anything exists, the 7B's state is never whole on one device.
-    # (jax.eval_shape(fresh_state) would give the shapes but no shardings, so it could not cut
-    # Adam's moments like their weights.)
+    # (jax.eval_shape(fresh_state) would give the shapes but no shardings.)
     params = olmo3.abstract_params(cfg, mesh)  # each weight cut as olmo3.AXIS_RULES says
     # whole: an array that every device holds all of (P() cuts no dimension)
     whole = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
-    # Adam's mu and nu are cut like params (ZeRO-3). adam(r).init returns this same type, and
-    # test_abstract_state_describes_fresh_state_with_adam_cut_like_params compares the two.
+    # Adam's mu and nu are cut like params (ZeRO-3); adam(r).init returns this same type
     opt = optax.ScaleByAdamState(count=whole((), jnp.int32), mu=params, nu=params)
     return {"params": params, "opt_state": opt, "step": whole((), jnp.int32),
             "history": whole((2, HISTORY), jnp.float32)}
 
 
 # jit with out_shardings: each device computes only its own shards of the new state, so no
-# device ever holds the whole 7B. Even the random draws are made shard by shard (JAX's default,
-# the setting jax_threefry_partitionable), and give the same numbers on any mesh.
+# device ever holds the whole 7B. The random draws give the same numbers on any mesh.
 def init_state(cfg, r, target):
     make = lambda key: fresh_state(r, olmo3.init(cfg, key))
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
@@ -336,17 +289,13 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
     #   --init-from  Fresh, then another checkpoint's params, and its Adam state too if it has
     #                one (stages 2 and 3). Step and history, and so the LR schedule, start at 0.
     if manager.latest_step() is not None:
-        # resume restores the newest step (on a pod, the newest that every host can read)
         return resume(cfg, r, manager, target, data_fingerprint, log)  # (state, "resumed ...")
-    # (Second read; in a new run directory it does nothing.) Stops if a run committed a
-    # checkpoint in args.out (its committed.txt says so) but left none.
-    refuse_fresh_start(args.out)
+    refuse_fresh_start(args.out)  # where a run's checkpoints were lost (kill-safe)
     state = init_state(cfg, r, target)
     if not args.init_from:
         return state, "fresh start"
     # restore reads what the checkpoint has: params alone from a converted model, the whole
-    # state from a run. Not resuming, it checks only that the model's settings match, since
-    # another run's data and data order may differ from this one's.
+    # state from a run. Not resuming, it checks only the model's settings.
     restored = restore(latest_checkpoint(args.init_from), target, cfg, resuming=False)
     # "Warm Adam": params and opt_state (Adam's moments and its count) carry over, nothing else
     carried = {k: restored[k] for k in ("params", "opt_state") if k in restored}
@@ -359,13 +308,11 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
 def compile_step(cfg, r, mesh, target):
     micro = r.micro_batch if r.micro_batch else r.global_batch
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    # the batch splits into whole micro-batches, and each micro-batch's rows evenly over the
-    # data-parallel devices
+    # the batch splits into whole micro-batches, and each of them evenly over the devices
     if r.global_batch % micro or micro % dp:
         raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
                          "data-parallel devices do not divide; pick multiples of each other")
-    # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
-    # data-parallel devices
+    # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over devices
     array = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                  sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=array, labels=array) | (dict(segments=array) if r.packing else {})
@@ -376,12 +323,9 @@ def compile_step(cfg, r, mesh, target):
     #                     (frozen dataclasses are hashable, as jit needs)
     #   donate_argnames   the new state reuses the old one's buffers, so memory holds one copy
     #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
-    # jit needs no in_shardings: lower() is given ShapeDtypeStructs, which carry their shardings:
-    # target, batch, and flags_spec(mesh), the signal flags (see signal_flags).
-    # lower() traces the step for them and compile() compiles it, before any data exists. The
-    # static values are given here, once, so the compiled step takes only arrays:
-    #   compiled(state, batch, flags) -> (state, metrics)   (train's step_fn adds the batch's
-    #                                                         move and the flags)
+    # lower() traces the step for ShapeDtypeStructs, which carry their shardings (so jit needs no
+    # in_shardings), and compile() compiles it before any data exists. The compiled step takes
+    # only arrays: compiled(state, batch, flags) -> (state, metrics).
     jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
     return jitted.lower(target, batch, flags_spec(mesh), cfg=cfg, r=r, n_micro=n_micro).compile()
@@ -389,11 +333,9 @@ def compile_step(cfg, r, mesh, target):
 
 def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"]
-    # (see signal_flags).
-    # It is written as for one device. batch and params are global arrays cut over the mesh,
-    # and XLA turns the sums over the batch (n_tokens, the gradients) into all-reduces and
-    # reduce-scatters (olmo3.py's sharding comment, part three).
+    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"].
+    # It is written as for one device: batch and params are global arrays cut over the mesh,
+    # and XLA inserts the communication (olmo3.py's sharding comment, part three).
     params = state["params"]
     # The counters at step s:
     #   the batch       s - 1 (the loader counts batches from 0)
@@ -428,27 +370,22 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
         (grads, ce), _ = jax.lax.scan(add_micro, zeros, micros)
     # -- Clipping (nanoGPT's clip_grad_norm_)
     grad_norm = optax.tree.norm(grads)  # before clipping (the spike guard watches it too)
-    # clips to a global norm of grad_clip, as optax's clip_by_global_norm does (it is written
-    # out because the spike guard needs the same norm)
+    # optax's clip_by_global_norm, written out because the spike guard needs the same norm
     clip = lambda g: jnp.where(grad_norm < r.grad_clip, g, g / grad_norm * r.grad_clip)
     # -- AdamW, at this step's LR (nanoGPT's optimizer.step())
     lr = schedule(r)(step)
     # updated: {params, opt_state} after the update
     updated = adamw(params, state["opt_state"], jax.tree.map(clip, grads), lr, r)
     # -- The spike guard (OLMo-core's), which may skip the update
-    # spikes [2] says whether the loss and whether the grad norm spiked. It watches CE, without
-    # the z-loss, as OLMo-core's train module hands its optimizer the CE (latest_loss).
+    # spikes [2]: did the loss, did the grad norm spike? It watches CE, as OLMo-core does.
     spikes, history = spike_guard(state["history"], step, jnp.stack([ce, grad_norm]))
-    # A NaN or inf in either value (their sum is then not finite) is always skipped: even with
-    # --spike-guard false, and even before step 64, when the spike guard does not check yet.
-    # (r.spike_guard is a Python bool, fixed when the step is traced: False makes the `&` False.)
+    # A NaN or inf in either value is always skipped, even with --spike-guard false
+    # (r.spike_guard is a Python bool, fixed when the step is traced: False makes the `&` False)
     skip = (~jnp.isfinite(ce + grad_norm)) | (spikes.any() & r.spike_guard)
     # A skip keeps the old params and Adam state (its count too); step and history advance
     old = {"params": params, "opt_state": state["opt_state"]}  # before this step
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), updated, old)
     # -- The metrics, which the loop reads a step late
-    # (To log another number, the update's norm say: add it here, and to the record that
-    # Log.metrics keeps, at its end.)
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
     # and "signalled", any process's flag (jnp.any: on a pod, an all-reduce over the hosts)
     return new | {"step": step, "history": history}, metrics | {"signalled": jnp.any(flags)}
@@ -456,10 +393,9 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
 
 def split_micro(x, n_micro: int):
     # [global, ...] -> [n_micro, global/n_micro, ...], without moving a row between devices.
-    # A plain reshape would put all of micro-batch 0 on the first devices. So the micro-batches
-    # are strided instead: 8 rows in 2 micro-batches become [[0 2 4 6], [1 3 5 7]]. With 2
-    # devices, device 0 holds rows 0-3, and gives rows 0 and 2 to micro-batch 0, rows 1 and 3 to
-    # micro-batch 1. In general, row i goes to micro-batch i % n_micro, at place i // n_micro.
+    # A plain reshape would put all of micro-batch 0 on the first devices, so the micro-batches
+    # are strided: 8 rows in 2 micro-batches become [[0 2 4 6], [1 3 5 7]], and a device that
+    # holds rows 0-3 gives rows 0 and 2 to micro-batch 0, rows 1 and 3 to micro-batch 1.
     x = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
     return olmo3.constrain(x, None, "batch", "seq")
 
@@ -471,26 +407,18 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     #   window = before[-128:]
     #   spike = step >= 64 and not value - mean(window) <= 6 * std(window)  # NaN spikes too
     #   before.append(value if isfinite(value) else mean(window))
-    # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. From step 64 on, a value
-    # spikes if it is more than 6 standard deviations above the mean of the (up to) 128 values
-    # before it. history [2, 128] is a ring buffer of the last 128 steps' values: step k's go to
-    # slot (k - 1) % 128. At step 4, slots 0-2 hold the values of steps 1-3, and this step's go
-    # to slot 3. At step 200, all 128 slots are full, and this step's values overwrite slot 71,
-    # which held step 72's, the oldest.
-    # [128]: which slots hold a value. Up to step 129, slots 0 to s - 2 hold steps 1 to s - 1;
-    # from step 129 on, all 128 are filled (the last 128 steps).
+    # OLMo-core's SkipStepOptimizer, for values = [loss, grad norm]. history [2, 128] is a ring
+    # buffer: step k's values go to slot (k - 1) % 128, so at step 4 slots 0-2 hold steps 1-3.
+    # [128]: which slots hold a value (all of them from step 129 on)
     filled = jnp.arange(HISTORY) < step - 1
     n_filled = jnp.sum(filled)  # how many values the history holds
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    # Checking starts at step 64: OLMo-core checks once its list of values holds 64 (half a
-    # window), this step's included. The mean and std above are of the earlier values alone (63
-    # at step 64), which this step's value is compared with. Only a rise counts, as in
-    # OLMo-core, and NaN and +inf spike (the comparison is False, so `not` makes it True).
+    # OLMo-core checks once its list holds 64 values (half a window), this step's included.
+    # Only a rise counts; NaN spikes too (the comparison is False, so `~` makes it True).
     spikes = (step >= HISTORY // 2) & ~(values - mean <= 6 * std)
-    # A value that is not finite is kept out of the history (the mean takes its slot), or every
-    # later step would spike
+    # a value that is not finite is kept out of the history, or every later step would spike
     kept = jnp.where(jnp.isfinite(values), values, mean)
     return spikes, history.at[:, (step - 1) % HISTORY].set(kept)
 
@@ -498,27 +426,22 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
 # ----------------------------------------------------------------------------- the optimizer
 
 def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
-    # OLMo-core's schedules, for its step k, with peak P, floor F, warmup W and t_max T (a test
-    # checks them against OLMo-core's formulas):
+    # OLMo-core's schedules, for its step k, with peak P, floor F, warmup W and t_max T:
     #   CosWithWarmup:    P k / W for k < W, then F + (P - F) (1 + cos(pi (k - W) / (T - W))) / 2
     #   LinearWithWarmup: P k / W for k < W, then P - (P - F) (k - W) / (T - W)
     # For example, the tiny preset's cosine (P 3e-3, W 50, T 500) gives 6e-5 at step 1, the peak
     # 3e-3 at step 50, 1.65e-3 at step 275 (halfway down), and F = 3e-4 at step 500, the last.
     # optax's schedules count from 0. They are given OLMo-core's 1-based k, so that step 1's LR
-    # is P / W, as in OLMo-core (test_schedule_matches_olmo_core_off_by_one).
+    # is P / W, as in OLMo-core.
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
     # optax's arguments, in order: the LR at 0, the peak, the warmup's steps, the decay's steps
     # (T, the warmup included), and the floor
     cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
-    # optax's decay_steps includes the warmup, as OLMo-core's T does. The max() keeps a run no
-    # longer than its warmup valid, since optax needs decay_steps > warmup. A run shorter than its
-    # warmup ends inside it (tiny's --steps 30: 1.8e-3), as in OLMo-core; one exactly as long ends
-    # at the peak here, at the floor there (that last step alone differs).
+    # (the max() keeps a run no longer than its warmup valid: optax needs decay_steps > warmup)
     if r.schedule == "cosine":
         return cosine(max(r.steps, warmup + 1))
     # "linear" is LinearWithWarmup above: join_schedules runs the first part up to W, then hands
-    # the second k - W. Stage 2's (P 2.07e-4, F 0, W 0, T 47,684) gives P (1 - 1/T) = 2.0712e-4
-    # at step 1, P / 2 at step 23,842, and 0 at step 47,684, the last.
+    # the second k - W. Stage 2's (P 2.07e-4, W 0, T 47,684) reaches P / 2 at step 23,842.
     if r.schedule == "linear":
         decay = optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))
         return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
@@ -527,19 +450,14 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
-# the embedding. Adam keeps its own count in opt_state, the updates made (a skipped one does not
-# count). Only its bias correction uses it, and --init-from carries it into the next stage
-# ("warm Adam"). The LR follows the run's step s instead (schedule(r)(s), in train_step), which
-# starts again at 1 in each stage.
-# Why not optax.adamw: it would give stage 2 an LR of 0 throughout. It reads its LR schedule at a
-# count kept in its own optimizer state, and warm Adam carries that state from stage 1, at about
-# 1,413,814, into stage 2: past the end of stage 2's 47,684-step schedule, where the LR is 0.
-# (optax.adamw(schedule) chains scale_by_adam, add_decayed_weights and
-# scale_by_learning_rate(schedule); the last calls schedule(count) with scale_by_schedule's count.)
+# the embedding. Why not optax.adamw: it reads its LR at a count kept in its optimizer state,
+# which warm Adam carries from stage 1 (about 1.4M) into stage 2, past the end of stage 2's
+# 47,684-step schedule: an LR of 0 throughout. Here Adam's count feeds only its bias correction,
+# and the LR follows the run's own step (train_step).
 def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {params, opt_state}
     # Adam's direction, m^ / (sqrt(v^) + eps), bias-corrected with Adam's count
     updates, opt_state = adam(r).update(grads, opt_state)
-    # + wd * p on every weight but the embedding (norms and lm_head too, as in OLMo-core)
+    # + wd * p on every weight but the embedding (as in OLMo-core)
     decayed = jax.tree.map(lambda u, p: u + r.weight_decay * p, updates, params)
     updates = decayed | {"embed": updates["embed"]}  # the embedding's update, undecayed
     new_params = jax.tree.map(lambda p, u: p - lr * u, params, updates)  # p - lr (adam + wd p)
@@ -549,14 +467,7 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 # =============================================================================
 # The second read, in this order: the 7B's schedule, the progress line (Log), then what the 7B
 # needs on a pod (checkpoints and their kill-safe part, stopping, several hosts), then the command
-# line. A pod run on 4 hosts, preempted and resumed from step 500, meets the pod sections so:
-#   kill-safe     Every host reads checkpoint 500 onto its own devices (resume).
-#   stopping      Host 3 gets a SIGTERM at step 612. Every host saves the same step and exits
-#                 with code 75 (signal_flags). The same command resumes the run.
-#   across hosts  All along: start_jax joined the hosts' processes at start-up, and each
-#                 process's loader reads only its own devices' rows (olmo3.local_rows).
-# JAX's terms for several hosts (process_allgather, make_array_from_process_local_data, ...) are in
-# the last table of the README's JAX glossary.
+# line. JAX's terms for several hosts (process_allgather, ...) are in the README's JAX glossary.
 # =============================================================================
 
 
@@ -565,8 +476,8 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 # Returns a function: step k -> its LR, for peak P, floor F, warmup W and the tokens in a step.
 # cosine(T) is schedule's CosWithWarmup aimed at T steps, passed in because part 1 is that cosine.
 def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
-    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; the
-    # README's "Stage 1's learning rate" tells the story). Part 1, up to step 596,047, is
+    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; see the
+    # README's "Stage 1's learning rate"). Part 1, up to step 596,047, is
     # cosine(T1), aimed at 5T tokens. Part 2 starts at step 596,048, where AI2 restarted. It is
     # OLMo-core's HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then
     # the second half of a cosine from P to F, which reaches F at T2:
@@ -584,16 +495,12 @@ def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # -2.py's W2 is original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
     # is 5T tokens' steps rounded down (an integer division, unlike T1)
     W2 = int(5e12) // tokens_per_step // 2 + warmup // 2
-    # The cosine's angle, pi (k - W2 + T2 - W2) / (2 (T2 - W2)), as in the formula above. It is
-    # the same as pi / 2 + (pi / 2) (k - W2) / (T2 - W2): it goes from pi / 2 at W2 to pi at T2,
-    # and stays there.
+    # the formula's angle: from pi / 2 at W2 to pi at T2, where it stays
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
                                 floor + (peak - floor) * (1 + jnp.cos(angle(k))) / 2)
-    # AI2 restarted at step 596,048, with 512 x 8,192 tokens a step: a fact of its run, so it is
-    # written out, not derived. Like T1, T2 and W2, it moves with the tokens a step: another
-    # --global-batch or --seq-len restarts after the same tokens, not the same steps.
-    # part 2's first step, AI2's restart, in this run's steps: 596,048 for the 7b
+    # AI2's restart, a fact of its run (at 512 x 8,192 tokens a step), in this run's steps:
+    # another --global-batch or --seq-len restarts after the same tokens, not the same steps
     restart_step = 596_048 * 512 * 8192 // tokens_per_step
     return lambda k: jnp.where(k < restart_step, cosine(T1)(k), part2(k))
 
@@ -607,10 +514,8 @@ PEAK_TFLOPS = {"v5 lite": 197, "v5e": 197, "v5p": 459, "v5": 459, "v6 lite": 918
 
 
 class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt and metrics.jsonl
-    # It prints the progress line (log.metrics, given the metrics the loop read) and other lines
-    # (log(text)), and keeps both files in the run directory, not on a host's disk, which a spot
-    # slice loses with the slice.
-    # The loop writes the files just before each save (save_step).
+    # It prints the progress line (log.metrics) and other lines (log(text)). It keeps both files
+    # in the run directory, not on a host's disk, which a spot slice loses with the slice.
 
     def __init__(self, cfg, r, run_dir, mesh):
         self.cfg, self.r, self.run_dir, self.mesh = cfg, r, run_dir, mesh
@@ -632,13 +537,12 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 self.lines["metrics.jsonl"].append(json.dumps(record) + "\n")
             try:
                 print(text, flush=True)
-            # The console is gone: a Ctrl-C or a SIGTERM stops `| tee` too. The run must still
-            # save and stop, so stdout goes to /dev/null from here (log.txt keeps every line).
+            # The console is gone (a Ctrl-C stops `| tee` too), but the run must still save and
+            # stop: stdout goes to /dev/null from here (log.txt keeps every line)
             except OSError:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
-    # Rewrites each file whole and atomically (an object store cannot append), and draws
-    # loss.png
+    # Rewrites each file whole and atomically (an object store cannot append), draws loss.png
     def flush(self):
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (check_run_directory made the directory)
@@ -667,23 +571,17 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             eta = datetime.timedelta(seconds=round((self.r.steps - step) * tokens / rate))
             line += [f"{rate:,.0f} tok/s", f"MFU {mfu}", f"ETA {eta}"]
         self.last = (step, now)
-        # it prints the line, and keeps the step's record for metrics.jsonl
         # (time: the seconds since train began, so from 0 again after a resume)
         self(" | ".join(line), step=step, loss=m["loss"], lr=m["lr"], grad_norm=m["grad_norm"],
              tokens_per_s=rate, time=now - self.started)
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# On one host that nobody stops or kills, this section comes down to two calls:
-#   save     manager.save(step, Composite(params=..., train_state=..., config=...))   (save)
-#   resume   read the newest step's items onto target's shapes and shardings      (restore)
-# They come first: the plain save and load. restore refuses another model, data order or data
-# (compared_settings), and read_item a layout this code does not make.
-# What makes them safe through a kill at any moment, and on a pod, comes after them, under its own
-# banner: three rules, and the moments of a save.
-# The tests `pytest -k "kill or resume or fresh or commit"` kill or stop real runs at each moment
-# of a save, and check that the rerun matches an unbroken run: after a change here, they say
-# which moment broke (the README's "Checkpoints and exact resume" lists them).
+# The plain save and load, first:
+#   save     manager.save(step, Composite(params=..., train_state=..., config=...))
+#   restore  reads a step's items onto target's shapes and shardings, after checking that its
+#            model, data order and data are this run's
+# The "kill-safe" section below makes them safe through a kill at any moment, and on a pod.
 
 # a checkpoint's train_state item: every entry of the state but params (opt_state, step, history)
 train_state_of = lambda state: {k: v for k, v in state.items() if k != "params"}
@@ -699,10 +597,8 @@ def checkpoints(directory, r=Recipe(), read_only=False):
     return ocp.CheckpointManager(path, options=options)
 
 
-# save is manager.save(step, state), with the run's settings. It returns once Orbax has copied the
-# state to host memory, and writes the files in the background, so the next step may reuse the
-# state's device memory (donation). r and data_fingerprint are optional: convert.py saves params
-# alone.
+# manager.save(step, state), with the run's settings. It returns once Orbax has copied the state
+# to host memory, and writes the files in the background. (convert.py saves params alone.)
 def save(manager, step, state, cfg, r=None, data_fingerprint=None):
     saves = {"params": ocp.args.StandardSave(state["params"])}
     if "opt_state" in state:
@@ -718,18 +614,14 @@ def run_settings(cfg, r=None, data_fingerprint=None):
             "recipe": dataclasses.asdict(r) if r is not None else {}}
 
 
-# What must match the checkpoint: the model's settings, always; the data order (r's DATA_ORDER
-# fields) and the data (data_fingerprint) too when resuming, since the run goes on where it
-# stopped. --init-from, evaluation.py and convert.py do not resume (resuming=False): they read
-# another run's checkpoint (or a converted one), whose data may differ.
+# What must match the checkpoint: the model's settings, always; the data order and the data too
+# when resuming. --init-from, evaluation.py and convert.py do not resume (resuming=False).
 def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None):
-    # Compares the saved settings with this run's, then reads the arrays onto target's shardings,
-    # whatever mesh wrote them.
-    # Given --d-model 2048 for a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
+    # Reads the arrays onto target's shardings, whatever mesh wrote them. Given --d-model 2048 for
+    # a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
     theirs = compared_settings(saved_settings(step_dir), resuming)
     ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
-    # Every setting whose values differ, looked up by the names in either dict (theirs | ours),
-    # as 'd_model=4096 (command line: 2048)'
+    # every setting whose values differ, as 'd_model=4096 (command line: 2048)'
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
             if theirs.get(f) != ours.get(f)]
     if diff:
@@ -747,13 +639,8 @@ saved_settings = lambda step: ocp.JsonCheckpointHandler().restore(epath.Path(ste
 
 
 def compared_settings(settings, resuming):  # run_settings' -> the fields that must match (a dict)
-    # What must match:
-    #   the model's settings   all but NUMERICS, and YaRN's too for --init-from (stage 3 turns
-    #                          YaRN on over stage 2's weights)
-    #   the data order         DATA_ORDER's fields, for a resume
-    #   the data               the token files' fingerprint, for a resume
-    # For a tiny resume: {"d_model": 256, ..., "seq_len": 256, "global_batch": 16, ...,
-    # "data": the fingerprint}. For --init-from: the model's fields alone, without yarn_*.
+    # the model's fields but NUMERICS (and YaRN's for --init-from: stage 3 turns YaRN on over
+    # stage 2's weights), and for a resume DATA_ORDER's fields and the data's fingerprint
     exempt = lambda f: f in olmo3.NUMERICS or (not resuming and f.startswith("yarn_"))
     fields = {f: v for f, v in settings["model"].items() if not exempt(f)}
     if resuming:  # (a checkpoint of another version may lack the recipe: its fields are None)
@@ -782,70 +669,42 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 
 
 # ----------------------------------------------------------------------------- kill-safe
-# The plain save and load are above. Below is what makes them safe through a kill at any moment:
-#   save_step               the loop's save: moments 1 to 3 below, and rules 1 and 3
-#   refuse_fresh_start      rule 3, at a start with no checkpoint to resume
-#   catch_up                rule 2, and an evaluation a kill or a stop left out, at every start
-#   resume, read_retrying   a resume that every process of a pod agrees on
 # Orbax saves a step in the background under a temporary name, then commits it atomically, so a
-# kill loses only the steps since the last commit. A save at step 200 (save_every 100), moment by
-# moment, and after a kill at each moment, what is on disk and what a rerun does:
-#   1. save_step waits until step 100's save is committed.
-#      On disk: records 1-100 and checkpoint 100. A rerun resumes from 100.
-#   2. save_step writes metrics.jsonl, and committed.txt: 100.
-#      On disk: records 1-200, checkpoint 100, committed.txt. A rerun resumes from 100, and
-#      catch_up drops records 101-200.
-#   3. save saves step 200, and Orbax commits it in the background.
-#      On disk: checkpoint 200 too, once committed. A rerun resumes from 200 once it is
-#      committed, else as after 2.
-#   4. train evaluates step 200.
-#      On disk: the same. A rerun resumes from 200.
-# The three rules that these moments keep, with two small files beside checkpoints/:
-#   1. metrics.jsonl holds every record up to each checkpointed step: save_step writes the file
-#      just before each save (moment 2). Written after it, a kill between the commit and the
-#      write would lose the records for good, since a rerun resumes past their steps.
-#   2. No step has two records: the file may hold steps past the newest checkpoint (after a kill
-#      at moment 2 or 3, or an error), so catch_up cuts it back to the step each start resumes from.
-#   3. A run directory that lost its checkpoints is not silently started over. To Orbax, it looks
-#      new (checkpoints/ holds no step), so save_step writes committed.txt, the step of a
-#      committed checkpoint, and refuse_fresh_start refuses a fresh start where that file exists.
-#      It lags one save: Orbax commits in the background, so the run learns of a commit only
-#      when it waits for it (moment 1). Save 100 writes none, save 200 writes 100, save 300
-#      writes 200. So a run that lost checkpoint 100 (deleted, or another disk mounted) before
-#      save 200 starts over, losing at most save_every steps: rule 3's one exception.
-# An evaluation's record reaches metrics.jsonl only at the next save's write (moment 2), so after
-# a kill at 1, 3 or 4, catch_up first runs the evaluation of the step the rerun resumes from,
-# where one falls on it.
-# On a pod, resume has every process read the same step; a step that some process cannot read
-# (read_retrying tries each read four times) is renamed unreadable, and the one before is tried.
-# Changing it: keep the two orders that the rules rest on. A save's records go to disk before
-# its checkpoint: the loop reads the step's metrics (read_pending) before save_step, which writes
-# them (moment 2) before it saves (moment 3). And a start cuts the records back to the step it
-# resumes from (catch_up) before the loop adds any. A new file that must stay in step with the
-# checkpoints (a second metrics file, say) needs what metrics.jsonl has: a name in Log.files
-# (Log.flush then writes it), lines that Log appends with their step, as it does for
-# metrics.jsonl, and a cut in catch_up beside metrics.jsonl's.
+# kill loses only the steps since the last commit. Beside checkpoints/, metrics.jsonl must keep in
+# step with them, and committed.txt remembers that a run committed one. Three rules:
+#   1. metrics.jsonl holds every record up to each checkpoint: save_step writes it just before
+#      the save (written after, a kill between the commit and the write would lose those records
+#      for good, since a rerun resumes past their steps).
+#   2. No step has two records: catch_up cuts the file back to the step each start resumes from.
+#   3. A run whose checkpoints are gone is not silently started over: refuse_fresh_start refuses
+#      where committed.txt exists.
+# A save at step 200 (save_every 100), and what a kill at each moment leaves:
+#   moment                                    on disk                     a rerun
+#   1. wait for save 100 to commit            records 1-100, ckpt 100     resumes from 100
+#   2. write metrics.jsonl, committed.txt     records 1-200, ckpt 100     resumes from 100, cuts
+#      (100, the newest committed)                                        records 101-200
+#   3. save 200; Orbax commits it later       ckpt 200 once committed     resumes from 200 once
+#                                                                         committed, else as 2
+#   4. evaluate step 200                      the same                    resumes from 200, and
+#                                                                         evaluates it (catch_up)
+# committed.txt lags one save (save 100 writes none), so a run that loses checkpoint 100 before
+# save 200 starts over: at most save_every steps lost. On a pod, resume has every process read
+# the same step. The tests `pytest -k "kill or resume or fresh or commit"` kill real runs at each
+# moment, and check that the rerun matches an unbroken run.
 
 
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):  # the loop's save
-    # (The loop has read this step's metrics, so metrics.jsonl will hold its record: rule 1.)
-    manager.wait_until_finished()  # moment 1: the previous save (Orbax saves in the background)
-    log.flush()  # moment 2: writes metrics.jsonl and log.txt
-    # committed.txt, once a checkpoint is committed (only process 0 writes the run's files). After
-    # the wait, manager.latest_step() is the newest committed checkpoint (None before the first).
+    manager.wait_until_finished()  # moment 1: the previous save
+    log.flush()  # moment 2: writes metrics.jsonl (rule 1) and log.txt
+    # after the wait, latest_step() is the newest committed checkpoint (rule 3; process 0 writes)
     if manager.latest_step() is not None and jax.process_index() == 0:
         (manager.directory.parent / "committed.txt").write_text(f"{manager.latest_step()}\n")
     save(manager, step, state, cfg, r, data_fingerprint)  # moment 3
 
 
 def refuse_fresh_start(out):
-    # starting_state calls this when the run directory has no checkpoint to resume. What the
-    # directory holds, and what the run does:
-    #   nothing, or metrics.jsonl alone           fresh start: nothing was committed (a kill or
-    #                                             an error ended the run before its first commit)
-    #   committed.txt (save_step writes it)       refuse: a run trained here, and its
-    #                                             checkpoints are gone
-    #   a step renamed *.unreadable               refuse: resume could read none of them
+    # where there is no checkpoint: metrics.jsonl alone is a run killed before its first commit,
+    # and starts afresh; committed.txt, or steps that resume renamed unreadable, are refused
     unreadable = [p.name for p in (epath.Path(out) / "checkpoints").glob("*.unreadable")]
     if unreadable or (epath.Path(out) / "committed.txt").exists():
         found = f"checkpoints {', '.join(unreadable)}" if unreadable else "committed.txt"
@@ -854,12 +713,9 @@ def refuse_fresh_start(out):
 
 
 def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
-    # train calls this once the run knows where it starts (done: 0, or the resumed step), and
-    # says whether an evaluation falls on step done (eval_due, by train's `due`). It mends what a
-    # run that ended early (a stop, a kill or an error) left: it drops the records past step done,
-    # and runs step done's evaluation if one is due and metrics.jsonl lacks it. It lacks it where a
-    # stop skipped it, or where the run ended before the next save wrote its record (the
-    # kill-safe moments). On a fresh start, it drops every record.
+    # Mends what a run that ended early (a stop, a kill or an error) left: drops the records past
+    # step done (rule 2; all of them on a fresh start), and runs step done's evaluation if one
+    # is due and metrics.jsonl lacks it (a stop skips it; a kill may lose its record, moment 4).
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
@@ -887,8 +743,6 @@ def resume(cfg, r, manager, target, data_fingerprint, log):
         log(f"checkpoint {step} is unreadable on process(es) {failed}: renamed {step}.*.unreadable")
         multihost_utils.sync_global_devices("unreadable checkpoint renamed")
         manager.reload()
-    # (A cause on this side, such as expired credentials, fails every step: rename the steps back
-    # by hand once it is fixed.)
     raise SystemExit(f"error: no checkpoint in {manager.directory} can be read (see above); fix "
                      "the cause and rename the .unreadable steps back, or use a new --out")
 
@@ -897,11 +751,10 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
     for attempt in range(tries):
         try:
             return read(step_dir, *args, **kwargs)
-        # a failing device, not the files (it is an Exception too, so it is let through first)
+        # a failing device, not the files (an Exception too, so it is let through first)
         except jax.errors.JaxRuntimeError:
             raise
-        # Orbax and tensorstore raise many kinds of errors. restore's one-line mismatch error is
-        # a SystemExit, which is not an Exception, so it passes through and is never retried.
+        # Orbax and tensorstore raise many kinds (restore's SystemExit is not an Exception)
         except Exception as e:
             why = type(e).__name__ + ": " + str(e).split("\n")[0][:200]  # the message may be empty
             print(f"process {jax.process_index()}: reading {step_dir} (try {attempt + 1}): {why}")
@@ -910,40 +763,22 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 
 
 # ----------------------------------------------------------------------------- stopping
-# A signal's path: request_stop appends it to SIGNALS -> signal_flags, each step's input ->
-# train_step's metrics["signalled"] -> LateMetrics.signalled, a step later -> the loop saves,
-# stop_reason says why it stops, and it exits 75.
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
-# own moment. So the compiled step takes one more input, signal_flags: one entry per device,
-# the device's process's bool(SIGNALS), which train's step_fn makes for every step.
-# train_step reduces it with jnp.any, an all-reduce across the hosts, and adds the answer to
-# its metrics, "signalled". Every process reads the same answer, a step late, with the
-# rest of the metrics (LateMetrics), so every process stops after the same step. On one host,
-# this simply means that a signal stops the run within two steps. For example, a SIGTERM
-# reaches one process during step 150, just after step_fn made step 150's flags:
+# own moment. So the compiled step takes one more input, signal_flags: one entry per device, its
+# process's bool(SIGNALS). train_step reduces them with jnp.any (on a pod, an all-reduce across the
+# hosts) into metrics["signalled"], which every process reads a step later with the rest of the
+# metrics: so every process stops after the same step, at no extra wait. On one host, a signal
+# simply stops the run within two steps. A SIGTERM during step 150, just after its flags:
 #   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
 #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
 #             exits with code 75, and a rerun resumes at step 153.
-# (Had step 151 saved, its save would have read its metrics at once, and the run would have
-# stopped after step 151.)
-# Why through the step, and not a host all-gather of the flags: that would make every host wait
-# for the others at every step, while the metrics are read anyway, so the answer costs nothing.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
-# The tests that hold this (`pytest -k "signal or sigterm"`): one process's SIGTERM, a signal
-# read by a save, and a pod of two processes where only one is signalled, at several moments.
-# Changing it: to add a way to stop (a time limit, say), where every process knows it without
-# asking the others, as with --stop-at, add it to stop_reason and to the loop's save condition.
-# Where only one process can know it (its own clock, a file on its disk), make that process's
-# signal_flags True too, and it reaches every process through the step, as a signal does. Keep
-# its reason in a list of its own, beside SIGNALS, and name it in stop_reason: an entry in
-# SIGNALS would make the next Ctrl-C exit at once (request_stop's second-Ctrl-C rule).
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
 
 def stop_reason(step, stop_at, signalled):  # -> why the run stops after this step, or None
-    # signalled: a signal reached this process or another one (every process reads it in the
-    # same step's metrics). --stop-at needs no such care: every process knows it.
+    # signalled: a signal reached this process or another one (--stop-at, every process knows)
     if signalled:
         return f"{SIGNALS[0]} received" if SIGNALS else "another process was asked to stop"
     return "--stop-at" if step == stop_at else None
@@ -953,25 +788,21 @@ def request_stop(signum, frame):  # checkpoint within two steps, exit (a second 
     if SIGNALS and signum == signal.SIGINT:
         raise SystemExit("interrupted; rerun the same command to resume from the last checkpoint")
     SIGNALS.append(signal.Signals(signum).name)
-    # os.write to stderr (2), not print: a print in a signal handler that interrupted another
-    # print may raise (Python's streams are not reentrant), and a Ctrl-C may have stopped
-    # `| tee`, closing stdout. Where stderr is closed too, the message is dropped, and the run
-    # saves and stops all the same.
+    # os.write to stderr, not print: a print that interrupts another print may raise, and a
+    # Ctrl-C may have closed stdout (`| tee`). If stderr is closed too, the run stops all the same.
     with contextlib.suppress(OSError):
         os.write(2, f"{SIGNALS[0]}: checkpointing within two steps (Ctrl-C again: now)\n".encode())
 
 
 def signal_flags(mesh):  # -> [devices] bool: has each device's process received a signal?
-    # this process's entries, one for each of its devices, all the same flag, as device_batch
-    # gives each process's rows. The whole shape is given: where processes hold different
-    # numbers of the mesh's devices, JAX could not infer it.
+    # this process's entries, one for each of its devices (the whole shape is given: JAX could
+    # not infer it where processes hold different numbers of devices)
     local = np.full(len(mesh.local_devices), bool(SIGNALS))
     return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local, (mesh.size,))
 
 
-# signal_flags' array, described: [devices] bool, one entry per device. P(("data", "fsdp",
-# "tensor")) cuts its one dimension over all three mesh axes together (a tuple in one place, not
-# three dimensions), so each device holds one entry.
+# signal_flags' array, described: [devices] bool, its one dimension cut over all three mesh axes
+# together, so that each device holds one entry
 flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
                                                sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
 
@@ -996,12 +827,9 @@ def start_jax(args):
     # a compilation cache, so that a restart does not compile the 7B's step again
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
-    # jax.distributed.initialize joins the cluster it finds (a pod, SLURM). What it raises:
-    #   - JaxRuntimeError: a cluster found but not reached. It is let through: the run fails,
-    #     and a rerun tries again. (Its clause comes first: it is a RuntimeError too.)
-    #   - ValueError (no cluster), RuntimeError (JAX ran already, as in the tests) or IndexError
-    #     (a --coordinator without a port): the run goes on as one process, unless --coordinator,
-    #     --num-processes or --process-id asked for a cluster; then it stops with a one-line error.
+    # A cluster found but not reached (JaxRuntimeError, first: it is a RuntimeError too) fails
+    # the run. No cluster (ValueError; RuntimeError where JAX ran already; IndexError for a
+    # --coordinator without a port) means one process, unless the flags asked for a cluster.
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except jax.errors.JaxRuntimeError:
@@ -1017,9 +845,7 @@ def check_run_directory(out):  # every host must see the run directory that proc
     # Process 0 writes a fresh number (the time) into it. A host that has another disk there
     # reads no number (-1), or an old one.
     mark = epath.Path(out) / "run-mark.txt"
-    # every process checks, so that none waits for process 0 at the barrier below (where the
-    # hosts see different disks, and only some find a file there, the rest wait there until JAX
-    # times them out)
+    # (every process checks, so that none waits at the barrier below for a process that stopped)
     if mark.parent.is_file():
         raise SystemExit(f"error: --out {out} is a file; give a directory for the run")
     if jax.process_index() == 0:
@@ -1074,8 +900,7 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
             choices=CHOICES.get(f.name), metavar=kind.__name__.upper())
     args = ap.parse_args(argv)
     args.out = args.out if args.out else f"runs/{args.preset}"
-    # --eval-tasks' names, a list, each stripped of spaces and tabs alone: any other character (a
-    # "\r" from a CRLF file) makes an unknown task, a one-line error. "," names none.
+    # --eval-tasks' names, a list (a "\r" from a CRLF file is kept: an unknown task's error)
     args.eval_tasks = [n.strip(" \t") for n in args.eval_tasks.split(",") if n.strip(" \t")]
     # every field's flag defaults to None, so the fields given are those that are not None
     given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
@@ -1085,11 +910,8 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     changes = (STAGE2 if args.stage2 else {}) | given(Recipe)
     r = dataclasses.replace(RECIPES[args.preset], **changes)
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
-    # Every int flag is a count, a seed, a step or a process's number. One set below its least
-    # value (1, or the one in `least`) stops here, with a one-line error. 0 would divide by zero
-    # (step % save_every) or keep no checkpoint at all (Orbax), a negative window or eval limit
-    # would give NaN or drop documents, and --stop-at 0 or --devices 0 would be ignored, silently.
-    # (A flag not given is None, and the presets' values are all valid.)
+    # Every int flag is a count, a seed, a step or a process's number: one below its least value
+    # (1, or the one in `least`) would divide by zero, or be ignored silently
     least = {"micro_batch": 0, "warmup_steps": 0, "eval_limit": 0, "samples": 0, "seed": 0,
              "data_seed": 0, "process_id": 0, "source_permutation_seed": -1}  # -1: the mix's order
     for f, value in vars(args).items():
