@@ -2163,7 +2163,7 @@ def test_abstract_state_describes_fresh_state_with_adam_cut_like_params():
 
 def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
     """--dry-run with abstract arrays: the step train.py compiles, and what one device holds
-    of it: the state's shard plus the batch's rows (and its signal flag)."""
+    of it: the state's shard plus the batch's rows."""
     cfg, r, args = train.parse_args(
         SMALL_RUN + ["--dry-run", "--mesh", "fsdp=4", "--micro-batch", "4"]
     )
@@ -2175,8 +2175,8 @@ def test_dry_run_compiles_the_real_step_and_shows_what_a_device_holds(capsys):
     shard_bytes = sum(
         np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)
     )
-    # + the batch's rows, + the one bool of train.signal_flags a device holds
-    assert memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4 + 1
+    # + the batch's rows (inputs and labels)
+    assert memory.argument_size_in_bytes == shard_bytes + 2 * (8 // 4) * 32 * 4
     out = capsys.readouterr().out
     assert "4 x cpu {'data': 1, 'fsdp': 4, 'tensor': 1}" in out
     assert "batch 8 x 32 in micro-batches of 4 (1 per device)" in out

@@ -125,9 +125,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # nanoGPT's torch.compile, ahead of time: a step that does not fit fails here, before any data
     compiled = compile_step(cfg, r, mesh, target)
 
-    # the signal flags ride along with the batch so that a pod's hosts stop together (stopping)
+    # One step, plus "signalled": has any process received a Ctrl-C or a SIGTERM? On a pod, the
+    # jnp.any is an all-reduce over the hosts, read with the metrics, so that all stop together.
     def step_fn(state, batch):
-        return compiled(state, olmo3.device_batch(batch, mesh), signal_flags(mesh))
+        state, metrics = compiled(state, olmo3.device_batch(batch, mesh))
+        return state, metrics | {"signalled": jnp.any(signal_flags(mesh))}
 
     loader, heldout = load_data(cfg, r, args, mesh)  # nanoGPT's get_batch, and its val split
     evals = make_evals(cfg, r, args, mesh, heldout, log)  # evals(params, step), or None
@@ -137,7 +139,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    catch_up(log, evals, state["params"], done, due(done, r.eval_every))  # after an early end
+    # after a run that ended early: cuts metrics.jsonl back to step done (kill-safe, rule 2)
+    catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
     #       state, metrics = step_fn(state, loader.batch(step - 1))  # (1)
@@ -153,9 +156,11 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)  # (2) logs the step before, keeps this one's
         # (3) save, also once a step's metrics carry a signal
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            late_metrics.read_pending()  # this step's record goes to disk with its checkpoint
+            # this step's record goes to disk with its checkpoint (kill-safe, rule 1); this read
+            # may find a signal too
+            late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) stop: after this step's read, which may have found a signal
+        # (4) stop, if --stop-at says so, or if a read in (2) or (3) found a signal
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
@@ -325,15 +330,15 @@ def compile_step(cfg, r, mesh, target):
     #   out_shardings     the new state keeps target's shardings (None: XLA picks the metrics')
     # lower() traces the step for ShapeDtypeStructs, which carry their shardings (so jit needs no
     # in_shardings), and compile() compiles it before any data exists. The compiled step takes
-    # only arrays: compiled(state, batch, flags) -> (state, metrics).
+    # only arrays: compiled(state, batch) -> (state, metrics).
     jitted = jax.jit(train_step, static_argnames=("cfg", "r", "n_micro"), donate_argnames="state",
                      out_shardings=(shardings_of(target), None))
-    return jitted.lower(target, batch, flags_spec(mesh), cfg=cfg, r=r, n_micro=n_micro).compile()
+    return jitted.lower(target, batch, cfg=cfg, r=r, n_micro=n_micro).compile()
 
 
-def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro micro-batches
+def train_step(state, batch, cfg, r, n_micro):  # one update over n_micro micro-batches
     # -> (the new state, metrics). The batch holds inputs and labels (and segments when
-    # packed), each [batch, seq_len]. The signal flags only pass through, to metrics["signalled"].
+    # packed), each [batch, seq_len].
     # It is written as for one device: batch and params are global arrays cut over the mesh,
     # and XLA inserts the communication (olmo3.py's sharding comment, part three).
     params = state["params"]
@@ -387,8 +392,7 @@ def train_step(state, batch, flags, cfg, r, n_micro):  # one update over n_micro
     new = jax.tree.map(lambda upd, before: jnp.where(skip, before, upd), updated, old)
     # -- The metrics, which the loop reads a step late
     metrics = {"loss": ce, "grad_norm": grad_norm, "lr": lr, "skipped": skip, "spikes": spikes}
-    # and "signalled", any process's flag (jnp.any: on a pod, an all-reduce over the hosts)
-    return new | {"step": step, "history": history}, metrics | {"signalled": jnp.any(flags)}
+    return new | {"step": step, "history": history}, metrics
 
 
 def split_micro(x, n_micro: int):
@@ -415,7 +419,8 @@ def spike_guard(history, step, values):  # (1-based) -> (is each a spike, the hi
     mean = jnp.sum(jnp.where(filled, history, 0.0), -1) / jnp.maximum(n_filled, 1)
     square = jnp.where(filled, (history - mean[:, None]) ** 2, 0.0)
     std = jnp.sqrt(jnp.sum(square, -1) / jnp.maximum(n_filled - 1, 1))  # torch.std's n - 1
-    # OLMo-core checks once its list holds 64 values (half a window), this step's included.
+    # OLMo-core checks once its list holds 64 values (half a window), this step's included: at
+    # step 64, this step's value against the mean and std of the 63 before it.
     # Only a rise counts; NaN spikes too (the comparison is False, so `~` makes it True).
     spikes = (step >= HISTORY // 2) & ~(values - mean <= 6 * std)
     # a value that is not finite is kept out of the history, or every later step would spike
@@ -615,7 +620,8 @@ def run_settings(cfg, r=None, data_fingerprint=None):
 
 
 # What must match the checkpoint: the model's settings, always; the data order and the data too
-# when resuming. --init-from, evaluation.py and convert.py do not resume (resuming=False).
+# when resuming (--init-from does not resume). evaluation.py and convert.py do not call it: they
+# read a checkpoint with its own settings.
 def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None):
     # Reads the arrays onto target's shardings, whatever mesh wrote them. Given --d-model 2048 for
     # a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
@@ -687,10 +693,11 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 #                                                                         committed, else as 2
 #   4. evaluate step 200                      the same                    resumes from 200, and
 #                                                                         evaluates it (catch_up)
-# committed.txt lags one save (save 100 writes none), so a run that loses checkpoint 100 before
-# save 200 starts over: at most save_every steps lost. On a pod, resume has every process read
-# the same step. The tests `pytest -k "kill or resume or fresh or commit"` kill real runs at each
-# moment, and check that the rerun matches an unbroken run.
+# committed.txt names the newest committed step, which the run learns only by waiting for it: so
+# save 100 writes none, save 200 writes 100, save 300 writes 200. A run that loses checkpoint 100
+# before save 200 starts over: at most save_every steps lost. On a pod, resume has every process
+# read the same step. The tests `pytest -k "kill or resume or fresh or commit"` kill real runs at
+# each moment, and check that the rerun matches an unbroken run.
 
 
 def save_step(manager, log, step, state, cfg, r, data_fingerprint):  # the loop's save
@@ -764,10 +771,10 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 
 # ----------------------------------------------------------------------------- stopping
 # A pod's processes must all stop after the same step, but a signal reaches each process at its
-# own moment. So the compiled step takes one more input, signal_flags: one entry per device, its
-# process's bool(SIGNALS). train_step reduces them with jnp.any (on a pod, an all-reduce across the
-# hosts) into metrics["signalled"], which every process reads a step later with the rest of the
-# metrics: so every process stops after the same step, at no extra wait. On one host, a signal
+# own moment. So with each step, train's step_fn makes signal_flags, one entry per device, its
+# process's bool(SIGNALS), and reduces them with jnp.any (on a pod, an all-reduce across the
+# hosts) into metrics["signalled"]. Every process reads it a step later with the rest of the
+# metrics, so every process stops after the same step, at no extra wait. On one host, a signal
 # simply stops the run within two steps. A SIGTERM during step 150, just after its flags:
 #   step 151  Its flag says yes. The host reads step 150's metrics: no signal.
 #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
@@ -798,13 +805,9 @@ def signal_flags(mesh):  # -> [devices] bool: has each device's process received
     # this process's entries, one for each of its devices (the whole shape is given: JAX could
     # not infer it where processes hold different numbers of devices)
     local = np.full(len(mesh.local_devices), bool(SIGNALS))
-    return jax.make_array_from_process_local_data(flags_spec(mesh).sharding, local, (mesh.size,))
-
-
-# signal_flags' array, described: [devices] bool, its one dimension cut over all three mesh axes
-# together, so that each device holds one entry
-flags_spec = lambda mesh: jax.ShapeDtypeStruct((mesh.size,), jnp.bool_,
-                                               sharding=NamedSharding(mesh, P(olmo3.MESH_AXES)))
+    # [devices]: its one dimension cut over all three mesh axes together, one entry per device
+    sharding = NamedSharding(mesh, P(olmo3.MESH_AXES))
+    return jax.make_array_from_process_local_data(sharding, local, (mesh.size,))
 
 
 # ----------------------------------------------------------------------------- across hosts
@@ -827,9 +830,11 @@ def start_jax(args):
     # a compilation cache, so that a restart does not compile the 7B's step again
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
-    # A cluster found but not reached (JaxRuntimeError, first: it is a RuntimeError too) fails
-    # the run. No cluster (ValueError; RuntimeError where JAX ran already; IndexError for a
-    # --coordinator without a port) means one process, unless the flags asked for a cluster.
+    # What jax.distributed.initialize raises, and what the run does:
+    #   JaxRuntimeError      a cluster found, not reached   fails (first: it is a RuntimeError too)
+    #   ValueError           no cluster                     one process, unless --coordinator,
+    #   RuntimeError         JAX ran already (the tests)    --num-processes or --process-id
+    #   IndexError           --coordinator without a port   asked for a cluster: then an error
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except jax.errors.JaxRuntimeError:
