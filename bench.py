@@ -69,7 +69,8 @@ def jax_worker(conn, name, dtype, code=HERE):
         x, y = (jax.device_put(a, olmo3.batch_sharding(mesh)) for a in (tokens, labels))
         new = hasattr(train, "device_batch") or hasattr(olmo3, "device_batch")
         batch = (dict(inputs=x, labels=y),) if new else (x, y)
-        if hasattr(train, "flags_spec"):  # the step took each process's signal flag, for a time
+        # for a time, the compiled step also took each process's signal flag
+        if hasattr(train, "signal_flags") and len(step.args_info[0]) == len(batch) + 2:
             batch += (train.signal_flags(mesh),)
         state, metrics = step(state, *batch)
         jax.block_until_ready(metrics)

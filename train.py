@@ -114,7 +114,8 @@ def main(argv=None):
 #   catch_up                    does nothing on a run's first start
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
-#   save_step                   writes metrics.jsonl and log.txt, then manager.save(step, state)
+#   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
+#                               manager.save(step, state)
 #   stop_reason                 "--stop-at" at that step, else None
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out, args.data
@@ -153,8 +154,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        late_metrics.add(step, metrics)  # (2) logs the step before, keeps this one's
-        # (3) save, also once a step's metrics carry a signal
+        late_metrics.add(step, metrics)  # (2) logs the step before (unless it saved), keeps this
+        # (3) save, also where (2) read a signal in the step before's metrics
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             # this step's record goes to disk with its checkpoint (kill-safe, rule 1); this read
             # may find a signal too
@@ -170,6 +171,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (5) after the save, which commits in the background meanwhile
         if evals and due(step, r.eval_every):
             evals(state["params"], step)
+    # (the last step is always due, so (3) read its metrics: none are left unread)
     if args.samples and data.have("evaluation"):  # only with evaluation.py
         data.beside("evaluation").samples(state["params"], cfg, r, loader, args.samples, log)
     log(f"done: step {int(state['step'])} in {(time.time() - log.started) / 60:.1f} min")
@@ -281,7 +283,8 @@ def abstract_state(cfg, r, mesh):  # fresh_state's tree, described, with nothing
 
 
 # jit with out_shardings: each device computes only its own shards of the new state, so no
-# device ever holds the whole 7B. The random draws give the same numbers on any mesh.
+# device ever holds the whole 7B. The random draws are made shard by shard too, and give the same
+# numbers on any mesh (jax_threefry_partitionable, JAX's default).
 def init_state(cfg, r, target):
     make = lambda key: fresh_state(r, olmo3.init(cfg, key))
     return jax.jit(make, out_shardings=shardings_of(target))(jax.random.key(r.seed))
@@ -313,11 +316,13 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
 def compile_step(cfg, r, mesh, target):
     micro = r.micro_batch if r.micro_batch else r.global_batch
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
-    # the batch splits into whole micro-batches, and each of them evenly over the devices
+    # the batch splits into whole micro-batches, and each of them evenly over the data-parallel
+    # devices
     if r.global_batch % micro or micro % dp:
         raise SystemExit(f"error: global batch {r.global_batch} / micro batch {micro} / {dp} "
                          "data-parallel devices do not divide; pick multiples of each other")
-    # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over devices
+    # each array of the batch, described: [global_batch, seq_len] int32, its rows cut over the
+    # data-parallel devices
     array = jax.ShapeDtypeStruct((r.global_batch, r.seq_len), jnp.int32,
                                  sharding=olmo3.batch_sharding(mesh))
     batch = dict(inputs=array, labels=array) | (dict(segments=array) if r.packing else {})
@@ -582,10 +587,14 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# The plain save and load, first:
-#   save     manager.save(step, Composite(params=..., train_state=..., config=...))
-#   restore  reads a step's items onto target's shapes and shardings, after checking that its
-#            model, data order and data are this run's
+# The plain save and load, first (evaluation.py and convert.py call all of them but restore):
+#   checkpoints        Orbax's CheckpointManager for a run's checkpoints/ folder
+#   save               manager.save(step, Composite(params=..., train_state=..., config=...))
+#   restore            reads a step's items onto target's shapes and shardings, after checking
+#                      that its model (and for a resume, its data order and data) are this run's
+#   saved_settings     a step's settings (its config item)
+#   read_item          reads one item, params or train_state
+#   latest_checkpoint  the newest step of a run directory, or of a converted checkpoint
 # The "kill-safe" section below makes them safe through a kill at any moment, and on a pod.
 
 # a checkpoint's train_state item: every entry of the state but params (opt_state, step, history)
@@ -634,7 +643,7 @@ def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None
         raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
                          "or the settings and data it was made with")
     state = {"params": read_item(step_dir / "params", target["params"])}
-    # A converted checkpoint holds params alone, and evaluation.py's target asks for params alone
+    # A converted checkpoint (an --init-from of a converted model) holds params alone
     if "opt_state" in target and (step_dir / "train_state").exists():
         state |= read_item(step_dir / "train_state", train_state_of(target))
     return state
@@ -691,8 +700,10 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 #      (100, the newest committed)                                        records 101-200
 #   3. save 200; Orbax commits it later       ckpt 200 once committed     resumes from 200 once
 #                                                                         committed, else as 2
-#   4. evaluate step 200                      the same                    resumes from 200, and
-#                                                                         evaluates it (catch_up)
+#   4. evaluate step 200                      the same                    resumes from 200
+# An evaluation's record reaches metrics.jsonl only with the next save's write (moment 2). So a
+# rerun whose step's evaluation metrics.jsonl lacks (after a kill at 1, 3 or 4, or between saves)
+# runs it first (catch_up).
 # committed.txt names the newest committed step, which the run learns only by waiting for it: so
 # save 100 writes none, save 200 writes 100, save 300 writes 200. A run that loses checkpoint 100
 # before save 200 starts over: at most save_every steps lost. On a pod, resume has every process
@@ -722,7 +733,8 @@ def refuse_fresh_start(out):
 def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
     # Mends what a run that ended early (a stop, a kill or an error) left: drops the records past
     # step done (rule 2; all of them on a fresh start), and runs step done's evaluation if one
-    # is due and metrics.jsonl lacks it (a stop skips it; a kill may lose its record, moment 4).
+    # is due and metrics.jsonl lacks it (a stop skips it; a kill before the next save's write
+    # loses its record).
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
@@ -780,6 +792,9 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 #   step 152  The host reads step 151's metrics: a signal. Every process saves step 152 and
 #             exits with code 75, and a rerun resumes at step 153.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
+# A new reason to stop that only one process knows (its own clock, say) makes that process's
+# signal_flags True, with its reason kept beside SIGNALS, not in it: an entry in SIGNALS would
+# make the next Ctrl-C exit at once (request_stop).
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
@@ -831,10 +846,11 @@ def start_jax(args):
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", f"{args.out}/compile-cache")
     # What jax.distributed.initialize raises, and what the run does:
-    #   JaxRuntimeError      a cluster found, not reached   fails (first: it is a RuntimeError too)
-    #   ValueError           no cluster                     one process, unless --coordinator,
-    #   RuntimeError         JAX ran already (the tests)    --num-processes or --process-id
-    #   IndexError           --coordinator without a port   asked for a cluster: then an error
+    #   JaxRuntimeError   a cluster found, not reached   fails (first: it is a RuntimeError too)
+    #   ValueError        no cluster                     goes on as one process *
+    #   RuntimeError      JAX ran already (the tests)    goes on as one process *
+    #   IndexError        --coordinator without a port   goes on as one process *
+    # * unless --coordinator, --num-processes or --process-id asked for a cluster: then an error
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     except jax.errors.JaxRuntimeError:
@@ -850,7 +866,8 @@ def check_run_directory(out):  # every host must see the run directory that proc
     # Process 0 writes a fresh number (the time) into it. A host that has another disk there
     # reads no number (-1), or an old one.
     mark = epath.Path(out) / "run-mark.txt"
-    # (every process checks, so that none waits at the barrier below for a process that stopped)
+    # (every process checks, so that none waits at the barrier below for process 0 alone; where
+    # hosts see different disks, some may still wait there until JAX times them out)
     if mark.parent.is_file():
         raise SystemExit(f"error: --out {out} is a file; give a directory for the run")
     if jax.process_index() == 0:
