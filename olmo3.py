@@ -200,11 +200,10 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
-            # block, with this layer's window, rope, cfg and segments fixed, under jax.checkpoint
-            # (REMAT says why). window and cfg stay Python values for attention's `if`s.
-            # (The lambda is called in this iteration, so it sees this iteration's window.)
-            layer = lambda p, x: block(p, x, window, ropes[window], cfg, segments)
-            x = jax.checkpoint(layer, policy=REMAT[cfg.remat])(p, x)
+            # block under jax.checkpoint (REMAT says why); window and cfg (arguments 2 and 4) stay
+            # static, Python values for attention's `if`s
+            layer = jax.checkpoint(block, static_argnums=(2, 4), policy=REMAT[cfg.remat])
+            x = layer(p, x, window, ropes[window], cfg, segments)
         return x, None
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]
