@@ -128,6 +128,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
 
     # One step, plus "signalled": has any process received a Ctrl-C or a SIGTERM? On a pod, the
     # jnp.any is an all-reduce over the hosts, read with the metrics, so that all stop together.
+    # (It runs beside the compiled step, so that train_step holds the update alone.)
     def step_fn(state, batch):
         state, metrics = compiled(state, olmo3.device_batch(batch, mesh))
         return state, metrics | {"signalled": jnp.any(signal_flags(mesh))}
@@ -161,7 +162,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
             # may find a signal too
             late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
-        # (4) stop, if --stop-at says so, or if a read in (2) or (3) found a signal
+        # (4) stop, if --stop-at says so or a read in (2) or (3) found a signal: either way, (3)
+        # saved this step
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
         if stop and step < r.steps:  # (after the last step, the run just ends)
             manager.wait_until_finished()  # until this step's save is committed
