@@ -70,7 +70,8 @@ def jax_worker(conn, name, dtype, code=HERE):
         new = hasattr(train, "device_batch") or hasattr(olmo3, "device_batch")
         batch = (dict(inputs=x, labels=y),) if new else (x, y)
         # for a time, the compiled step also took each process's signal flag
-        if hasattr(train, "signal_flags") and len(step.args_info[0]) == len(batch) + 2:
+        takes = len(getattr(step, "args_info", ((),))[0])  # a lambda adds the flags itself
+        if hasattr(train, "signal_flags") and takes == len(batch) + 2:
             batch += (train.signal_flags(mesh),)
         state, metrics = step(state, *batch)
         jax.block_until_ready(metrics)

@@ -645,7 +645,8 @@ def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None
         raise SystemExit(f"error: checkpoint {step_dir} has {', '.join(diff)}; use a new --out, "
                          "or the settings and data it was made with")
     state = {"params": read_item(step_dir / "params", target["params"])}
-    # A converted checkpoint (an --init-from of a converted model) holds params alone
+    # train_state too, where the target asks for it and the checkpoint has it (a converted one
+    # holds params alone)
     if "opt_state" in target and (step_dir / "train_state").exists():
         state |= read_item(step_dir / "train_state", train_state_of(target))
     return state
@@ -702,10 +703,10 @@ def latest_checkpoint(path):  # the newest step of a run directory or of a conve
 #      (100, the newest committed)                                        records 101-200
 #   3. save 200; Orbax commits it later       ckpt 200 once committed     resumes from 200 once
 #                                                                         committed, else as 2
-#   4. evaluate step 200                      the same                    resumes from 200
-# An evaluation's record reaches metrics.jsonl only with the next save's write (moment 2). So a
-# rerun whose step's evaluation metrics.jsonl lacks (after a kill at 1, 3 or 4, or between saves)
-# runs it first (catch_up).
+#   4. evaluate step 200                      the same                    as after 3
+# An evaluation's record reaches metrics.jsonl with the next flush: the next save's (moment 2), or
+# the run's last. So where metrics.jsonl lacks the evaluation of the step a rerun resumes from
+# (after a kill at 1, 3 or 4, or between saves), the rerun runs it first (catch_up).
 # committed.txt names the newest committed step, which the run learns only by waiting for it: so
 # save 100 writes none, save 200 writes 100, save 300 writes 200. A run that loses checkpoint 100
 # before save 200 starts over: at most save_every steps lost. On a pod, resume has every process
@@ -735,8 +736,8 @@ def refuse_fresh_start(out):
 def catch_up(log, evals, params, done, eval_due):  # metrics.jsonl and evaluations, up to step done
     # Mends what a run that ended early (a stop, a kill or an error) left: drops the records past
     # step done (rule 2; all of them on a fresh start), and runs step done's evaluation if one
-    # is due and metrics.jsonl lacks it (a stop skips it; a kill before the next save's write
-    # loses its record).
+    # is due and metrics.jsonl lacks it (a stop skips it; a kill before the next flush loses its
+    # record).
     records = [rec for rec in map(json.loads, log.lines["metrics.jsonl"]) if rec["step"] <= done]
     log.lines["metrics.jsonl"] = [json.dumps(rec) + "\n" for rec in records]
     # an evaluation's record has keys that start with "eval/" (evaluation.evaluator's)
@@ -795,8 +796,8 @@ def read_retrying(read, step_dir, *args, tries=4, **kwargs):  # read(step_dir, .
 #             exits with code 75, and a rerun resumes at step 153.
 # (JAX's own preemption sync point is not used: it misses a SIGTERM before step 1.)
 # A new reason to stop that only one process knows (its own clock, say) makes that process's
-# signal_flags True, with its reason kept beside SIGNALS, not in it: an entry in SIGNALS would
-# make the next Ctrl-C exit at once (request_stop).
+# signal_flags True, with its reason kept beside SIGNALS, not in it (an entry in SIGNALS would
+# make the next Ctrl-C exit at once: request_stop), and stop_reason reports it.
 
 SIGNALS = []  # the signals this process received (the first asked it to stop)
 
@@ -851,7 +852,7 @@ def start_jax(args):
     #   JaxRuntimeError   a cluster found, not reached   fails (first: it is a RuntimeError too)
     #   ValueError        no cluster                     goes on as one process *
     #   RuntimeError      JAX ran already (the tests)    goes on as one process *
-    #   IndexError        --coordinator without a port   goes on as one process *
+    #   IndexError        --coordinator without a port   an error (--coordinator asked for one)
     # * unless --coordinator, --num-processes or --process-id asked for a cluster: then an error
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -868,8 +869,9 @@ def check_run_directory(out):  # every host must see the run directory that proc
     # Process 0 writes a fresh number (the time) into it. A host that has another disk there
     # reads no number (-1), or an old one.
     mark = epath.Path(out) / "run-mark.txt"
-    # (every process checks, so that none waits at the barrier below for process 0 alone; where
-    # hosts see different disks, some may still wait there until JAX times them out)
+    # (every process checks: where all see a file there, all stop, and none waits at the barrier
+    # below for a process 0 that stopped; where hosts see different disks, some may still wait
+    # there until JAX times them out)
     if mark.parent.is_file():
         raise SystemExit(f"error: --out {out} is a file; give a directory for the run")
     if jax.process_index() == 0:
