@@ -178,7 +178,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # group), with windows [4096, 4096, 4096, None]:
     #   for g in range(8):        # lax.scan: the compiler traces one group, once
     #       for j in range(4):    # a Python loop, unrolled inside the traced group
-    #           x = block(weights of layer 4 g + j, x, windows[j], ropes[windows[j] is None], ...)
+    #           x = block(weights of layer 4 g + j, x, windows[j], its RoPE tables, ...)
     # When global_every does not divide n_layers, the window pattern does not repeat from
     # group to group, so all the layers are one group.
     group_size = cfg.global_every if cfg.n_layers % cfg.global_every == 0 else cfg.n_layers
@@ -189,11 +189,11 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # windows[j]: the window of layer j of every group (layer j has the same kind in every
     # group, as group_size is global_every or all the layers). tiny's: [64, 64, 64, None].
     windows = [None if cfg.is_full(j) else cfg.sliding_window for j in range(group_size)]
-    # ropes[full]: the RoPE tables, (cos_TE, sin_TE), of the sliding (False) and the full (True)
-    # layers: YaRN applies to the full layers only (without it, the two are the same).
+    # the RoPE tables, (cos_TE, sin_TE), of the sliding and of the full layers: YaRN applies to
+    # the full layers only (without it, the two are the same).
     # Positions are absolute within the row (arange(T)), even for packed documents, as
     # OLMo-core's were when OLMo 3 ran (README, Fidelity).
-    ropes = {full: rope_tables(jnp.arange(x.shape[1]), cfg, full=full) for full in (False, True)}
+    rope_sliding, rope_full = [rope_tables(jnp.arange(x.shape[1]), cfg, f) for f in (False, True)]
     # block under jax.checkpoint (REMAT says why). Its arguments 2 and 4, window and cfg, stay
     # static: Python values for attention's `if`s.
     layer = jax.checkpoint(block, static_argnums=(2, 4), policy=REMAT[cfg.remat])
@@ -201,7 +201,8 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     def group(x, p_group):  # one group's weights, each [group_size, ...]
         for j, window in enumerate(windows):  # unrolled: each window is a Python value
             p = jax.tree.map(lambda w: w[j], p_group)  # the group's layer j's weights
-            x = layer(p, x, window, ropes[window is None], cfg, segments)  # block, checkpointed
+            # block, checkpointed (a window of None is a full layer's)
+            x = layer(p, x, window, rope_full if window is None else rope_sliding, cfg, segments)
         return x, None
     # group g gets each leaf of `groups` sliced at g; scan returns (x after the last group, None)
     return jax.lax.scan(group, x, groups)[0]

@@ -108,10 +108,14 @@ def main(argv=None):
 #                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) puts the batch's rows on the devices
 #   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
-#   olmo3.local_rows            every row of the batch (a pod's process holds only some)
+#   olmo3.local_rows            (in load_data) every row of the batch (a pod's process holds
+#                               only some)
 #   check_processes_agree       checks nothing
 #   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   catch_up                    does nothing on a run's first start
+#   restore, latest_checkpoint  (--init-from) read the newest step of a checkpoint, after checking
+#                               its settings (starting_state says which)
+#   catch_up                    does nothing on a run's first start (on a resume, it cuts
+#                               metrics.jsonl back to the step resumed from)
 #   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
 #   late_metrics.signalled      False
 #   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
@@ -165,7 +169,7 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         # (4) stop, if --stop-at says so or a read in (2) or (3) found a signal: either way, (3)
         # saved this step
         stop = stop_reason(step, args.stop_at, late_metrics.signalled)
-        if stop and step < r.steps:  # (after the last step, the run just ends)
+        if stop and step < r.steps:  # (at the last step, it ends as any run: evaluates, exits 0)
             manager.wait_until_finished()  # until this step's save is committed
             log(f"stopped after step {step} ({stop}), checkpointed: rerun to resume")
             log.flush()
@@ -298,6 +302,9 @@ def starting_state(cfg, r, args, manager, target, data_fingerprint, log):  # -> 
     #   fresh        init_state's new weights, and Adam's moments at zero.
     #   --init-from  Fresh, then another checkpoint's params, and its Adam state too if it has
     #                one (stages 2 and 3). Step and history, and so the LR schedule, start at 0.
+    # What the checkpoint's settings must match (restore checks; NUMERICS are free to differ):
+    #   resume       the model's, DATA_ORDER's and the data's (the token files' fingerprint)
+    #   --init-from  the model's but YaRN's (stage 3 turns YaRN on over stage 2's weights)
     if manager.latest_step() is not None:
         return resume(cfg, r, manager, target, data_fingerprint, log)  # (state, "resumed ...")
     refuse_fresh_start(args.out)  # where a run's checkpoints were lost (kill-safe)
@@ -446,19 +453,18 @@ def schedule(r: Recipe):  # -> a function: step k (1-based) -> its LR
     # optax's schedules count from 0. They are given OLMo-core's 1-based k, so that step 1's LR
     # is P / W, as in OLMo-core.
     peak, floor, warmup = r.lr, r.lr * r.min_lr_ratio, r.warmup_steps
-    # optax's arguments, in order: the LR at 0, the peak, the warmup's steps, the decay's steps
-    # (T, the warmup included), and the floor
-    cosine = lambda t_max: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, t_max, floor)
-    # (the max() keeps a run no longer than its warmup valid: optax needs decay_steps > warmup)
-    if r.schedule == "cosine":
-        return cosine(max(r.steps, warmup + 1))
+    # "olmo3" is AI2's stage 1, in two parts (for the 7b presets; olmo3_stage1, second read)
+    if r.schedule == "olmo3":
+        return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len)
     # "linear" is LinearWithWarmup above: join_schedules runs the first part up to W, then hands
     # the second k - W. Stage 2's (P 2.07e-4, W 0, T 47,684) reaches P / 2 at step 23,842.
     if r.schedule == "linear":
         decay = optax.linear_schedule(peak, floor, max(r.steps - warmup, 1))
         return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
-    # "olmo3" is AI2's stage 1, in two parts (for the 7b presets; olmo3_stage1, second read)
-    return olmo3_stage1(peak, floor, warmup, r.global_batch * r.seq_len, cosine)
+    # "cosine" is CosWithWarmup above. optax's arguments, in order: the LR at 0, the peak, the
+    # warmup's steps, the decay's steps (T, the warmup included), and the floor. (The max() keeps
+    # a run no longer than its warmup valid: optax needs decay_steps > warmup.)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(r.steps, warmup + 1), floor)
 
 
 # AdamW, as in torch and OLMo-core: p - lr * (adam(clip(g)) + wd * p), with no weight decay on
@@ -486,13 +492,12 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 # ----------------------------------------------------------------------------- the 7B's schedule
 
 # Returns a function: step k -> its LR, for peak P, floor F, warmup W and the tokens in a step.
-# cosine(T) is schedule's CosWithWarmup aimed at T steps, passed in because part 1 is that cosine.
-def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
+def olmo3_stage1(peak, floor, warmup, tokens_per_step):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; see the
-    # README's "Stage 1's learning rate"). Part 1, up to step 596,047, is
-    # cosine(T1), aimed at 5T tokens. Part 2 starts at step 596,048, where AI2 restarted. It is
-    # OLMo-core's HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2 at step W2, then
-    # the second half of a cosine from P to F, which reaches F at T2:
+    # README's "Stage 1's learning rate"). Part 1, up to step 596,047, is schedule's
+    # CosWithWarmup aimed at T1 steps, 5T tokens. Part 2 starts at step 596,048, where AI2
+    # restarted. It is OLMo-core's HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2
+    # at step W2, then the second half of a cosine from P to F, which reaches F at T2:
     #   ((F + P) / 2) k / W2 for k < W2,
     #   then F + (P - F) (1 + cos(pi (k - W2 + T2 - W2) / (2 (T2 - W2)))) / 2
     # For the 7b, T1 = 1,192,093, T2 = 1,668,931 and W2 = 597,046. The LR (P 3e-4, F 3e-5) is:
@@ -507,6 +512,7 @@ def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # -2.py's W2 is original_max_steps // 2 + original_warmup_steps // 2, where original_max_steps
     # is 5T tokens' steps rounded down (an integer division, unlike T1)
     W2 = int(5e12) // tokens_per_step // 2 + warmup // 2
+    part1 = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, T1, floor)  # as schedule's
     # the formula's angle: from pi / 2 at W2 to pi at T2, where it stays
     angle = lambda k: jnp.pi * (jnp.minimum(k, T2) - W2 + T2 - W2) / (2 * (T2 - W2))
     part2 = lambda k: jnp.where(k < W2, (peak + floor) / 2 * k / W2,
@@ -514,7 +520,7 @@ def olmo3_stage1(peak, floor, warmup, tokens_per_step, cosine):
     # AI2's restart, a fact of its run (at 512 x 8,192 tokens a step), in this run's steps:
     # another --global-batch or --seq-len restarts after the same tokens, not the same steps
     restart_step = 596_048 * 512 * 8192 // tokens_per_step
-    return lambda k: jnp.where(k < restart_step, cosine(T1)(k), part2(k))
+    return lambda k: jnp.where(k < restart_step, part1(k), part2(k))
 
 
 # ----------------------------------------------------------------------------- the progress line
@@ -638,7 +644,8 @@ def restore(step_dir, target, cfg, resuming=False, r=None, data_fingerprint=None
     # a 7B checkpoint, theirs["d_model"] = 4096, and ours 2048
     theirs = compared_settings(saved_settings(step_dir), resuming)
     ours = compared_settings(run_settings(cfg, r, data_fingerprint), resuming)
-    # every setting whose values differ, as 'd_model=4096 (command line: 2048)'
+    # every setting whose values differ, as 'd_model=4096 (command line: 2048)' (the keys of
+    # theirs | ours are every key of either, in a fixed order)
     diff = [f"{f}={theirs.get(f)!r} (command line: {ours.get(f)!r})" for f in theirs | ours
             if theirs.get(f) != ours.get(f)]
     if diff:
@@ -937,7 +944,9 @@ def parse_args(argv=None):  # -> (olmo3.Config, Recipe, args), the preset's with
     r = dataclasses.replace(RECIPES[args.preset], **changes)
     cfg = dataclasses.replace(olmo3.MODELS[args.preset], **given(olmo3.Config))
     # Every int flag is a count, a seed, a step or a process's number: one below its least value
-    # (1, or the one in `least`) would divide by zero, or be ignored silently
+    # (1, or the one in `least`) would divide by zero, or be ignored silently. The int flags:
+    # Config's and Recipe's int fields (d_model, steps, ...), and --stop-at, --samples,
+    # --max-new-tokens, --devices, --num-processes and --process-id.
     least = {"micro_batch": 0, "warmup_steps": 0, "eval_limit": 0, "samples": 0, "seed": 0,
              "data_seed": 0, "process_id": 0, "source_permutation_seed": -1}  # -1: the mix's order
     for f, value in vars(args).items():
