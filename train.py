@@ -103,24 +103,27 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# On one host that nobody stops or kills, take the names train calls as this:
+# On one host that nobody stops or kills, take the names train calls as this. Six do real work:
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) puts the batch's rows on the devices
+#   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
+#   resume                      reads the newest checkpoint (only where the run has one)
+#   restore, latest_checkpoint  (--init-from) read the newest step of a checkpoint, after checking
+#                               its settings (starting_state says which)
+#   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
+#                               manager.save(step, state)
+# The rest, there for a pod or for a run that was stopped or killed, do nothing that matters:
 #   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
+#   late_metrics.signalled      False
+#   stop_reason                 "--stop-at" at that step, else None
 #   olmo3.local_rows            (in load_data) every row of the batch (a pod's process holds
 #                               only some)
 #   check_processes_agree       checks nothing
-#   resume, refuse_fresh_start  resume reads the newest checkpoint; refuse_fresh_start does nothing
-#   restore, latest_checkpoint  (--init-from) read the newest step of a checkpoint, after checking
-#                               its settings (starting_state says which)
-#   catch_up                    does nothing on a run's first start (on a resume, it cuts
-#                               metrics.jsonl back to the step resumed from)
-#   loader.iterate(a, b)        loader.batch(i), nanoGPT's get_batch, for each i from a to b - 1
-#   late_metrics.signalled      False
-#   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
-#                               manager.save(step, state)
-#   stop_reason                 "--stop-at" at that step, else None
+#   refuse_fresh_start          does nothing
+#   catch_up                    does nothing on a run's first start. On a resume, it cuts
+#                               metrics.jsonl back to the step resumed from, and runs that step's
+#                               evaluation if a stop or a kill lost it.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out, args.data
     log = Log(cfg, r, args.out, mesh)
@@ -130,8 +133,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     # nanoGPT's torch.compile, ahead of time: a step that does not fit fails here, before any data
     compiled = compile_step(cfg, r, mesh, target)
 
-    # One step, plus "signalled": has any process received a Ctrl-C or a SIGTERM? On a pod, the
-    # jnp.any is an all-reduce over the hosts, read with the metrics, so that all stop together.
+    # One step, plus "signalled": has any process received a Ctrl-C or a SIGTERM? On one host,
+    # that is bool(SIGNALS). It is a device array so that on a pod the jnp.any is an all-reduce
+    # over the hosts, read with the metrics, and all stop together.
     # (It runs beside the compiled step, so that train_step holds the update alone.)
     def step_fn(state, batch):
         state, metrics = compiled(state, olmo3.device_batch(batch, mesh))
@@ -159,7 +163,9 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     late_metrics = LateMetrics(log)
     for step, batch in enumerate(loader.iterate(done, r.steps), start=done + 1):
         state, metrics = step_fn(state, batch)  # (1) returns at once; the devices run the step
-        late_metrics.add(step, metrics)  # (2) logs the step before (unless it saved), keeps this
+        # (2) reads and logs the step before's metrics (a step that saved read its own at once),
+        # and keeps this step's on the devices
+        late_metrics.add(step, metrics)
         # (3) save, also where (2) read a signal in the step before's metrics
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
             # this step's record goes to disk with its checkpoint (kill-safe, rule 1); this read
@@ -560,7 +566,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
             except OSError:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
-    # Rewrites each file whole and atomically (an object store cannot append), draws loss.png
+    # Rewrites each file whole and atomically (an object store cannot append), draws loss.png.
+    # save_step calls it just before each save (kill-safe, rule 1).
     def flush(self):
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (check_run_directory made the directory)
