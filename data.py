@@ -8,9 +8,9 @@
 #    holds which row differs.
 #    Labels are the inputs shifted left by one, and the last position is ignored (-100).
 # 2. `PackedLoader` (stage 3; skip it, `pack_documents` and `pack` on a first read) packs whole
-#    documents into the instances instead, as OLMo-core's NumpyPackedFSLDataset does, and gives
-#    each token its document's segment id for attention. (A document longer than a row keeps
-#    its first seq_len tokens, as OLMo-core's does.)
+#    documents into the instances instead, as OLMo-core's NumpyPackedFSLDataset (FSL: fixed
+#    sequence length) does, and gives each token its document's segment id for attention. (A
+#    document longer than a row keeps its first seq_len tokens, as OLMo-core's does.)
 # 3. `resolve_source` turns a mix file (OLMo's `label,relative/path.npy` lines), a glob or a
 #    folder into the token files, in order (`read_mix` reads a mix file). The files are local. On
 #    a pod, a bucket mounted with gcsfuse is local too (this is how MaxText reads AI2's data).

@@ -419,8 +419,8 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "d_model": "fsdp", "heads": "tensor", "
 #     cuts) and the loss's logsumexp (over the vocabulary, which tensor cuts);
 #   reduce-scatter over fsdp: in the backward pass, each gradient back to its fsdp shard;
 #   all-reduce over data, when data > 1: the gradients of its N copies of the weights.
-# (The embedding's lookup needs communication too: the README's "Seeing the communication" says
-# what tiny's dump shows.)
+# The embedding's lookup needs communication too: all-gathers give each device every row of the
+# table, for part of its columns (docs/pods.md, "The embedding's communication", has tiny's dump).
 
 
 # Maps logical axis names to a PartitionSpec with one entry per dimension. None, or a name not in
