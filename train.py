@@ -103,7 +103,7 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# On one host that nobody stops or kills, take the names train calls as this. Six do real work:
+# On one host that nobody stops or kills, take the names train calls as this. These do real work:
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) puts the batch's rows on the devices
@@ -113,17 +113,18 @@ def main(argv=None):
 #                               its settings (starting_state says which)
 #   save_step                   waits for the last save, writes metrics.jsonl and log.txt, then
 #                               manager.save(step, state)
-# The rest, there for a pod or for a run that was stopped or killed, do nothing that matters:
+# The rest, there for a pod or for a run that ended early (a stop, a kill or an error), do nothing
+# that matters here:
 #   signal_flags(mesh)          one False per device (True after a Ctrl-C or a SIGTERM)
 #   late_metrics.signalled      False
-#   stop_reason                 "--stop-at" at that step, else None
+#   stop_reason                 None (with --stop-at, "--stop-at" at that step)
 #   olmo3.local_rows            (in load_data) every row of the batch (a pod's process holds
 #                               only some)
 #   check_processes_agree       checks nothing
 #   refuse_fresh_start          does nothing
 #   catch_up                    does nothing on a run's first start. On a resume, it cuts
 #                               metrics.jsonl back to the step resumed from, and runs that step's
-#                               evaluation if a stop or a kill lost it.
+#                               evaluation if the early end lost it.
 def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: step, log, save, eval
     # args holds the flags that are not Config or Recipe fields, such as args.out, args.data
     log = Log(cfg, r, args.out, mesh)
