@@ -1,7 +1,7 @@
 """What a trained model does, beside the core: evaluations, text, and the loss plot."""
 # None of its jobs is needed to train, so they sit here, outside the core's 1,000-line budget
-# (README, "The line budget"): the core trains without this file. All but the loss plot run the
-# model on given text.
+# (docs/reference.md, "The line budget"): the core trains without this file. All but the loss
+# plot run the model on given text.
 # Read in this order: `evaluator` (what train.py calls), then `logprobs` and `score`, which every
 # score (perplexity, tasks) comes down to (the summed log-probability of each row's labelled
 # positions, sharded over the mesh as training is); then the perplexity sets, the commands

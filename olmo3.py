@@ -192,7 +192,7 @@ def decoder(params, x, cfg: Config, segments=None):  # [B, T, D] -> [B, T, D], t
     # the RoPE tables, (cos_TE, sin_TE), of the sliding and of the full layers: YaRN applies to
     # the full layers only (without it, the two are the same).
     # Positions are absolute within the row (arange(T)), even for packed documents, as
-    # OLMo-core's were when OLMo 3 ran (README, Fidelity).
+    # OLMo-core's were when OLMo 3 ran (docs/reference.md, Fidelity).
     rope_sliding, rope_full = [rope_tables(jnp.arange(x.shape[1]), cfg, f) for f in (False, True)]
     # block under jax.checkpoint (REMAT says why). Its arguments 2 and 4, window and cfg, stay
     # static: Python values for attention's `if`s.
@@ -407,7 +407,7 @@ AXIS_RULES = {"batch": ("data", "fsdp"), "d_model": "fsdp", "heads": "tensor", "
 #   them does: QK-norm's statistics and the loss's logsumexp sum across tensor partners (part
 #   three). constrain pins the cuts of x_BTD and the logits; XLA chooses q's, normally the table's.
 #
-# Third, what XLA communicates (the README's "Seeing the communication" counts it in a dump). It
+# Third, what XLA communicates (docs/reference.md's "Seeing the communication" counts it). It
 # inserts the communication itself, and typically chooses:
 #   all-gather over fsdp: each layer's weights, before its matmuls (q's becomes [4096, 2048]);
 #   all-reduce over tensor, forward: after o and down, whose input dimension tensor cuts, so

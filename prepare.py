@@ -2,7 +2,7 @@
 # It serves three commands that share no code but all come before training: python data.py
 # tokenize (your documents; data.tokenize itself is core, as the tiny run tokenizes its corpus),
 # --data shakespeare (a download) and train.py --dry-run (a plan). None is needed to train, so
-# they sit here, outside the core's 1,000-line budget (README, "The line budget").
+# they sit here, outside the core's 1,000-line budget (docs/reference.md, "The line budget").
 import argparse
 import gzip
 import json

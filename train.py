@@ -69,7 +69,7 @@ RECIPES = {
     "7b": Recipe(micro_batch=64, save_every=250),
     "7b-wide": Recipe(micro_batch=64, save_every=250),
     # Stage 3, long context (OLMo-core's OLMo3-7B-long-context.py): 50B tokens, packed, from
-    # stage 2's weights and Adam state (--init-from). The README says why 4123 and 0.033.
+    # stage 2's weights and Adam state (--init-from). docs/reference.md says why 4123 and 0.033.
     "7b-long": Recipe(seq_len=65536, global_batch=64, steps=11_921, lr=2.0712352850360292e-4,
                       warmup_steps=200, schedule="linear", min_lr_ratio=0.0, weight_decay=0.033,
                       data_seed=4123, packing=True, source_group_size=8,
@@ -501,7 +501,7 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 # Returns a function: step k -> its LR, for peak P, floor F, warmup W and the tokens in a step.
 def olmo3_stage1(peak, floor, warmup, tokens_per_step):
     # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; see the
-    # README's "Stage 1's learning rate"). Part 1, up to step 596,047, is schedule's
+    # "Stage 1's learning rate" in docs/reference.md). Part 1, up to step 596,047, is schedule's
     # CosWithWarmup aimed at T1 steps, 5T tokens. Part 2 starts at step 596,048, where AI2
     # restarted. It is OLMo-core's HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2
     # at step W2, then the second half of a cosine from P to F, which reaches F at T2:
