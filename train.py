@@ -103,7 +103,8 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# On one host that nobody stops or kills, take the names train calls as this. These do real work:
+# In a plain run on one machine (no pod, no Ctrl-C, no crash), the names train takes from elsewhere
+# do only this. These do real work:
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) puts the batch's rows on the devices
@@ -150,7 +151,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # after a run that ended early: cuts metrics.jsonl back to step done (kill-safe, rule 2)
+    # after a run that ended early: cuts metrics.jsonl back to step done, so that no step is
+    # logged twice (kill-safe, rule 2)
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -169,8 +171,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
         late_metrics.add(step, metrics)
         # (3) save, also where (2) read a signal in the step before's metrics
         if due(step, r.save_every) or step == args.stop_at or late_metrics.signalled:
-            # this step's record goes to disk with its checkpoint (kill-safe, rule 1); this read
-            # may find a signal too
+            # this step's record goes to disk just before its checkpoint, so that a kill after the
+            # commit cannot lose it (kill-safe, rule 1); this read may find a signal too
             late_metrics.read_pending()
             save_step(manager, log, step, state, cfg, r, loader.fingerprint)
         # (4) stop, if --stop-at says so or a read in (2) or (3) found a signal: either way, (3)
@@ -568,7 +570,8 @@ class Log:  # process 0's console lines and metric records, in RUN_DIR/log.txt a
                 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 
     # Rewrites each file whole and atomically (an object store cannot append), draws loss.png.
-    # save_step calls it just before each save (kill-safe, rule 1).
+    # save_step calls it just before each save, so that a kill after the save commits cannot lose
+    # the records up to it (kill-safe, rule 1).
     def flush(self):
         if jax.process_index() == 0:
             for name, path in self.files.items():  # (check_run_directory made the directory)
