@@ -103,8 +103,8 @@ def main(argv=None):
         return train(cfg, r, args, mesh, manager)
 
 
-# In a plain run on one machine (no pod, no Ctrl-C, no crash), the names train takes from elsewhere
-# do only this. These do real work:
+# In a plain run on one machine (no pod, no Ctrl-C or SIGTERM, no crash), the names that train
+# and its set-up take from elsewhere do only this. These do real work:
 #   Log                         log(text) prints a line; log(text, **record) also keeps the
 #                               record for metrics.jsonl; log.flush() writes both files
 #   olmo3.device_batch(b, mesh) puts the batch's rows on the devices
@@ -151,8 +151,8 @@ def train(cfg, r, args, mesh, manager):  # -> exit code; setup, then the loop: s
     log(note)  # "fresh start", "resumed from step 100", or what --init-from carried over
     # every `every` steps, and at the last (so the last step saves, and evaluates)
     due = lambda step, every: step % every == 0 or step == r.steps
-    # after a run that ended early: cuts metrics.jsonl back to step done, so that no step is
-    # logged twice (kill-safe, rule 2)
+    # after a run that ended early: cuts metrics.jsonl back to step done, so that no step has two
+    # records there (kill-safe, rule 2)
     catch_up(log, evals, state["params"], done, due(done, r.eval_every))
     # On one device, nanoGPT would write the loop like this:
     #   for step in range(done + 1, r.steps + 1):
@@ -502,7 +502,7 @@ def adamw(params, opt_state, grads, lr, r):  # grads, clipped -> the updated {pa
 
 # Returns a function: step k -> its LR, for peak P, floor F, warmup W and the tokens in a step.
 def olmo3_stage1(peak, floor, warmup, tokens_per_step):
-    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; see the
+    # AI2 ran stage 1 in two parts (OLMo-core's OLMo-3-1025-7B-pretrain-1.py and -2.py; see
     # "Stage 1's learning rate" in docs/reference.md). Part 1, up to step 596,047, is schedule's
     # CosWithWarmup aimed at T1 steps, 5T tokens. Part 2 starts at step 596,048, where AI2
     # restarted. It is OLMo-core's HalfCosWithWarmup, aimed at 7T tokens: a warmup to (F + P) / 2
